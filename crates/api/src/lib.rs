@@ -1,0 +1,1 @@
+//! shoal-api (placeholder, being written)

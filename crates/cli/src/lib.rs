@@ -1,0 +1,1 @@
+//! shoal-cli (placeholder, being written)

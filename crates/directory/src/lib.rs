@@ -1,0 +1,1 @@
+//! shoal-directory (placeholder, being written)

@@ -1,0 +1,376 @@
+//! # shoal-model: the vocabulary of a Shoal cluster
+//!
+//! Plain data types shared by every layer: nodes, devices, volumes, storage
+//! policies, components and their states, and the rules that are pure
+//! functions of them (votes and accessibility, policy parsing).
+//!
+//! Owns: type definitions and pure rules. Must never touch: I/O, the network,
+//! the clock, Raft. Every other crate depends on this one; it depends on none.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt;
+
+
+mod policy;
+pub use policy::{Layout, Policy, PolicyError};
+
+/// The unit of addressing, checksumming and allocation of a volume, in bytes.
+/// Requests not aligned to it are served by read-modify-write at the owner.
+pub const BLOCK_SIZE: u64 = 4096;
+
+/// A node (host) of the cluster. Also its Raft node id.
+pub type NodeId = u64;
+/// A device (one file or block device) owned by a node; unique in the cluster.
+pub type DeviceId = u64;
+/// A volume; unique in the cluster, never reused.
+pub type VolumeId = u64;
+/// A component of a volume; unique in the cluster, never reused.
+pub type ComponentId = u64;
+/// An owner generation. A replica refuses I/O carrying a smaller one.
+pub type Generation = u64;
+
+/// Liveness of a node as decided by the directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeState {
+    /// Heartbeats arrive.
+    Up,
+    /// No heartbeat for longer than the down timeout.
+    Down,
+}
+
+impl fmt::Display for NodeState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            NodeState::Up => "up",
+            NodeState::Down => "down",
+        })
+    }
+}
+
+/// A host of the cluster and how to reach it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    pub id: NodeId,
+    /// Fault domain; a host is its own (named `node-<id>`) unless told otherwise.
+    pub fault_domain: String,
+    /// Peer RPC address (data path between nodes), `ip:port`.
+    pub peer_addr: String,
+    /// HTTP API address (REST, metrics, Raft traffic), `ip:port`.
+    pub api_addr: String,
+    /// NBD address served to clients, `ip:port`.
+    pub nbd_addr: String,
+    pub state: NodeState,
+}
+
+/// Health of a device as last reported by its node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DeviceState {
+    Healthy,
+    /// No free space left for new allocations.
+    Full,
+    /// I/O errors: its components are degraded.
+    Failed,
+}
+
+/// A device of a node: a file or block device holding components.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    pub id: DeviceId,
+    pub node: NodeId,
+    pub path: String,
+    /// Usable bytes for component data.
+    pub capacity: u64,
+    /// Bytes allocated to component data, as last reported.
+    pub used: u64,
+    /// Bytes promised to components of reserved (thick) volumes and not yet
+    /// written; counted against free space by placement.
+    pub reserved: u64,
+    pub state: DeviceState,
+}
+
+impl DeviceInfo {
+    /// Bytes placement may still promise on this device.
+    pub fn free(&self) -> u64 {
+        self.capacity
+            .saturating_sub(self.used)
+            .saturating_sub(self.reserved)
+    }
+}
+
+/// What a component holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ComponentRole {
+    /// A full copy of the volume's data (RAID-1 leg).
+    Data,
+    /// No data, only a vote: breaks ties so that a partition can never serve
+    /// the volume on two sides.
+    Witness,
+}
+
+/// State of one component, as in vSAN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ComponentState {
+    /// Up to date and serving.
+    Active,
+    /// Its host is unreachable; writes go on without it and are tracked.
+    Absent,
+    /// Its device failed; it must be rebuilt elsewhere.
+    Degraded,
+    /// Being brought up to date; receives writes but serves no reads.
+    Resyncing,
+}
+
+impl fmt::Display for ComponentState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ComponentState::Active => "active",
+            ComponentState::Absent => "absent",
+            ComponentState::Degraded => "degraded",
+            ComponentState::Resyncing => "resyncing",
+        })
+    }
+}
+
+/// One placed piece of a volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Component {
+    pub id: ComponentId,
+    pub role: ComponentRole,
+    pub node: NodeId,
+    pub device: DeviceId,
+    pub state: ComponentState,
+    pub votes: u32,
+}
+
+/// A virtual disk.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Volume {
+    pub id: VolumeId,
+    pub name: String,
+    /// Size in bytes, a multiple of [`BLOCK_SIZE`].
+    pub size: u64,
+    pub policy: Policy,
+    pub components: Vec<Component>,
+    /// The node coordinating I/O, if any.
+    pub owner: Option<NodeId>,
+    /// Raised each time ownership is claimed; fences older owners.
+    pub generation: Generation,
+}
+
+/// Availability of a volume, as vSAN reports object health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum VolumeHealth {
+    /// Every component active.
+    Healthy,
+    /// Accessible, but some component is not active.
+    ReducedAvailability,
+    /// Fewer than half the votes, or no full copy, reachable.
+    Inaccessible,
+}
+
+impl fmt::Display for VolumeHealth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            VolumeHealth::Healthy => "healthy",
+            VolumeHealth::ReducedAvailability => "reduced-availability",
+            VolumeHealth::Inaccessible => "inaccessible",
+        })
+    }
+}
+
+impl Volume {
+    /// Data components (full copies).
+    pub fn data_components(&self) -> impl Iterator<Item = &Component> {
+        self.components
+            .iter()
+            .filter(|c| c.role == ComponentRole::Data)
+    }
+
+    /// Total votes of the volume.
+    pub fn total_votes(&self) -> u32 {
+        self.components.iter().map(|c| c.votes).sum()
+    }
+
+    /// The votes rule: a volume may serve I/O while the components that
+    /// `reachable` accepts carry more than half of all votes and include at
+    /// least one full, up-to-date data copy (`in_sync` decides which are).
+    pub fn quorum(
+        &self,
+        reachable: impl Fn(&Component) -> bool,
+        in_sync: impl Fn(&Component) -> bool,
+    ) -> bool {
+        let total = self.total_votes();
+        let have: u32 = self
+            .components
+            .iter()
+            .filter(|c| reachable(c))
+            .map(|c| c.votes)
+            .sum();
+        let copy = self
+            .data_components()
+            .any(|c| reachable(c) && in_sync(c));
+        2 * have > total && copy
+    }
+
+    /// Health from the directory's view: a component counts as reachable
+    /// when its node is up and it is not absent or degraded.
+    pub fn health(&self, nodes: &BTreeMap<NodeId, NodeInfo>) -> VolumeHealth {
+        let up = |c: &Component| {
+            nodes.get(&c.node).map(|n| n.state) == Some(NodeState::Up)
+                && matches!(
+                    c.state,
+                    ComponentState::Active | ComponentState::Resyncing
+                )
+        };
+        if !self.quorum(up, |c| c.state == ComponentState::Active) {
+            VolumeHealth::Inaccessible
+        } else if self
+            .components
+            .iter()
+            .all(|c| c.state == ComponentState::Active && up(c))
+        {
+            VolumeHealth::Healthy
+        } else {
+            VolumeHealth::ReducedAvailability
+        }
+    }
+}
+
+/// Errors in names and sizes given by users.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InputError {
+    #[error("volume size must be greater than 0")]
+    ZeroSize,
+    #[error("volume size {0} is not a multiple of the {BLOCK_SIZE}-byte block")]
+    Unaligned(u64),
+    #[error("volume name {0:?} is invalid: use 1 to 64 characters from a-z, A-Z, 0-9, '-', '_', '.'")]
+    BadName(String),
+    #[error("size {0:?} is not understood: use bytes or a suffix K, M, G, T (powers of 1024)")]
+    BadSize(String),
+}
+
+/// Checks a volume name: it is also the NBD export name.
+pub fn check_volume_name(name: &str) -> Result<(), InputError> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(InputError::BadName(name.to_string()))
+    }
+}
+
+/// Checks a volume size.
+pub fn check_volume_size(size: u64) -> Result<(), InputError> {
+    if size == 0 {
+        Err(InputError::ZeroSize)
+    } else if size % BLOCK_SIZE != 0 {
+        Err(InputError::Unaligned(size))
+    } else {
+        Ok(())
+    }
+}
+
+/// Parses `4096`, `64K`, `256M`, `10G`, `1T` (also `10GiB`, `10g`).
+pub fn parse_size(s: &str) -> Result<u64, InputError> {
+    let t = s.trim();
+    let t = t
+        .strip_suffix("iB")
+        .or_else(|| t.strip_suffix("ib"))
+        .or_else(|| t.strip_suffix('B'))
+        .unwrap_or(t);
+    let (num, mult) = match t.chars().last() {
+        Some('k' | 'K') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('m' | 'M') => (&t[..t.len() - 1], 1 << 20),
+        Some('g' | 'G') => (&t[..t.len() - 1], 1 << 30),
+        Some('t' | 'T') => (&t[..t.len() - 1], 1 << 40),
+        _ => (t, 1),
+    };
+    let n: u64 = num
+        .trim()
+        .parse()
+        .map_err(|_| InputError::BadSize(s.to_string()))?;
+    n.checked_mul(mult)
+        .ok_or_else(|| InputError::BadSize(s.to_string()))
+}
+
+/// Formats bytes for people: `256 MiB`, `1.5 GiB`.
+pub fn human_size(b: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < U.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if v.fract() == 0.0 {
+        format!("{} {}", v as u64, U[i])
+    } else {
+        format!("{:.1} {}", v, U[i])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vol(states: &[(ComponentRole, ComponentState)]) -> Volume {
+        Volume {
+            id: 1,
+            name: "v".into(),
+            size: 4096,
+            policy: "raid1 ftt=1".parse().unwrap(),
+            components: states
+                .iter()
+                .enumerate()
+                .map(|(i, (r, s))| Component {
+                    id: i as u64,
+                    role: *r,
+                    node: i as u64 + 1,
+                    device: i as u64,
+                    state: *s,
+                    votes: 1,
+                })
+                .collect(),
+            owner: None,
+            generation: 0,
+        }
+    }
+
+    #[test]
+    fn quorum_needs_majority_and_a_copy() {
+        use ComponentRole::*;
+        use ComponentState::*;
+        let v = vol(&[(Data, Active), (Data, Active), (Witness, Active)]);
+        assert!(v.quorum(|_| true, |_| true));
+        // One data copy plus the witness: 2 of 3 votes and a copy.
+        assert!(v.quorum(|c| c.id != 1, |_| true));
+        // Both data copies without the witness: still 2 of 3.
+        assert!(v.quorum(|c| c.id != 2, |_| true));
+        // Witness alone: no copy.
+        assert!(!v.quorum(|c| c.id == 2, |_| true));
+        // One data copy alone: 1 of 3 votes.
+        assert!(!v.quorum(|c| c.id == 0, |_| true));
+        // Majority but the reachable copy is stale.
+        assert!(!v.quorum(|c| c.id != 0, |c| c.id == 0));
+    }
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("64K").unwrap(), 65536);
+        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
+        assert_eq!(parse_size("2GiB").unwrap(), 2 << 30);
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("99999999999T").is_err());
+        assert_eq!(check_volume_size(0), Err(InputError::ZeroSize));
+        assert_eq!(check_volume_size(4097), Err(InputError::Unaligned(4097)));
+        assert!(check_volume_name("demo-1").is_ok());
+        assert!(check_volume_name("a/b").is_err());
+        assert_eq!(human_size(256 << 20), "256 MiB");
+    }
+}

@@ -1,0 +1,1 @@
+//! shoal-nbd (placeholder, being written)

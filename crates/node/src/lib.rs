@@ -1,0 +1,1 @@
+//! shoal-node (placeholder, being written)

@@ -1,0 +1,1 @@
+//! shoal-owner (placeholder, being written)

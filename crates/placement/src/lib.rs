@@ -1,0 +1,1 @@
+//! shoal-placement (placeholder, being written)

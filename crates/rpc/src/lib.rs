@@ -1,0 +1,1 @@
+//! shoal-rpc (placeholder, being written)

@@ -1,0 +1,1 @@
+//! shoal-store (placeholder, being written)
