@@ -1,1 +1,195 @@
-//! shoal-api (placeholder, being written)
+//! # shoal-api: the REST API's messages and its client
+//!
+//! The JSON types every node's HTTP API speaks (`/v1/...`) and a small
+//! client for them, used by the `shoal` CLI and by nodes talking to each
+//! other's management endpoints. Owns the REST contract; must never hold
+//! cluster state or serve requests itself (the node serves them).
+
+use serde::{Deserialize, Serialize};
+use shoal_model::{
+    DeviceId, DeviceInfo, DeviceState, Generation, NodeId, NodeInfo, Volume, VolumeHealth,
+};
+use std::time::Duration;
+
+/// Body of `POST /v1/volumes`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CreateVolume {
+    pub name: String,
+    pub size: u64,
+    pub policy: String,
+}
+
+/// Body of `POST /v1/volumes/{name}/resize`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Resize {
+    pub size: u64,
+}
+
+/// One volume as the API shows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VolumeReport {
+    pub volume: Volume,
+    pub health: VolumeHealth,
+    /// `nbd://host:port/name` for every up node.
+    pub uris: Vec<String>,
+}
+
+/// `GET /v1/status`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StatusReport {
+    pub cluster_id: String,
+    pub leader: Option<NodeId>,
+    pub voters: Vec<NodeId>,
+    pub nodes: Vec<NodeInfo>,
+    pub devices: Vec<DeviceInfo>,
+    pub volumes: Vec<VolumeReport>,
+}
+
+/// `POST /v1/heartbeat`, sent by every node to the directory leader.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub node: NodeId,
+    pub devices: Vec<DeviceUsage>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DeviceUsage {
+    pub device: DeviceId,
+    pub used: u64,
+    pub state: DeviceState,
+}
+
+/// `GET /v1/local/connections`: NBD connections open on this node, per volume name.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Connections {
+    pub volumes: std::collections::BTreeMap<String, u64>,
+}
+
+/// `GET /v1/local/owners`: volumes this node owns now, with their generation.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Owners {
+    pub volumes: Vec<(String, Generation)>,
+}
+
+/// Error body of any non-2xx answer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The server refused the request; the message says why.
+    #[error("{0}")]
+    Refused(String),
+    #[error("cannot reach the Shoal API at {url}: {reason}")]
+    Unreachable { url: String, reason: String },
+    #[error("unexpected answer from {url}: {reason}")]
+    Protocol { url: String, reason: String },
+}
+
+/// A client of one node's API.
+#[derive(Clone)]
+pub struct Client {
+    base: String,
+    http: reqwest::Client,
+}
+
+impl Client {
+    /// `base` is `http://ip:port` or `ip:port`.
+    pub fn new(base: &str) -> Client {
+        let base = if base.starts_with("http") {
+            base.trim_end_matches('/').to_string()
+        } else {
+            format!("http://{base}")
+        };
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_millis(1000))
+            .timeout(Duration::from_secs(30))
+            .build()
+            .unwrap_or_default();
+        Client { base, http }
+    }
+
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    async fn answer<T: for<'de> Deserialize<'de>>(
+        &self,
+        url: &str,
+        r: Result<reqwest::Response, reqwest::Error>,
+    ) -> Result<T, ApiError> {
+        let r = r.map_err(|e| ApiError::Unreachable {
+            url: url.to_string(),
+            reason: e.to_string(),
+        })?;
+        let status = r.status();
+        let text = r.text().await.map_err(|e| ApiError::Unreachable {
+            url: url.to_string(),
+            reason: e.to_string(),
+        })?;
+        if !status.is_success() {
+            let msg = serde_json::from_str::<ErrorBody>(&text)
+                .map(|e| e.error)
+                .unwrap_or(text);
+            return Err(ApiError::Refused(msg));
+        }
+        serde_json::from_str(&text).map_err(|e| ApiError::Protocol {
+            url: url.to_string(),
+            reason: e.to_string(),
+        })
+    }
+
+    pub async fn get<T: for<'de> Deserialize<'de>>(&self, path: &str) -> Result<T, ApiError> {
+        let url = format!("{}{}", self.base, path);
+        let r = self.http.get(&url).send().await;
+        self.answer(&url, r).await
+    }
+
+    pub async fn post<B: Serialize, T: for<'de> Deserialize<'de>>(
+        &self,
+        path: &str,
+        body: &B,
+    ) -> Result<T, ApiError> {
+        let url = format!("{}{}", self.base, path);
+        let r = self.http.post(&url).json(body).send().await;
+        self.answer(&url, r).await
+    }
+
+    pub async fn delete<T: for<'de> Deserialize<'de>>(&self, path: &str) -> Result<T, ApiError> {
+        let url = format!("{}{}", self.base, path);
+        let r = self.http.delete(&url).send().await;
+        self.answer(&url, r).await
+    }
+
+    pub async fn status(&self) -> Result<StatusReport, ApiError> {
+        self.get("/v1/status").await
+    }
+
+    pub async fn volumes(&self) -> Result<Vec<VolumeReport>, ApiError> {
+        self.get("/v1/volumes").await
+    }
+
+    pub async fn volume(&self, name: &str) -> Result<VolumeReport, ApiError> {
+        self.get(&format!("/v1/volumes/{name}")).await
+    }
+
+    pub async fn create_volume(&self, req: &CreateVolume) -> Result<VolumeReport, ApiError> {
+        self.post("/v1/volumes", req).await
+    }
+
+    pub async fn resize_volume(&self, name: &str, size: u64) -> Result<VolumeReport, ApiError> {
+        self.post(&format!("/v1/volumes/{name}/resize"), &Resize { size })
+            .await
+    }
+
+    pub async fn delete_volume(
+        &self,
+        name: &str,
+        force: bool,
+    ) -> Result<serde_json::Value, ApiError> {
+        self.delete(&format!("/v1/volumes/{name}?force={force}"))
+            .await
+    }
+}

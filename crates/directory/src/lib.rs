@@ -1,1 +1,508 @@
-//! shoal-directory (placeholder, being written)
+//! # shoal-directory: the cluster's replicated metadata
+//!
+//! Nodes, devices, volumes with their policies and component placement and
+//! state, and owner generations: the only place where cluster state is
+//! decided. Changes are [`Command`]s replicated with Raft (openraft) and
+//! applied by the pure state machine in [`state`]; the Raft log, vote and
+//! snapshots are persisted in one redb file, `<data_dir>/directory.redb`.
+//!
+//! Owns: the replicated state machine, its persistence and its Raft
+//! transport (HTTP routes from [`Directory::router`]). Must never touch:
+//! devices or the data path.
+//!
+//! Membership: the first node calls [`Directory::bootstrap`]; others call
+//! [`Directory::join`] through any member once their router is served. The
+//! leader adds a joining node as a learner and promotes it to voter while
+//! the cluster has fewer than 5 voters. Replacing dead voters is not done
+//! here.
+
+pub mod state;
+
+mod network;
+mod store;
+
+pub use state::{ClusterState, Command, PlannedComponent, Response, StateError};
+
+use axum::extract::{DefaultBodyLimit, State};
+use axum::routing::post;
+use axum::{Json, Router};
+use openraft::error::{ClientWriteError, Fatal, RaftError};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, VoteRequest, VoteResponse,
+};
+use openraft::{BasicNode, ChangeMembers, Config, Raft, RaftMetrics, SnapshotPolicy};
+use serde::{Deserialize, Serialize};
+use shoal_model::NodeId;
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Cursor;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+openraft::declare_raft_types!(
+    /// Raft types of the directory.
+    pub TypeConfig:
+        D = Command,
+        R = Result<Response, StateError>,
+        NodeId = NodeId,
+        Node = BasicNode,
+        SnapshotData = Cursor<Vec<u8>>,
+);
+
+/// How long `propose` and `join` keep retrying while there is no leader.
+const RETRY_FOR: Duration = Duration::from_secs(10);
+const RETRY_PAUSE: Duration = Duration::from_millis(100);
+/// Timeout of a forwarded proposal.
+const PROPOSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Timeout of a join request (the leader waits for the learner to catch up).
+const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Most voters the leader promotes joining nodes to.
+const MAX_VOTERS: usize = 5;
+
+/// Where and as whom a directory member runs.
+#[derive(Clone, Debug)]
+pub struct DirectoryConfig {
+    /// This node's id, also its Raft id.
+    pub node_id: NodeId,
+    /// Folder of `directory.redb`; created if missing.
+    pub data_dir: PathBuf,
+    /// This node's HTTP API address `ip:port`, where [`Directory::router`]
+    /// is served; peers reach this node's Raft there.
+    pub api_addr: String,
+}
+
+/// Why a directory operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DirectoryError {
+    /// The command was rejected by the state machine; the state is unchanged.
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error("the directory has no leader (no quorum of directory members reachable)")]
+    NoLeader,
+    #[error("directory storage: {0}")]
+    Storage(String),
+    #[error("directory network: {0}")]
+    Network(String),
+    #[error("directory raft: {0}")]
+    Raft(String),
+}
+
+/// Errors carried in the answers of `/directory/*` routes.
+#[derive(Debug, Serialize, Deserialize)]
+enum WireError {
+    State(StateError),
+    /// This node is not the leader (or knows none): retry later.
+    NotLeader,
+    Other(String),
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct JoinRequest {
+    node_id: NodeId,
+    addr: String,
+    /// Set when a member forwards the request to the leader (one hop only).
+    #[serde(default)]
+    forwarded: bool,
+}
+
+struct Inner {
+    id: NodeId,
+    api_addr: String,
+    raft: Raft<TypeConfig>,
+    metrics: watch::Receiver<RaftMetrics<NodeId, BasicNode>>,
+    state: watch::Receiver<Arc<ClusterState>>,
+    http: reqwest::Client,
+    /// Serializes membership changes made by this node as leader.
+    membership: tokio::sync::Mutex<()>,
+}
+
+/// A directory member. Cheap to clone.
+#[derive(Clone)]
+pub struct Directory {
+    inner: Arc<Inner>,
+}
+
+fn raft_config() -> Result<Config, DirectoryError> {
+    Config {
+        cluster_name: "shoal-directory".into(),
+        heartbeat_interval: 250,
+        election_timeout_min: 1000,
+        election_timeout_max: 2000,
+        install_snapshot_timeout: 30_000,
+        snapshot_policy: SnapshotPolicy::LogsSinceLast(5000),
+        max_in_snapshot_log_to_keep: 1000,
+        purge_batch_size: 256,
+        ..Default::default()
+    }
+    .validate()
+    .map_err(|e| DirectoryError::Raft(e.to_string()))
+}
+
+/// Outcome of one attempt of a retried operation.
+enum Attempt {
+    /// Give up with this error.
+    Final(DirectoryError),
+    /// Try again later; the error is reported if time runs out.
+    Retry(DirectoryError),
+}
+
+impl Directory {
+    /// Opens or creates `<data_dir>/directory.redb` and starts Raft. Does not
+    /// initialize membership: call [`bootstrap`](Self::bootstrap) or
+    /// [`join`](Self::join) (unless the node already was a member).
+    pub async fn open(cfg: DirectoryConfig) -> Result<Directory, DirectoryError> {
+        std::fs::create_dir_all(&cfg.data_dir).map_err(|e| {
+            DirectoryError::Storage(format!("cannot create {}: {e}", cfg.data_dir.display()))
+        })?;
+        let path = cfg.data_dir.join("directory.redb");
+        let db = tokio::task::spawn_blocking(move || store::open_db(&path))
+            .await
+            .map_err(|e| DirectoryError::Storage(e.to_string()))??;
+        let log = store::LogStore::new(db.clone());
+        let (sm, state) = store::StateMachine::open(db)?;
+        let http = network::http_client();
+        let raft = Raft::new(
+            cfg.node_id,
+            Arc::new(raft_config()?),
+            network::Network::new(http.clone()),
+            log,
+            sm,
+        )
+        .await
+        .map_err(|e| DirectoryError::Raft(e.to_string()))?;
+        let metrics = raft.metrics();
+        Ok(Directory {
+            inner: Arc::new(Inner {
+                id: cfg.node_id,
+                api_addr: cfg.api_addr,
+                raft,
+                metrics,
+                state,
+                http,
+                membership: tokio::sync::Mutex::new(()),
+            }),
+        })
+    }
+
+    /// Makes this node the single voter of a new cluster. No-op when the
+    /// node is already initialized (bootstrapped or joined before).
+    pub async fn bootstrap(&self) -> Result<(), DirectoryError> {
+        if self.is_initialized().await {
+            return Ok(());
+        }
+        let members = BTreeMap::from([(self.inner.id, BasicNode::new(&self.inner.api_addr))]);
+        match self.inner.raft.initialize(members).await {
+            Ok(()) => Ok(()),
+            Err(RaftError::APIError(openraft::error::InitializeError::NotAllowed(_))) => Ok(()),
+            Err(e) => Err(DirectoryError::Raft(e.to_string())),
+        }
+    }
+
+    /// Asks the member at `via_api_addr` (which forwards to the leader) to
+    /// add this node: as a learner, then as a voter while the cluster has
+    /// fewer than 5 voters. This node's [`router`](Self::router) must be
+    /// served already. Idempotent (also refreshes this node's address).
+    /// Retries for about 10 s while there is no leader.
+    pub async fn join(&self, via_api_addr: &str) -> Result<(), DirectoryError> {
+        let req = JoinRequest {
+            node_id: self.inner.id,
+            addr: self.inner.api_addr.clone(),
+            forwarded: false,
+        };
+        let url = format!("http://{via_api_addr}/directory/join");
+        let (req, url) = (&req, &url);
+        self.retry(|| async move { self.post_json::<_, ()>(url, req, JOIN_TIMEOUT).await })
+            .await
+    }
+
+    /// The HTTP routes of the directory: `/raft/{append,vote,snapshot}` and
+    /// `/directory/{join,propose}`, all POST with JSON bodies. State is
+    /// applied, so the result can be merged into another router.
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/raft/append", post(h_append))
+            .route("/raft/vote", post(h_vote))
+            .route("/raft/snapshot", post(h_snapshot))
+            .route("/directory/join", post(h_join))
+            .route("/directory/propose", post(h_propose))
+            .layer(DefaultBodyLimit::max(512 << 20))
+            .with_state(self.clone())
+    }
+
+    /// Replicates `cmd` and answers the state machine's response. On the
+    /// leader it is written directly; elsewhere it is forwarded to the
+    /// leader. Retries for about 10 s while there is no leader, then fails
+    /// with [`DirectoryError::NoLeader`]. A rejected command fails with
+    /// [`DirectoryError::State`].
+    ///
+    /// A forwarded proposal whose answer is lost may be retried and so
+    /// applied twice; compare-and-set commands then report a conflict.
+    pub async fn propose(&self, cmd: Command) -> Result<Response, DirectoryError> {
+        self.retry(|| self.propose_once(&cmd)).await
+    }
+
+    async fn propose_once(&self, cmd: &Command) -> Result<Response, Attempt> {
+        match self.leader() {
+            None => Err(Attempt::Retry(DirectoryError::NoLeader)),
+            Some(l) if l == self.inner.id => self.propose_local(cmd.clone()).await.map_err(wire),
+            Some(l) => {
+                let addr = self
+                    .node_addr(l)
+                    .ok_or(Attempt::Retry(DirectoryError::NoLeader))?;
+                let url = format!("http://{addr}/directory/propose");
+                self.post_json(&url, cmd, PROPOSE_TIMEOUT).await
+            }
+        }
+    }
+
+    /// Writes on this node if it is the leader; never forwards.
+    async fn propose_local(&self, cmd: Command) -> Result<Response, WireError> {
+        match self.inner.raft.client_write(cmd).await {
+            Ok(resp) => resp.data.map_err(WireError::State),
+            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => {
+                Err(WireError::NotLeader)
+            }
+            Err(e) => Err(WireError::Other(e.to_string())),
+        }
+    }
+
+    /// Runs `f` until it succeeds, fails for good, or [`RETRY_FOR`] passes.
+    async fn retry<T, F, Fut>(&self, mut f: F) -> Result<T, DirectoryError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, Attempt>>,
+    {
+        let deadline = Instant::now() + RETRY_FOR;
+        loop {
+            match f().await {
+                Ok(v) => return Ok(v),
+                Err(Attempt::Final(e)) => return Err(e),
+                Err(Attempt::Retry(e)) => {
+                    if Instant::now() >= deadline {
+                        return Err(e);
+                    }
+                    tracing::debug!("directory: retrying: {e}");
+                    tokio::time::sleep(RETRY_PAUSE).await;
+                }
+            }
+        }
+    }
+
+    /// POSTs JSON to a `/directory/*` route and decodes its answer.
+    async fn post_json<Q: Serialize, A: for<'de> Deserialize<'de>>(
+        &self,
+        url: &str,
+        body: &Q,
+        timeout: Duration,
+    ) -> Result<A, Attempt> {
+        let net = |e: String| Attempt::Retry(DirectoryError::Network(e));
+        let resp = self
+            .inner
+            .http
+            .post(url)
+            .timeout(timeout)
+            .json(body)
+            .send()
+            .await
+            .map_err(|e| net(format!("{url}: {e}")))?;
+        if !resp.status().is_success() {
+            return Err(net(format!("{url}: HTTP {}", resp.status())));
+        }
+        let answer: Result<A, WireError> = resp
+            .json()
+            .await
+            .map_err(|e| net(format!("{url}: bad answer: {e}")))?;
+        answer.map_err(wire)
+    }
+
+    /// The API address of a member, from the current membership.
+    fn node_addr(&self, id: NodeId) -> Option<String> {
+        self.inner
+            .metrics
+            .borrow()
+            .membership_config
+            .membership()
+            .get_node(&id)
+            .map(|n| n.addr.clone())
+    }
+
+    /// Handles a join: on the leader adds/promotes the node, elsewhere
+    /// forwards once to the leader.
+    async fn handle_join(&self, req: JoinRequest) -> Result<(), WireError> {
+        match self.leader() {
+            Some(l) if l == self.inner.id => self.add_member(req.node_id, req.addr).await,
+            Some(l) if !req.forwarded => {
+                let addr = self.node_addr(l).ok_or(WireError::NotLeader)?;
+                let url = format!("http://{addr}/directory/join");
+                let fwd = JoinRequest {
+                    forwarded: true,
+                    ..req
+                };
+                match self.post_json::<_, ()>(&url, &fwd, JOIN_TIMEOUT).await {
+                    Ok(()) => Ok(()),
+                    Err(Attempt::Final(DirectoryError::State(s))) => Err(WireError::State(s)),
+                    Err(Attempt::Final(e) | Attempt::Retry(e)) => match e {
+                        DirectoryError::NoLeader => Err(WireError::NotLeader),
+                        e => Err(WireError::Other(e.to_string())),
+                    },
+                }
+            }
+            _ => Err(WireError::NotLeader),
+        }
+    }
+
+    /// On the leader: adds `id` as a learner (or updates its address), then
+    /// promotes it to voter while there are fewer than [`MAX_VOTERS`].
+    async fn add_member(&self, id: NodeId, addr: String) -> Result<(), WireError> {
+        let _guard = self.inner.membership.lock().await;
+        let raft_err = |e: RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>| match e {
+            RaftError::APIError(ClientWriteError::ForwardToLeader(_)) => WireError::NotLeader,
+            e => WireError::Other(e.to_string()),
+        };
+        let membership = self
+            .inner
+            .metrics
+            .borrow()
+            .membership_config
+            .membership()
+            .clone();
+        let node = BasicNode::new(&addr);
+        match membership.get_node(&id) {
+            None => {
+                self.inner
+                    .raft
+                    .add_learner(id, node, true)
+                    .await
+                    .map_err(raft_err)?;
+            }
+            Some(old) if old.addr != addr => {
+                self.inner
+                    .raft
+                    .change_membership(ChangeMembers::SetNodes(BTreeMap::from([(id, node)])), true)
+                    .await
+                    .map_err(raft_err)?;
+            }
+            Some(_) => {}
+        }
+        let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
+        if !voters.contains(&id) && voters.len() < MAX_VOTERS {
+            self.inner
+                .raft
+                .change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([id])), true)
+                .await
+                .map_err(raft_err)?;
+        }
+        Ok(())
+    }
+
+    /// The latest applied cluster state.
+    pub fn state(&self) -> Arc<ClusterState> {
+        self.inner.state.borrow().clone()
+    }
+
+    /// Follows the applied cluster state.
+    pub fn watch(&self) -> watch::Receiver<Arc<ClusterState>> {
+        self.inner.state.clone()
+    }
+
+    /// The current leader, as far as this node knows.
+    pub fn leader(&self) -> Option<NodeId> {
+        self.inner.metrics.borrow().current_leader
+    }
+
+    pub fn is_leader(&self) -> bool {
+        self.leader() == Some(self.inner.id)
+    }
+
+    /// Voters of the current membership.
+    pub fn voters(&self) -> Vec<NodeId> {
+        self.inner
+            .metrics
+            .borrow()
+            .membership_config
+            .membership()
+            .voter_ids()
+            .collect()
+    }
+
+    /// Voters and learners of the current membership.
+    pub fn members(&self) -> Vec<NodeId> {
+        self.inner
+            .metrics
+            .borrow()
+            .membership_config
+            .membership()
+            .nodes()
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// Whether this node has a membership (bootstrapped, joined, or
+    /// restarted as a member).
+    pub async fn is_initialized(&self) -> bool {
+        self.inner.raft.is_initialized().await.unwrap_or(false)
+    }
+
+    /// Stops Raft. The redb file is closed once the Raft tasks have ended.
+    pub async fn shutdown(&self) {
+        if let Err(e) = self.inner.raft.shutdown().await {
+            tracing::warn!("directory shutdown: {e}");
+        }
+    }
+}
+
+fn wire(e: WireError) -> Attempt {
+    match e {
+        WireError::State(s) => Attempt::Final(DirectoryError::State(s)),
+        WireError::NotLeader => Attempt::Retry(DirectoryError::NoLeader),
+        WireError::Other(s) => Attempt::Retry(DirectoryError::Raft(s)),
+    }
+}
+
+// ------------------------------------------------------------ HTTP handlers
+
+async fn h_append(
+    State(d): State<Directory>,
+    Json(req): Json<AppendEntriesRequest<TypeConfig>>,
+) -> Json<Result<AppendEntriesResponse<NodeId>, RaftError<NodeId>>> {
+    Json(d.inner.raft.append_entries(req).await)
+}
+
+async fn h_vote(
+    State(d): State<Directory>,
+    Json(req): Json<VoteRequest<NodeId>>,
+) -> Json<Result<VoteResponse<NodeId>, RaftError<NodeId>>> {
+    Json(d.inner.raft.vote(req).await)
+}
+
+async fn h_snapshot(
+    State(d): State<Directory>,
+    Json(req): Json<network::SnapshotRequest>,
+) -> Json<Result<SnapshotResponse<NodeId>, Fatal<NodeId>>> {
+    let snapshot = openraft::Snapshot {
+        meta: req.meta,
+        snapshot: Box::new(Cursor::new(req.data.into_bytes())),
+    };
+    Json(d.inner.raft.install_full_snapshot(req.vote, snapshot).await)
+}
+
+async fn h_join(
+    State(d): State<Directory>,
+    Json(req): Json<JoinRequest>,
+) -> Json<Result<(), WireError>> {
+    Json(d.handle_join(req).await)
+}
+
+async fn h_propose(
+    State(d): State<Directory>,
+    Json(cmd): Json<Command>,
+) -> Json<Result<Response, WireError>> {
+    if !d.is_leader() {
+        return Json(Err(WireError::NotLeader));
+    }
+    Json(d.propose_local(cmd).await)
+}
+
+#[cfg(test)]
+mod tests;

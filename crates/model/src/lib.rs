@@ -11,7 +11,6 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
 
-
 mod policy;
 pub use policy::{Layout, Policy, PolicyError};
 
@@ -207,9 +206,7 @@ impl Volume {
             .filter(|c| reachable(c))
             .map(|c| c.votes)
             .sum();
-        let copy = self
-            .data_components()
-            .any(|c| reachable(c) && in_sync(c));
+        let copy = self.data_components().any(|c| reachable(c) && in_sync(c));
         2 * have > total && copy
     }
 
@@ -218,10 +215,7 @@ impl Volume {
     pub fn health(&self, nodes: &BTreeMap<NodeId, NodeInfo>) -> VolumeHealth {
         let up = |c: &Component| {
             nodes.get(&c.node).map(|n| n.state) == Some(NodeState::Up)
-                && matches!(
-                    c.state,
-                    ComponentState::Active | ComponentState::Resyncing
-                )
+                && matches!(c.state, ComponentState::Active | ComponentState::Resyncing)
         };
         if !self.quorum(up, |c| c.state == ComponentState::Active) {
             VolumeHealth::Inaccessible
@@ -244,7 +238,9 @@ pub enum InputError {
     ZeroSize,
     #[error("volume size {0} is not a multiple of the {BLOCK_SIZE}-byte block")]
     Unaligned(u64),
-    #[error("volume name {0:?} is invalid: use 1 to 64 characters from a-z, A-Z, 0-9, '-', '_', '.'")]
+    #[error(
+        "volume name {0:?} is invalid: use 1 to 64 characters from a-z, A-Z, 0-9, '-', '_', '.'"
+    )]
     BadName(String),
     #[error("size {0:?} is not understood: use bytes or a suffix K, M, G, T (powers of 1024)")]
     BadSize(String),
@@ -268,7 +264,7 @@ pub fn check_volume_name(name: &str) -> Result<(), InputError> {
 pub fn check_volume_size(size: u64) -> Result<(), InputError> {
     if size == 0 {
         Err(InputError::ZeroSize)
-    } else if size % BLOCK_SIZE != 0 {
+    } else if !size.is_multiple_of(BLOCK_SIZE) {
         Err(InputError::Unaligned(size))
     } else {
         Ok(())

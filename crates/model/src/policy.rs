@@ -44,7 +44,9 @@ impl Default for Policy {
 /// A policy text that cannot be a policy.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
-    #[error("unknown policy word {0:?}: expected raid1, ftt=N, reserve=PCT, checksum=on|off, iops=N")]
+    #[error(
+        "unknown policy word {0:?}: expected raid1, ftt=N, reserve=PCT, checksum=on|off, iops=N"
+    )]
     UnknownWord(String),
     #[error("ftt={0} is out of range: failures to tolerate must be 0 to 3")]
     FttRange(u64),

@@ -1,1 +1,407 @@
-//! shoal-node (placeholder, being written)
+//! # shoal-node: the daemon of one host
+//!
+//! Wires the layers together for one node: opens its devices (component
+//! stores), joins or starts the directory, serves peers over RPC (replica
+//! side of the data path and forwarded volume I/O), clients over NBD, and
+//! people and tools over HTTP (REST, metrics, Raft). Owns the process's
+//! lifecycle and identity; must never hold cluster state of its own beyond
+//! what the directory says.
+
+pub mod exports;
+pub mod http;
+pub mod liveness;
+pub mod replica;
+pub mod router;
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use shoal_directory::{Command, Directory, DirectoryConfig, Response};
+use shoal_model::{DeviceId, NodeId, NodeInfo, NodeState};
+use shoal_owner::OwnerConfig;
+use shoal_store::{DeviceStore, GroupCommit};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// One device of a node: a file (created sparse at `size` if missing) or a
+/// block device (`size` 0: use what is there).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DeviceSpec {
+    pub path: PathBuf,
+    pub size: u64,
+}
+
+/// Everything a node needs to start.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NodeConfig {
+    pub id: NodeId,
+    pub data_dir: PathBuf,
+    pub devices: Vec<DeviceSpec>,
+    /// `ip:port` of the peer RPC.
+    pub peer_addr: String,
+    /// `ip:port` of the NBD server.
+    pub nbd_addr: String,
+    /// `ip:port` of the HTTP API.
+    pub api_addr: String,
+    /// API address of any member, to join an existing cluster.
+    pub join: Option<String>,
+    /// Fault domain; defaults to `node-<id>`.
+    pub fault_domain: Option<String>,
+}
+
+/// What a data folder remembers about the node that owns it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Identity {
+    node_id: NodeId,
+    cluster_id: String,
+    /// Device path → directory id, so the replica side can start serving
+    /// before the directory is reachable.
+    devices: Vec<(String, DeviceId)>,
+}
+
+const IDENTITY: &str = "identity.json";
+
+fn load_identity(dir: &Path) -> Result<Option<Identity>> {
+    let p = dir.join(IDENTITY);
+    match std::fs::read(&p) {
+        Ok(b) => Ok(Some(
+            serde_json::from_slice(&b).with_context(|| format!("{} is damaged", p.display()))?,
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("reading {}", p.display())),
+    }
+}
+
+fn save_identity(dir: &Path, id: &Identity) -> Result<()> {
+    let p = dir.join(IDENTITY);
+    let tmp = dir.join(format!("{IDENTITY}.tmp"));
+    std::fs::write(&tmp, serde_json::to_vec_pretty(id)?)?;
+    std::fs::File::open(&tmp)?.sync_all()?;
+    std::fs::rename(&tmp, &p)?;
+    Ok(())
+}
+
+/// Asks a member for the cluster id, `tries` times half a second apart.
+async fn remote_cluster_id(join: &str, tries: u32) -> Result<String> {
+    let c = shoal_api::Client::new(join);
+    let mut last = String::new();
+    for _ in 0..tries {
+        match c.status().await {
+            Ok(s) if !s.cluster_id.is_empty() => return Ok(s.cluster_id),
+            Ok(_) => last = "cluster has no id yet".into(),
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    bail!("cannot learn the cluster id from {join}: {last}")
+}
+
+fn new_cluster_id() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
+/// Runs the node until SIGINT or SIGTERM.
+pub async fn run(cfg: NodeConfig) -> Result<()> {
+    std::fs::create_dir_all(&cfg.data_dir)
+        .with_context(|| format!("creating data folder {}", cfg.data_dir.display()))?;
+    let identity = load_identity(&cfg.data_dir)?;
+    if let Some(id) = &identity {
+        if id.node_id != cfg.id {
+            bail!(
+                "data folder {} belongs to node {}, not node {}",
+                cfg.data_dir.display(),
+                id.node_id,
+                cfg.id
+            );
+        }
+    }
+    // Which cluster are we part of?
+    let (cluster_id, fresh) = match (&identity, &cfg.join) {
+        (Some(id), Some(join)) => {
+            // A restart: the member we joined through may be down itself.
+            let theirs = match remote_cluster_id(join, 4).await {
+                Ok(t) => t,
+                Err(e) => {
+                    tracing::warn!("{e}; starting with the cluster id this folder remembers");
+                    id.cluster_id.clone()
+                }
+            };
+            if theirs != id.cluster_id {
+                bail!(
+                    "data folder {} belongs to cluster {}, but {join} is cluster {theirs}: \
+                     use an empty data folder to join another cluster",
+                    cfg.data_dir.display(),
+                    id.cluster_id
+                );
+            }
+            (id.cluster_id.clone(), false)
+        }
+        (Some(id), None) => (id.cluster_id.clone(), false),
+        (None, Some(join)) => (remote_cluster_id(join, 60).await?, true),
+        (None, None) => (new_cluster_id(), true),
+    };
+
+    // Devices: refuse foreign or too-small ones before anything else.
+    if cfg.devices.is_empty() {
+        bail!("a node needs at least one device (--device PATH:SIZE)");
+    }
+    let mut stores = Vec::new();
+    for d in &cfg.devices {
+        let s = DeviceStore::open_or_create(&d.path, d.size, &cluster_id)
+            .with_context(|| format!("device {}", d.path.display()))?;
+        stores.push((d.path.display().to_string(), Arc::new(s)));
+    }
+
+    // Bind every port now so that a port in use fails the start clearly.
+    let api_l = tokio::net::TcpListener::bind(&cfg.api_addr)
+        .await
+        .with_context(|| format!("API address {}", cfg.api_addr))?;
+    let peer_l = tokio::net::TcpListener::bind(&cfg.peer_addr)
+        .await
+        .with_context(|| format!("peer address {}", cfg.peer_addr))?;
+    let nbd_l = tokio::net::TcpListener::bind(&cfg.nbd_addr)
+        .await
+        .with_context(|| format!("NBD address {}", cfg.nbd_addr))?;
+
+    let dir = Directory::open(DirectoryConfig {
+        node_id: cfg.id,
+        data_dir: cfg.data_dir.join("directory"),
+        api_addr: cfg.api_addr.clone(),
+    })
+    .await
+    .context("opening the directory")?;
+
+    // Replica side first: it needs only the device ids we remember.
+    let known: Vec<(String, DeviceId)> = identity
+        .as_ref()
+        .map(|i| i.devices.clone())
+        .unwrap_or_default();
+    let owner_cfg = OwnerConfig {
+        node: cfg.id,
+        ..OwnerConfig::default()
+    };
+    let router = Arc::new(router::Router::new(cfg.id, dir.clone(), owner_cfg));
+    let liveness = Arc::new(liveness::Liveness::new(cfg.id, dir.clone()));
+
+    // The HTTP API (with Raft) must run before bootstrap/join.
+    let mut device_ids: Vec<(String, DeviceId)> = Vec::new();
+    let replicas_cell: Arc<std::sync::OnceLock<Arc<replica::Replicas>>> = Default::default();
+    // Device ids are final only after registration; start with what we know.
+    let initial = stores
+        .iter()
+        .filter_map(|(p, s)| {
+            known
+                .iter()
+                .find(|(kp, _)| kp == p)
+                .map(|(_, id)| replica::Device {
+                    id: *id,
+                    path: p.clone(),
+                    store: s.clone(),
+                    commit: GroupCommit::new(s.clone()),
+                })
+        })
+        .collect::<Vec<_>>();
+    let have_all = initial.len() == stores.len();
+    let mut peer_l = Some(peer_l);
+    if have_all {
+        let r = Arc::new(replica::Replicas::new(initial));
+        let _ = r.router.set(router.clone());
+        let _ = replicas_cell.set(r.clone());
+        if let Some(l) = peer_l.take() {
+            tokio::spawn(shoal_rpc::serve(l, r));
+        }
+    }
+    let app = http::routes(http::Http {
+        router: router.clone(),
+        liveness: liveness.clone(),
+        replicas: replicas_cell.clone(),
+    });
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(api_l, app).await {
+            tracing::error!("HTTP server stopped: {e}");
+        }
+    });
+
+    if fresh && cfg.join.is_none() {
+        dir.bootstrap().await.context("starting a new directory")?;
+        dir.propose(Command::SetClusterId {
+            cluster_id: cluster_id.clone(),
+        })
+        .await
+        .context("naming the cluster")?;
+    } else if let Some(join) = &cfg.join {
+        dir.join(join)
+            .await
+            .with_context(|| format!("joining the cluster via {join}"))?;
+    }
+
+    // Register the node and its devices.
+    let me = NodeInfo {
+        id: cfg.id,
+        fault_domain: cfg
+            .fault_domain
+            .clone()
+            .unwrap_or_else(|| format!("node-{}", cfg.id)),
+        peer_addr: cfg.peer_addr.clone(),
+        api_addr: cfg.api_addr.clone(),
+        nbd_addr: cfg.nbd_addr.clone(),
+        state: NodeState::Up,
+    };
+    retry("registering the node", || {
+        dir.propose(Command::RegisterNode { node: me.clone() })
+    })
+    .await?;
+    for (path, s) in &stores {
+        let r = retry("registering a device", || {
+            dir.propose(Command::RegisterDevice {
+                node: cfg.id,
+                path: path.clone(),
+                capacity: s.capacity(),
+            })
+        })
+        .await?;
+        let Response::Id(id) = r else {
+            bail!("unexpected answer to device registration: {r:?}");
+        };
+        device_ids.push((path.clone(), id));
+    }
+    save_identity(
+        &cfg.data_dir,
+        &Identity {
+            node_id: cfg.id,
+            cluster_id: cluster_id.clone(),
+            devices: device_ids.clone(),
+        },
+    )?;
+    if !have_all {
+        let devs = stores
+            .iter()
+            .zip(&device_ids)
+            .map(|((p, s), (_, id))| replica::Device {
+                id: *id,
+                path: p.clone(),
+                store: s.clone(),
+                commit: GroupCommit::new(s.clone()),
+            })
+            .collect();
+        let r = Arc::new(replica::Replicas::new(devs));
+        let _ = r.router.set(router.clone());
+        let _ = replicas_cell.set(r.clone());
+    }
+    let replicas = replicas_cell
+        .get()
+        .cloned()
+        .context("replicas not started")?;
+    if let Some(l) = peer_l.take() {
+        tokio::spawn(shoal_rpc::serve(l, replicas.clone()));
+    }
+
+    // Liveness.
+    let r2 = replicas.clone();
+    liveness.spawn(move || {
+        r2.devices()
+            .map(|d| shoal_api::DeviceUsage {
+                device: d.id,
+                used: d.store.used(),
+                state: liveness::device_state(d.store.used(), d.store.capacity()),
+            })
+            .collect()
+    });
+
+    // Follow the directory: owners get new views; components of deleted
+    // volumes are removed.
+    {
+        let router = router.clone();
+        let replicas = replicas.clone();
+        let mut w = dir.watch();
+        tokio::spawn(async move {
+            loop {
+                let state = w.borrow_and_update().clone();
+                router.directory_changed(&state);
+                garbage_collect(&state, &replicas);
+                if w.changed().await.is_err() {
+                    break;
+                }
+            }
+        });
+    }
+
+    // NBD.
+    let exports = Arc::new(exports::VolumeExports {
+        router: router.clone(),
+    });
+    tracing::info!(
+        node = cfg.id,
+        nbd = %cfg.nbd_addr,
+        api = %cfg.api_addr,
+        peer = %cfg.peer_addr,
+        cluster = %cluster_id,
+        "node ready"
+    );
+    println!(
+        "shoal node {} ready: nbd://{} api http://{}",
+        cfg.id, cfg.nbd_addr, cfg.api_addr
+    );
+    let shutdown = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing a SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {},
+            _ = term.recv() => {},
+        }
+    };
+    shoal_nbd::serve(nbd_l, exports, shutdown).await?;
+    tracing::info!("shutting down");
+    dir.shutdown().await;
+    Ok(())
+}
+
+/// Removes local components whose volume (or component) the directory no
+/// longer has. Ids are never reused, so an id below `next_id` that is
+/// missing was deleted (and not merely unknown to a lagging copy).
+fn garbage_collect(state: &shoal_directory::ClusterState, replicas: &replica::Replicas) {
+    if state.cluster_id.is_empty() {
+        return;
+    }
+    for (comp, vol, _dev) in replicas.components() {
+        if comp >= state.next_id || vol >= state.next_id {
+            continue;
+        }
+        let live = state
+            .volumes
+            .get(&vol)
+            .is_some_and(|v| v.components.iter().any(|c| c.id == comp));
+        if !live {
+            tracing::info!(
+                component = comp,
+                volume = vol,
+                "removing component of a deleted volume"
+            );
+            use shoal_rpc::Handler;
+            let _ = replicas.handle(
+                shoal_rpc::Request::DeleteComponent { component: comp },
+                bytes::Bytes::new(),
+            );
+        }
+    }
+}
+
+async fn retry<F, Fut>(what: &str, f: F) -> Result<Response>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<Response, shoal_directory::DirectoryError>>,
+{
+    let mut last = None;
+    for _ in 0..120 {
+        match f().await {
+            Ok(r) => return Ok(r),
+            Err(shoal_directory::DirectoryError::State(e)) => bail!("{what}: {e}"),
+            Err(e) => last = Some(e),
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    bail!(
+        "{what}: {}",
+        last.map(|e| e.to_string()).unwrap_or_default()
+    )
+}

@@ -1,1 +1,212 @@
-//! shoal-owner (placeholder, being written)
+//! # shoal-owner: the one coordinator of a volume's I/O
+//!
+//! While a node owns a volume (under a generation the directory granted),
+//! every read and write of that volume goes through its [`Owner`]: one task
+//! driven by one loop of typed events, in the manner of Crucible's upstairs.
+//! It fans writes out to every replica in one order, acknowledges a write
+//! once it is durable on every replica that is up and on enough votes,
+//! reads from one in-sync replica, marks replicas that fail absent (through
+//! the directory, before acknowledging a write that skipped them),
+//! reconciles what a dead predecessor left in flight, and resyncs replicas
+//! that come back.
+//!
+//! Owns: the in-memory state of one owned volume. Must never touch devices
+//! (it talks to replicas, even local ones, through `shoal-rpc`) and never
+//! decides cluster state itself: it asks the directory through [`Control`].
+
+mod event_loop;
+
+use bytes::Bytes;
+use shoal_model::{Component, ComponentId, ComponentState, Generation, NodeId, Volume, VolumeId};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+
+/// Granularity of the regions replicas remember as dirty and of resync
+/// copies, in bytes: large enough to keep the dirty sets tiny, small enough
+/// that one copy step holds client writes back for well under a millisecond
+/// on local disks.
+pub const REGION: u64 = 1 << 20;
+
+/// Tunables of an owner.
+#[derive(Debug, Clone)]
+pub struct OwnerConfig {
+    /// This node; reads prefer a replica here.
+    pub node: NodeId,
+    /// How long a replica may take to answer one request before it is
+    /// considered failed and marked absent, in seconds. Longer than any
+    /// healthy fdatasync; short enough that a hung host pauses clients only
+    /// briefly.
+    pub io_timeout: Duration,
+    /// Interval of barriers and witness pings.
+    pub tick: Duration,
+}
+
+impl Default for OwnerConfig {
+    fn default() -> Self {
+        OwnerConfig {
+            node: 0,
+            io_timeout: Duration::from_secs(3),
+            tick: Duration::from_millis(200),
+        }
+    }
+}
+
+/// One component and where to reach it, as the directory says now.
+#[derive(Debug, Clone)]
+pub struct Target {
+    pub component: Component,
+    /// Peer RPC address of the component's node.
+    pub addr: String,
+    /// The directory believes the node is up.
+    pub node_up: bool,
+}
+
+/// What the owner needs to know of the directory's state for its volume.
+#[derive(Debug, Clone)]
+pub struct View {
+    pub volume: Volume,
+    pub targets: Vec<Target>,
+}
+
+/// Why the directory did not record a change.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ControlError {
+    /// Another owner holds a newer generation: this one is deposed.
+    #[error("another owner holds a newer generation")]
+    Conflict,
+    /// The directory cannot decide now (no leader, partition); retry.
+    #[error("directory unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// The owner's way to the directory.
+pub trait Control: Send + Sync + 'static {
+    /// Records a component state, accepted only under the current generation.
+    fn set_component_state(
+        &self,
+        volume: VolumeId,
+        component: ComponentId,
+        state: ComponentState,
+        generation: Generation,
+    ) -> impl Future<Output = Result<(), ControlError>> + Send;
+    /// Raises the generation from `expected` (compare-and-set), keeping this
+    /// node as owner; used to fence stale frames before a resync.
+    fn reclaim(
+        &self,
+        volume: VolumeId,
+        expected: Generation,
+    ) -> impl Future<Output = Result<Generation, ControlError>> + Send;
+}
+
+/// Why an I/O failed. Callers branch on it: `Deposed` and `Stopped` mean
+/// "find the new owner", `Unavailable` means "retry later".
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OwnerError {
+    #[error("this node no longer owns the volume")]
+    Deposed,
+    #[error("owner stopped")]
+    Stopped,
+    #[error("volume unavailable: {0}")]
+    Unavailable(String),
+    #[error("I/O past the end of the volume")]
+    OutOfRange,
+    #[error("no space left on the devices")]
+    NoSpace,
+    #[error("I/O error: {0}")]
+    Io(String),
+}
+
+/// A client operation.
+#[derive(Debug, Clone)]
+pub enum Op {
+    Read {
+        offset: u64,
+        len: u32,
+    },
+    Write {
+        offset: u64,
+        data: Bytes,
+    },
+    Flush,
+    /// Trim and write-zeroes: both read back as zeros afterwards.
+    Zero {
+        offset: u64,
+        len: u64,
+    },
+}
+
+pub(crate) enum Event {
+    Io(Op, oneshot::Sender<Result<Bytes, OwnerError>>),
+    View(View),
+    Stop,
+    Internal(event_loop::Internal),
+}
+
+/// Handle to a running owner. Cheap to clone.
+#[derive(Clone)]
+pub struct Owner {
+    tx: mpsc::UnboundedSender<Event>,
+    volume: VolumeId,
+}
+
+impl Owner {
+    /// Activates the replicas under `generation`, reconciles what an earlier
+    /// owner may have left half-written, and starts serving. Fails with
+    /// `Unavailable` when the votes rule does not hold.
+    pub async fn start<C: Control>(
+        cfg: OwnerConfig,
+        view: View,
+        generation: Generation,
+        control: Arc<C>,
+    ) -> Result<Owner, OwnerError> {
+        let volume = view.volume.id;
+        let tx = event_loop::start(cfg, view, generation, control).await?;
+        Ok(Owner { tx, volume })
+    }
+
+    pub fn volume(&self) -> VolumeId {
+        self.volume
+    }
+
+    /// False once the owner stopped or was deposed.
+    pub fn is_running(&self) -> bool {
+        !self.tx.is_closed()
+    }
+
+    /// Runs one operation; reads answer data, everything else empty bytes.
+    pub async fn execute(&self, op: Op) -> Result<Bytes, OwnerError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(Event::Io(op, tx))
+            .map_err(|_| OwnerError::Stopped)?;
+        rx.await.map_err(|_| OwnerError::Stopped)?
+    }
+
+    pub async fn read(&self, offset: u64, len: u32) -> Result<Bytes, OwnerError> {
+        self.execute(Op::Read { offset, len }).await
+    }
+
+    /// Returns once durable on every replica that is up.
+    pub async fn write(&self, offset: u64, data: Bytes) -> Result<(), OwnerError> {
+        self.execute(Op::Write { offset, data }).await.map(|_| ())
+    }
+
+    pub async fn flush(&self) -> Result<(), OwnerError> {
+        self.execute(Op::Flush).await.map(|_| ())
+    }
+
+    pub async fn zero(&self, offset: u64, len: u64) -> Result<(), OwnerError> {
+        self.execute(Op::Zero { offset, len }).await.map(|_| ())
+    }
+
+    /// The directory changed: node liveness, size, components.
+    pub fn update(&self, view: View) {
+        let _ = self.tx.send(Event::View(view));
+    }
+
+    pub fn stop(&self) {
+        let _ = self.tx.send(Event::Stop);
+    }
+}

@@ -1,1 +1,313 @@
-//! shoal-placement (placeholder, being written)
+//! # shoal-placement: where a volume's components go
+//!
+//! Decides on which nodes and devices the components of a volume live, from
+//! a snapshot of the cluster (nodes, devices) given by the caller. Owns no
+//! state, does no I/O: every function here is a pure, deterministic function
+//! of its arguments (ties are broken by name or id, never by input order).
+//!
+//! Rules:
+//! - a RAID-1 policy with `ftt = n` gets `n + 1` data components and `n`
+//!   witnesses, one vote each, all on distinct fault domains (hence also on
+//!   distinct nodes);
+//! - only nodes that are `Up` and devices that are `Healthy` are used; a
+//!   fault domain counts only if it has such a node with such a device;
+//! - a data component needs a device with `free() >= size * reserve_pct /
+//!   100`; thin volumes (`reserve_pct = 0`) need only some free space;
+//! - data goes to the fault domains (and devices) with the most free space,
+//!   witnesses to the remaining domains that are least loaded.
+
+use shoal_model::{
+    human_size, ComponentId, ComponentRole, DeviceId, DeviceInfo, DeviceState, Layout, NodeId,
+    NodeInfo, NodeState, Policy, Volume, VolumeId,
+};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Where one component is to be created.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Planned {
+    pub role: ComponentRole,
+    pub node: NodeId,
+    pub device: DeviceId,
+    pub votes: u32,
+}
+
+/// Why a volume (or a component) cannot be placed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlacementError {
+    /// Fewer usable fault domains (an `Up` node with a `Healthy` device)
+    /// than the policy needs.
+    #[error("{policy} needs {needed} fault domains; the cluster has {have}")]
+    NotEnoughFaultDomains {
+        policy: String,
+        needed: usize,
+        have: usize,
+    },
+    /// No device left in enough fault domains can hold a data copy;
+    /// `domain` is the roomiest domain that was still a candidate.
+    #[error("{}", no_space_text(*needed, domain))]
+    NoSpace { needed: u64, domain: String },
+    /// `replacement` was asked about a component the volume does not have.
+    #[error("volume {volume} has no component {component}")]
+    NoSuchComponent {
+        volume: VolumeId,
+        component: ComponentId,
+    },
+}
+
+fn no_space_text(needed: u64, domain: &str) -> String {
+    let what = if needed == 0 {
+        "some free space (thin volume)".to_string()
+    } else {
+        format!("{} free", human_size(needed))
+    };
+    if domain.is_empty() {
+        format!("not enough space: a data copy needs {what} on one healthy device, and no fault domain is left to try")
+    } else {
+        format!("not enough space: a data copy needs {what} on one healthy device, and not even fault domain {domain:?} (the roomiest left) has one")
+    }
+}
+
+/// `raid1 ftt=2`: the part of a policy that decides the fault domains.
+fn policy_name(policy: &Policy) -> String {
+    match policy.layout {
+        Layout::Raid1 => format!("raid1 ftt={}", policy.ftt),
+    }
+}
+
+/// Bytes a data component must find free on its device (0 = thin).
+pub fn reserved_bytes(policy: &Policy, size: u64) -> u64 {
+    let b = size as u128 * policy.reserve_pct as u128 / 100;
+    b.min(u64::MAX as u128) as u64
+}
+
+fn fits(d: &DeviceInfo, need: u64) -> bool {
+    if need == 0 {
+        d.free() > 0
+    } else {
+        d.free() >= need
+    }
+}
+
+/// A fault domain with its usable devices.
+struct Domain<'a> {
+    name: &'a str,
+    /// Usable devices with their node, sorted by device id.
+    devices: Vec<(&'a DeviceInfo, NodeId)>,
+    free: u64,
+    load: u64,
+}
+
+impl<'a> Domain<'a> {
+    /// The device with the most free space satisfying `ok` (ties: lowest id).
+    fn best(&self, ok: impl Fn(&DeviceInfo, NodeId) -> bool) -> Option<(&'a DeviceInfo, NodeId)> {
+        self.devices
+            .iter()
+            .copied()
+            .filter(|(d, n)| ok(d, *n))
+            .max_by_key(|(d, _)| (d.free(), Reverse(d.id)))
+    }
+}
+
+/// Usable fault domains by name: those with an `Up` node that has a
+/// `Healthy` device.
+fn usable<'a>(nodes: &'a [NodeInfo], devices: &'a [DeviceInfo]) -> BTreeMap<&'a str, Domain<'a>> {
+    let mut by_id: BTreeMap<NodeId, &NodeInfo> = BTreeMap::new();
+    for n in nodes {
+        // Duplicate ids: keep the smallest domain name, independent of order.
+        let keep = by_id
+            .get(&n.id)
+            .map_or(true, |o| n.fault_domain < o.fault_domain);
+        if keep {
+            by_id.insert(n.id, n);
+        }
+    }
+    let mut devs: Vec<&DeviceInfo> = devices.iter().collect();
+    devs.sort_by_key(|d| (d.id, d.node));
+    devs.dedup_by_key(|d| d.id);
+    let mut out: BTreeMap<&str, Domain> = BTreeMap::new();
+    for d in devs {
+        if d.state != DeviceState::Healthy {
+            continue;
+        }
+        let Some(n) = by_id.get(&d.node) else {
+            continue;
+        };
+        if n.state != NodeState::Up {
+            continue;
+        }
+        let dom = out.entry(&n.fault_domain).or_insert(Domain {
+            name: &n.fault_domain,
+            devices: Vec::new(),
+            free: 0,
+            load: 0,
+        });
+        dom.devices.push((d, n.id));
+        dom.free = dom.free.saturating_add(d.free());
+        dom.load = dom.load.saturating_add(d.used.saturating_add(d.reserved));
+    }
+    out
+}
+
+/// Chooses a node and device for every component of a new volume of `size`
+/// bytes under `policy`: data components first, then witnesses.
+pub fn place(
+    policy: &Policy,
+    size: u64,
+    nodes: &[NodeInfo],
+    devices: &[DeviceInfo],
+) -> Result<Vec<Planned>, PlacementError> {
+    let domains = usable(nodes, devices);
+    let needed = policy.fault_domains_needed();
+    if domains.len() < needed {
+        return Err(PlacementError::NotEnoughFaultDomains {
+            policy: policy_name(policy),
+            needed,
+            have: domains.len(),
+        });
+    }
+    let need = reserved_bytes(policy, size);
+    let mut ranked: Vec<&Domain> = domains.values().collect();
+    ranked.sort_by_key(|d| (Reverse(d.free), d.name));
+    let mut out = Vec::with_capacity(needed);
+    let mut taken: BTreeSet<&str> = BTreeSet::new();
+    for dom in &ranked {
+        if out.len() == policy.copies() {
+            break;
+        }
+        if let Some((dev, node)) = dom.best(|d, _| fits(d, need)) {
+            taken.insert(dom.name);
+            out.push(Planned {
+                role: ComponentRole::Data,
+                node,
+                device: dev.id,
+                votes: 1,
+            });
+        }
+    }
+    if out.len() < policy.copies() {
+        let domain = ranked
+            .iter()
+            .find(|d| !taken.contains(d.name))
+            .map(|d| d.name.to_string())
+            .unwrap_or_default();
+        return Err(PlacementError::NoSpace {
+            needed: need,
+            domain,
+        });
+    }
+    let mut rest: Vec<&Domain> = ranked
+        .into_iter()
+        .filter(|d| !taken.contains(d.name))
+        .collect();
+    rest.sort_by_key(|d| (d.load, d.name));
+    for dom in rest.into_iter().take(policy.witnesses()) {
+        // Every usable domain has at least one device.
+        if let Some((dev, node)) = dom.best(|_, _| true) {
+            out.push(Planned {
+                role: ComponentRole::Witness,
+                node,
+                device: dev.id,
+                votes: 1,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Chooses a new home for component `failed` of `volume` (same role), on a
+/// fault domain no other component of the volume uses. The failed
+/// component's own domain is taken only as a last resort, and never its
+/// device, so a volume whose device died can be rebuilt on another device of
+/// the same host when the cluster has no spare domain.
+pub fn replacement(
+    policy: &Policy,
+    volume: &Volume,
+    failed: ComponentId,
+    nodes: &[NodeInfo],
+    devices: &[DeviceInfo],
+) -> Result<Planned, PlacementError> {
+    let Some(old) = volume.components.iter().find(|c| c.id == failed) else {
+        return Err(PlacementError::NoSuchComponent {
+            volume: volume.id,
+            component: failed,
+        });
+    };
+    let domain_of = |node: NodeId| -> Option<&str> {
+        nodes
+            .iter()
+            .filter(|n| n.id == node)
+            .map(|n| n.fault_domain.as_str())
+            .min()
+    };
+    let others: Vec<_> = volume
+        .components
+        .iter()
+        .filter(|c| c.id != failed)
+        .collect();
+    let used_domains: BTreeSet<&str> = others.iter().filter_map(|c| domain_of(c.node)).collect();
+    let used_nodes: BTreeSet<NodeId> = others.iter().map(|c| c.node).collect();
+    let old_domain = domain_of(old.node);
+    let domains = usable(nodes, devices);
+    let ok = |d: &DeviceInfo, n: NodeId| d.id != old.device && !used_nodes.contains(&n);
+    let candidates: Vec<&Domain> = domains
+        .values()
+        .filter(|d| !used_domains.contains(d.name))
+        .filter(|d| d.best(ok).is_some())
+        .collect();
+    if candidates.is_empty() {
+        return Err(PlacementError::NotEnoughFaultDomains {
+            policy: policy_name(policy),
+            needed: policy.fault_domains_needed(),
+            have: used_domains.len(),
+        });
+    }
+    let pick = match old.role {
+        ComponentRole::Data => {
+            let need = reserved_bytes(policy, volume.size);
+            let mut c: Vec<&Domain> = candidates.clone();
+            c.sort_by_key(|d| (Some(d.name) == old_domain, Reverse(d.free), d.name));
+            let found = c
+                .iter()
+                .find_map(|d| d.best(|x, n| ok(x, n) && fits(x, need)));
+            match found {
+                Some(p) => p,
+                None => {
+                    let domain = c
+                        .iter()
+                        .max_by_key(|d| (d.free, Reverse(d.name)))
+                        .map(|d| d.name.to_string())
+                        .unwrap_or_default();
+                    return Err(PlacementError::NoSpace {
+                        needed: need,
+                        domain,
+                    });
+                }
+            }
+        }
+        ComponentRole::Witness => {
+            let mut c = candidates;
+            c.sort_by_key(|d| (Some(d.name) == old_domain, d.load, d.name));
+            // Candidates all have a device passing `ok`.
+            match c.iter().find_map(|d| d.best(ok)) {
+                Some(p) => p,
+                None => {
+                    return Err(PlacementError::NotEnoughFaultDomains {
+                        policy: policy_name(policy),
+                        needed: policy.fault_domains_needed(),
+                        have: used_domains.len(),
+                    })
+                }
+            }
+        }
+    };
+    Ok(Planned {
+        role: old.role,
+        node: pick.1,
+        device: pick.0.id,
+        votes: old.votes.max(1),
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,1 +1,38 @@
-//! shoal-rpc (placeholder, being written)
+//! # shoal-rpc: the peer-to-peer data path between nodes
+//!
+//! Framing, message types and connections for the traffic an owner sends to
+//! the replicas of its volumes (and a node sends to the owner of a volume it
+//! forwards for). Owns the wire format; knows nothing about how requests are
+//! executed: the node supplies a [`Handler`].
+//!
+//! Wire format (see `docs/rpc-format.md`): each frame is a fixed 32-byte
+//! little-endian header, a postcard-encoded body, then raw payload bytes.
+//! Frames on one connection are handled in the order they were sent; the
+//! replies may come back in any order, matched by request id.
+
+mod frame;
+mod message;
+mod peer;
+mod server;
+
+pub use frame::{FrameError, Header, HEADER_LEN, MAGIC, MAX_BODY, MAX_PAYLOAD, VERSION};
+pub use message::{RemoteError, Request, Response, VolumeOp};
+pub use peer::{Peer, PendingReply};
+pub use server::{serve, Handler, Reply};
+
+use std::time::Duration;
+
+/// Why a call to a peer did not produce a reply.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RpcError {
+    #[error("cannot connect to {addr}: {reason}")]
+    Connect { addr: String, reason: String },
+    #[error("connection to peer closed")]
+    Closed,
+    #[error("peer did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    #[error("{0}")]
+    Remote(RemoteError),
+}

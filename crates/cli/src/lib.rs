@@ -1,1 +1,0 @@
-//! shoal-cli (placeholder, being written)

@@ -1,0 +1,325 @@
+//! `shoal up` / `shoal down`: a local cluster of node processes on loopback,
+//! described by `<data>/cluster.json`. Node i listens on `<net>.i` with the
+//! same ports on every node, so node 1 serves NBD on 127.0.0.1:10809.
+
+use crate::Target;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use shoal_api::{Client, CreateVolume};
+use shoal_model::{parse_size, NodeState};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+#[derive(Args)]
+pub struct UpArgs {
+    #[command(flatten)]
+    target: Target,
+    /// Number of nodes of a new cluster.
+    #[arg(long, default_value_t = 4)]
+    nodes: u32,
+    /// Size of each node's device file (sparse).
+    #[arg(long, default_value = "8G")]
+    device_size: String,
+    /// First three octets of the loopback addresses: node i is NET.i.
+    #[arg(long, default_value = "127.0.0")]
+    net: String,
+    #[arg(long, default_value_t = 10809)]
+    nbd_port: u16,
+    #[arg(long, default_value_t = 9400)]
+    api_port: u16,
+    #[arg(long, default_value_t = 9500)]
+    peer_port: u16,
+    /// Size of the demo volume created on a new cluster.
+    #[arg(long, default_value = "1G")]
+    demo_size: String,
+    /// Do not create the demo volume.
+    #[arg(long)]
+    no_demo: bool,
+    /// Seconds to wait for the cluster to become healthy.
+    #[arg(long, default_value_t = 90)]
+    timeout: u64,
+}
+
+#[derive(Serialize, Deserialize, Clone)]
+pub struct LocalNode {
+    pub id: u64,
+    pub dir: PathBuf,
+    pub api: String,
+    pub nbd: String,
+    pub peer: String,
+    pub device: String,
+}
+
+#[derive(Serialize, Deserialize)]
+pub struct LocalCluster {
+    pub nodes: Vec<LocalNode>,
+}
+
+fn layout_path(data: &Path) -> PathBuf {
+    data.join("cluster.json")
+}
+
+pub fn load(data: &Path) -> Result<Option<LocalCluster>> {
+    let p = layout_path(data);
+    match std::fs::read(&p) {
+        Ok(b) => Ok(Some(
+            serde_json::from_slice(&b).with_context(|| format!("{} is damaged", p.display()))?,
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("reading {}", p.display())),
+    }
+}
+
+fn pid_file(n: &LocalNode) -> PathBuf {
+    n.dir.join("node.pid")
+}
+
+/// The pid of the node's process, if it runs.
+pub fn running(n: &LocalNode) -> Option<i32> {
+    let pid: i32 = std::fs::read_to_string(pid_file(n))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    // SAFETY: signal 0 only checks that the process exists.
+    let alive = unsafe { libc::kill(pid, 0) } == 0;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let zombie = stat.split_whitespace().nth(2) == Some("Z");
+    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let ours = String::from_utf8_lossy(&cmd).contains("node");
+    (alive && !zombie && ours).then_some(pid)
+}
+
+fn start_node(n: &LocalNode, join: Option<&str>) -> Result<i32> {
+    std::fs::create_dir_all(&n.dir)?;
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(n.dir.join("node.log"))?;
+    let exe = std::env::current_exe().context("finding the shoal binary")?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("node")
+        .arg("--id")
+        .arg(n.id.to_string())
+        .arg("--data")
+        .arg(&n.dir)
+        .arg("--device")
+        .arg(&n.device)
+        .arg("--api")
+        .arg(&n.api)
+        .arg("--nbd")
+        .arg(&n.nbd)
+        .arg("--peer")
+        .arg(&n.peer);
+    if let Some(j) = join {
+        cmd.arg("--join").arg(j);
+    }
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .process_group(0);
+    let child = cmd.spawn().context("starting a node process")?;
+    let pid = child.id() as i32;
+    std::fs::write(pid_file(n), pid.to_string())?;
+    // The child is reaped by init once we exit; it runs on its own.
+    std::mem::forget(child);
+    Ok(pid)
+}
+
+pub async fn up(a: UpArgs) -> Result<()> {
+    let data = a.target.data.clone();
+    std::fs::create_dir_all(&data).with_context(|| format!("creating {}", data.display()))?;
+    let data = data.canonicalize()?;
+    let fresh;
+    let cluster = match load(&data)? {
+        Some(c) => {
+            fresh = false;
+            c
+        }
+        None => {
+            fresh = true;
+            if a.nodes == 0 {
+                bail!("a cluster needs at least one node");
+            }
+            let size = parse_size(&a.device_size)?;
+            let nodes = (1..=a.nodes as u64)
+                .map(|i| {
+                    let dir = data.join(format!("node{i}"));
+                    LocalNode {
+                        id: i,
+                        api: format!("{}.{i}:{}", a.net, a.api_port),
+                        nbd: format!("{}.{i}:{}", a.net, a.nbd_port),
+                        peer: format!("{}.{i}:{}", a.net, a.peer_port),
+                        device: format!("{}:{size}", dir.join("dev0.img").display()),
+                        dir,
+                    }
+                })
+                .collect();
+            let c = LocalCluster { nodes };
+            std::fs::write(layout_path(&data), serde_json::to_vec_pretty(&c)?)?;
+            c
+        }
+    };
+    let first_api = cluster.nodes[0].api.clone();
+    for n in &cluster.nodes {
+        if let Some(pid) = running(n) {
+            println!("node {} already running (pid {pid})", n.id);
+            continue;
+        }
+        let join = (n.id != cluster.nodes[0].id).then_some(first_api.as_str());
+        let pid = start_node(n, join)?;
+        println!(
+            "started node {} (pid {pid}) api {} nbd {}",
+            n.id, n.api, n.nbd
+        );
+        if fresh && n.id == cluster.nodes[0].id {
+            // Let the first node found the cluster before the others join.
+            wait_api(&n.api, Duration::from_secs(a.timeout)).await?;
+        }
+    }
+
+    // Wait for every node to be up in the directory.
+    let deadline = Instant::now() + Duration::from_secs(a.timeout);
+    let want = cluster.nodes.len();
+    let status = loop {
+        let mut last = String::from("no answer yet");
+        for n in &cluster.nodes {
+            match Client::new(&n.api).status().await {
+                Ok(s) => {
+                    let up = s.nodes.iter().filter(|x| x.state == NodeState::Up).count();
+                    if s.leader.is_some() && up == want && s.devices.len() >= want {
+                        break;
+                    }
+                    last = format!("{up} of {want} nodes up");
+                }
+                Err(e) => last = e.to_string(),
+            }
+        }
+        if let Ok(s) = Client::new(&first_api).status().await {
+            let up = s.nodes.iter().filter(|x| x.state == NodeState::Up).count();
+            if s.leader.is_some() && up == want && s.devices.len() >= want {
+                break s;
+            }
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "cluster not healthy after {}s: {last}; see {}/node*/node.log",
+                a.timeout,
+                data.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    println!(
+        "cluster {} healthy: {} nodes up, leader node {}",
+        status.cluster_id,
+        want,
+        status.leader.unwrap_or(0)
+    );
+
+    let c = Client::new(&first_api);
+    if !a.no_demo && status.volumes.iter().all(|v| v.volume.name != "demo") && fresh {
+        let policy = match want {
+            1 | 2 => "ftt=0",
+            3 | 4 => "raid1 ftt=1",
+            _ => "raid1 ftt=2",
+        };
+        let r = c
+            .create_volume(&CreateVolume {
+                name: "demo".into(),
+                size: parse_size(&a.demo_size)?,
+                policy: policy.into(),
+            })
+            .await
+            .context("creating the demo volume")?;
+        println!(
+            "created volume demo ({}, {})",
+            shoal_model::human_size(r.volume.size),
+            r.volume.policy
+        );
+    }
+    let nbd1 = &cluster.nodes[0].nbd;
+    println!();
+    println!("Volumes are NBD exports on every node, e.g.:");
+    for n in &cluster.nodes {
+        println!("  nbd://{}/demo", n.nbd);
+    }
+    println!();
+    println!("Try:");
+    println!("  nbdinfo nbd://{nbd1}/demo");
+    println!("  qemu-img convert -n -O raw disk.img nbd://{nbd1}/demo");
+    println!("  fio --name=t --ioengine=nbd --uri=nbd://{nbd1}/demo --rw=randwrite --bs=4k --iodepth=32 --size=256M --runtime=10 --time_based");
+    println!("  mkdir -p /tmp/shoal-fuse && nbdfuse /tmp/shoal-fuse/disk nbd://{nbd1}/demo &   # then mkfs.ext4 + mount -o loop");
+    println!("  shoal status; shoal volume show demo; shoal down");
+    Ok(())
+}
+
+async fn wait_api(api: &str, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(s) = Client::new(api).status().await {
+            if !s.cluster_id.is_empty() {
+                return Ok(());
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("node at {api} did not start within {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+pub fn down(data: &Path) -> Result<()> {
+    let Some(c) = load(data)? else {
+        bail!("no local cluster in {} (no cluster.json)", data.display());
+    };
+    let mut pids = Vec::new();
+    for n in &c.nodes {
+        if let Some(pid) = running(n) {
+            // SAFETY: plain signal to a process we started.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+            pids.push((n.id, pid, n.clone()));
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline && pids.iter().any(|(_, _, n)| running(n).is_some()) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for (id, pid, n) in &pids {
+        if running(n).is_some() {
+            // SAFETY: as above.
+            unsafe { libc::kill(*pid, libc::SIGKILL) };
+            println!("node {id} killed");
+        } else {
+            println!("node {id} stopped");
+        }
+        let _ = std::fs::remove_file(pid_file(n));
+    }
+    if pids.is_empty() {
+        println!("no node was running");
+    }
+    Ok(())
+}
+
+/// A client for the cluster the target names: `--api`, or the first node
+/// of the local cluster in `--data` that answers.
+pub fn client(t: &Target) -> Result<Client> {
+    if let Some(api) = &t.api {
+        return Ok(Client::new(api));
+    }
+    let Some(c) = load(&t.data)? else {
+        bail!(
+            "no cluster found: {} has no cluster.json; run `shoal up` or pass --api http://HOST:PORT",
+            t.data.display()
+        );
+    };
+    let n = c
+        .nodes
+        .iter()
+        .find(|n| running(n).is_some())
+        .or(c.nodes.first())
+        .context("cluster.json lists no nodes")?;
+    Ok(Client::new(&n.api))
+}

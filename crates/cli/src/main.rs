@@ -1,0 +1,306 @@
+//! # shoal: the command line
+//!
+//! `shoal node` runs one node; `shoal up` / `shoal down` run a local cluster
+//! of node processes on loopback; `shoal status` and `shoal volume ...`
+//! manage a cluster through any node's REST API. Owns argument parsing and
+//! presentation only.
+
+mod local;
+mod show;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use shoal_model::parse_size;
+use shoal_node::{DeviceSpec, NodeConfig};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(name = "shoal", version, about = "Shoal: hyperconverged block storage")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+/// How commands find the cluster.
+#[derive(Args, Clone)]
+pub struct Target {
+    /// Data folder of a local cluster started with `shoal up`.
+    #[arg(
+        long,
+        global = true,
+        default_value = "./shoal-data",
+        env = "SHOAL_DATA"
+    )]
+    data: PathBuf,
+    /// API address of any node (`http://ip:port`); overrides --data.
+    #[arg(long, global = true, env = "SHOAL_API")]
+    api: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the daemon of one node.
+    Node(NodeArgs),
+    /// Start (or complete) a local cluster of node processes on loopback.
+    Up(local::UpArgs),
+    /// Stop the local cluster.
+    Down(#[command(flatten)] Target),
+    /// Nodes, devices and volumes with their health.
+    Status {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Create, list, show, resize and delete volumes.
+    #[command(subcommand)]
+    Volume(VolumeCmd),
+}
+
+#[derive(Subcommand)]
+enum VolumeCmd {
+    Create {
+        name: String,
+        /// Size: bytes or K, M, G, T.
+        #[arg(long)]
+        size: String,
+        /// Storage policy, e.g. "raid1 ftt=1", "ftt=0".
+        #[arg(long, default_value = "raid1 ftt=1")]
+        policy: String,
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
+    List {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
+    Show {
+        name: String,
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Grow a volume.
+    Resize {
+        name: String,
+        #[arg(long)]
+        size: String,
+        #[command(flatten)]
+        target: Target,
+    },
+    Delete {
+        name: String,
+        /// Delete even with clients connected.
+        #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        target: Target,
+    },
+}
+
+#[derive(Args)]
+struct NodeArgs {
+    /// Optional TOML file with the same keys as the flags (id, data,
+    /// device = ["PATH:SIZE"], peer, nbd, api, join, fault_domain).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Node id (also its Raft id), unique in the cluster.
+    #[arg(long)]
+    id: Option<u64>,
+    /// Data folder of this node.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// A device: PATH:SIZE creates a sparse file of SIZE if missing; PATH
+    /// alone uses an existing file or block device. Repeatable.
+    #[arg(long = "device")]
+    devices: Vec<String>,
+    /// Peer RPC address.
+    #[arg(long)]
+    peer: Option<String>,
+    /// NBD address.
+    #[arg(long)]
+    nbd: Option<String>,
+    /// HTTP API address.
+    #[arg(long)]
+    api: Option<String>,
+    /// API address of a member, to join its cluster.
+    #[arg(long)]
+    join: Option<String>,
+    /// Fault domain (default: the node is its own).
+    #[arg(long)]
+    fault_domain: Option<String>,
+}
+
+#[derive(serde::Deserialize, Default)]
+struct NodeFile {
+    id: Option<u64>,
+    data: Option<PathBuf>,
+    #[serde(default)]
+    device: Vec<String>,
+    peer: Option<String>,
+    nbd: Option<String>,
+    api: Option<String>,
+    join: Option<String>,
+    fault_domain: Option<String>,
+}
+
+fn parse_device(s: &str) -> Result<DeviceSpec> {
+    match s.rsplit_once(':') {
+        Some((p, size)) if !p.is_empty() && parse_size(size).is_ok() => Ok(DeviceSpec {
+            path: PathBuf::from(p),
+            size: parse_size(size)?,
+        }),
+        _ => Ok(DeviceSpec {
+            path: PathBuf::from(s),
+            size: 0,
+        }),
+    }
+}
+
+fn node_config(a: NodeArgs) -> Result<NodeConfig> {
+    let f: NodeFile = match &a.config {
+        Some(p) => toml::from_str(
+            &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+        )
+        .with_context(|| format!("parsing {}", p.display()))?,
+        None => NodeFile::default(),
+    };
+    let id = a.id.or(f.id).unwrap_or(1);
+    if id == 0 {
+        bail!("node ids start at 1");
+    }
+    let data = a
+        .data
+        .or(f.data)
+        .unwrap_or_else(|| PathBuf::from(format!("./shoal-node-{id}")));
+    let mut devs: Vec<String> = if a.devices.is_empty() {
+        f.device
+    } else {
+        a.devices
+    };
+    if devs.is_empty() {
+        devs.push(format!("{}:8G", data.join("dev0.img").display()));
+    }
+    let devices = devs
+        .iter()
+        .map(|d| parse_device(d))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(NodeConfig {
+        id,
+        devices,
+        peer_addr: a.peer.or(f.peer).unwrap_or_else(|| "127.0.0.1:9500".into()),
+        nbd_addr: a.nbd.or(f.nbd).unwrap_or_else(|| "127.0.0.1:10809".into()),
+        api_addr: a.api.or(f.api).unwrap_or_else(|| "127.0.0.1:9400".into()),
+        join: a.join.or(f.join),
+        fault_domain: a.fault_domain.or(f.fault_domain),
+        data_dir: data,
+    })
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let r = rt.block_on(run(cli));
+    if let Err(e) = r {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Node(a) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| "info,openraft=warn".into()),
+                )
+                .init();
+            shoal_node::run(node_config(a)?).await
+        }
+        Cmd::Up(a) => local::up(a).await,
+        Cmd::Down(t) => local::down(&t.data),
+        Cmd::Status { target, json } => {
+            let c = local::client(&target)?;
+            let s = c.status().await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&s)?);
+            } else {
+                show::status(&s);
+            }
+            Ok(())
+        }
+        Cmd::Volume(v) => volume(v).await,
+    }
+}
+
+async fn volume(v: VolumeCmd) -> Result<()> {
+    match v {
+        VolumeCmd::Create {
+            name,
+            size,
+            policy,
+            target,
+            json,
+        } => {
+            let size = parse_size(&size)?;
+            let c = local::client(&target)?;
+            let r = c
+                .create_volume(&shoal_api::CreateVolume { name, size, policy })
+                .await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                show::volume(&r);
+            }
+        }
+        VolumeCmd::List { target, json } => {
+            let c = local::client(&target)?;
+            let r = c.volumes().await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                show::volumes(&r);
+            }
+        }
+        VolumeCmd::Show { name, target, json } => {
+            let c = local::client(&target)?;
+            let r = c.volume(&name).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                show::volume(&r);
+            }
+        }
+        VolumeCmd::Resize { name, size, target } => {
+            let size = parse_size(&size)?;
+            let c = local::client(&target)?;
+            let r = c.resize_volume(&name, size).await?;
+            show::volume(&r);
+        }
+        VolumeCmd::Delete {
+            name,
+            force,
+            target,
+        } => {
+            let c = local::client(&target)?;
+            c.delete_volume(&name, force).await?;
+            println!("deleted volume {name}");
+        }
+    }
+    Ok(())
+}

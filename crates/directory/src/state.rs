@@ -1,0 +1,912 @@
+//! The replicated state machine: pure, deterministic, no I/O.
+//!
+//! [`ClusterState::apply`] is validate-then-mutate: a command that is
+//! rejected leaves the state exactly as it was, so every replica that applies
+//! the same log reaches the same state and the same answers.
+
+use serde::{Deserialize, Serialize};
+use shoal_model::{
+    check_volume_name, check_volume_size, Component, ComponentId, ComponentRole, ComponentState,
+    DeviceId, DeviceInfo, DeviceState, Generation, NodeId, NodeInfo, NodeState, Policy, Volume,
+    VolumeId,
+};
+use std::collections::BTreeMap;
+
+/// Everything the directory knows about the cluster.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ClusterState {
+    /// Set once by the first `SetClusterId`; empty until then.
+    pub cluster_id: String,
+    pub nodes: BTreeMap<NodeId, NodeInfo>,
+    pub devices: BTreeMap<DeviceId, DeviceInfo>,
+    pub volumes: BTreeMap<VolumeId, Volume>,
+    /// Allocator for volume, component and device ids. The next id handed
+    /// out is `max(next_id, 1)`; ids are never reused.
+    pub next_id: u64,
+}
+
+/// A change to the cluster state, the payload of a Raft log entry.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub enum Command {
+    /// Names the cluster: accepted when no id is set yet, or when it matches.
+    SetClusterId { cluster_id: String },
+    /// Adds or updates a node (addresses may change across restarts).
+    RegisterNode { node: NodeInfo },
+    /// Marks a node up or down. When it goes down, its active and resyncing
+    /// components become absent.
+    SetNodeState { node: NodeId, state: NodeState },
+    /// Adds or updates the device `(node, path)`; answers its id.
+    RegisterDevice {
+        node: NodeId,
+        path: String,
+        capacity: u64,
+    },
+    /// Usage and health as reported by the device's node.
+    ReportDeviceUsage {
+        device: DeviceId,
+        used: u64,
+        state: DeviceState,
+    },
+    /// Creates a volume with the given placement; answers its id.
+    CreateVolume {
+        name: String,
+        size: u64,
+        policy: Policy,
+        components: Vec<PlannedComponent>,
+    },
+    /// Deletes a volume and releases its reservations.
+    DeleteVolume { name: String },
+    /// Grows a volume.
+    ResizeVolume { name: String, size: u64 },
+    /// Compare-and-set of the owner: succeeds only when the volume is at
+    /// `expected_generation`; answers the new generation.
+    ClaimOwner {
+        volume: VolumeId,
+        node: NodeId,
+        expected_generation: Generation,
+    },
+    /// Clears the owner if the volume is still at `generation`.
+    ReleaseOwner {
+        volume: VolumeId,
+        generation: Generation,
+    },
+    /// Sets a component's state; only the current owner (holding the
+    /// volume's current generation) may.
+    SetComponentState {
+        volume: VolumeId,
+        component: ComponentId,
+        state: ComponentState,
+        generation: Generation,
+    },
+}
+
+/// A component chosen by placement, before it has an id.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct PlannedComponent {
+    pub role: ComponentRole,
+    pub node: NodeId,
+    pub device: DeviceId,
+    pub votes: u32,
+}
+
+/// What an accepted command answers.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub enum Response {
+    Ok,
+    /// The id of the created or registered object.
+    Id(u64),
+    /// The new owner generation.
+    Generation(Generation),
+}
+
+/// Why a command was rejected. The state is unchanged.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, thiserror::Error)]
+pub enum StateError {
+    #[error("a volume named {0:?} already exists")]
+    NameTaken(String),
+    #[error("no volume named {0:?}")]
+    NoSuchVolume(String),
+    #[error("no volume with id {0}")]
+    NoSuchVolumeId(VolumeId),
+    #[error("no node with id {0} is registered")]
+    NoSuchNode(NodeId),
+    #[error("no device with id {0} is registered")]
+    NoSuchDevice(DeviceId),
+    #[error("volume {volume} has no component {component}")]
+    NoSuchComponent {
+        volume: VolumeId,
+        component: ComponentId,
+    },
+    #[error("device {device} belongs to node {actual}, not to node {stated}")]
+    DeviceNotOnNode {
+        device: DeviceId,
+        stated: NodeId,
+        actual: NodeId,
+    },
+    #[error("volume {name:?} cannot shrink from {from} to {to} bytes: volumes only grow")]
+    Shrink { name: String, from: u64, to: u64 },
+    #[error("{0}")]
+    Input(String),
+    #[error("generation conflict: the volume is at generation {current} (owner {owner:?})")]
+    GenerationConflict {
+        current: Generation,
+        owner: Option<NodeId>,
+    },
+    #[error("this directory belongs to cluster {current:?}, not {requested:?}")]
+    ClusterMismatch { current: String, requested: String },
+}
+
+/// Bytes reserved on a device for one data component of a volume.
+pub fn reservation(size: u64, policy: &Policy) -> u64 {
+    (size as u128 * policy.reserve_pct.min(100) as u128 / 100) as u64
+}
+
+fn input(e: impl std::fmt::Display) -> StateError {
+    StateError::Input(e.to_string())
+}
+
+impl ClusterState {
+    pub fn volume_by_name(&self, name: &str) -> Option<&Volume> {
+        self.volumes.values().find(|v| v.name == name)
+    }
+
+    fn volume_id_by_name(&self, name: &str) -> Result<VolumeId, StateError> {
+        self.volume_by_name(name)
+            .map(|v| v.id)
+            .ok_or_else(|| StateError::NoSuchVolume(name.to_string()))
+    }
+
+    fn alloc_id(&mut self) -> u64 {
+        let id = self.next_id.max(1);
+        self.next_id = id + 1;
+        id
+    }
+
+    /// Per-device change of `reserved` when the data components of `v`
+    /// change reservation from `old` to `new` bytes each. Checked, so that a
+    /// rejected change never leaves a partial update.
+    fn reserve_delta(
+        &self,
+        components: &[(ComponentRole, DeviceId)],
+        old: u64,
+        new: u64,
+    ) -> Result<BTreeMap<DeviceId, u64>, StateError> {
+        let mut out: BTreeMap<DeviceId, u64> = BTreeMap::new();
+        for (role, dev) in components {
+            if *role != ComponentRole::Data {
+                continue;
+            }
+            let cur = match out.get(dev) {
+                Some(v) => *v,
+                None => {
+                    self.devices
+                        .get(dev)
+                        .ok_or(StateError::NoSuchDevice(*dev))?
+                        .reserved
+                }
+            };
+            let next = cur
+                .checked_sub(old)
+                .and_then(|v| v.checked_add(new))
+                .ok_or_else(|| input(format!("reservation on device {dev} out of range")))?;
+            out.insert(*dev, next);
+        }
+        Ok(out)
+    }
+
+    /// Applies one command. On error nothing has changed.
+    pub fn apply(&mut self, cmd: &Command) -> Result<Response, StateError> {
+        match cmd {
+            Command::SetClusterId { cluster_id } => {
+                if cluster_id.is_empty() {
+                    return Err(input("the cluster id must not be empty"));
+                }
+                if self.cluster_id.is_empty() {
+                    self.cluster_id = cluster_id.clone();
+                } else if &self.cluster_id != cluster_id {
+                    return Err(StateError::ClusterMismatch {
+                        current: self.cluster_id.clone(),
+                        requested: cluster_id.clone(),
+                    });
+                }
+                Ok(Response::Ok)
+            }
+            Command::RegisterNode { node } => {
+                self.nodes.insert(node.id, node.clone());
+                Ok(Response::Ok)
+            }
+            Command::SetNodeState { node, state } => {
+                let n = self
+                    .nodes
+                    .get_mut(node)
+                    .ok_or(StateError::NoSuchNode(*node))?;
+                n.state = *state;
+                if *state == NodeState::Down {
+                    for v in self.volumes.values_mut() {
+                        for c in v.components.iter_mut() {
+                            if c.node == *node
+                                && matches!(
+                                    c.state,
+                                    ComponentState::Active | ComponentState::Resyncing
+                                )
+                            {
+                                c.state = ComponentState::Absent;
+                            }
+                        }
+                    }
+                }
+                Ok(Response::Ok)
+            }
+            Command::RegisterDevice {
+                node,
+                path,
+                capacity,
+            } => {
+                if !self.nodes.contains_key(node) {
+                    return Err(StateError::NoSuchNode(*node));
+                }
+                if path.is_empty() {
+                    return Err(input("the device path must not be empty"));
+                }
+                if let Some(d) = self
+                    .devices
+                    .values_mut()
+                    .find(|d| d.node == *node && &d.path == path)
+                {
+                    d.capacity = *capacity;
+                    return Ok(Response::Id(d.id));
+                }
+                let id = self.alloc_id();
+                self.devices.insert(
+                    id,
+                    DeviceInfo {
+                        id,
+                        node: *node,
+                        path: path.clone(),
+                        capacity: *capacity,
+                        used: 0,
+                        reserved: 0,
+                        state: DeviceState::Healthy,
+                    },
+                );
+                Ok(Response::Id(id))
+            }
+            Command::ReportDeviceUsage {
+                device,
+                used,
+                state,
+            } => {
+                let d = self
+                    .devices
+                    .get_mut(device)
+                    .ok_or(StateError::NoSuchDevice(*device))?;
+                d.used = *used;
+                d.state = *state;
+                Ok(Response::Ok)
+            }
+            Command::CreateVolume {
+                name,
+                size,
+                policy,
+                components,
+            } => {
+                check_volume_name(name).map_err(input)?;
+                check_volume_size(*size).map_err(input)?;
+                if self.volume_by_name(name).is_some() {
+                    return Err(StateError::NameTaken(name.clone()));
+                }
+                if components.is_empty() {
+                    return Err(input("a volume needs at least one component"));
+                }
+                if !components.iter().any(|c| c.role == ComponentRole::Data) {
+                    return Err(input("a volume needs at least one data component"));
+                }
+                for c in components {
+                    if !self.nodes.contains_key(&c.node) {
+                        return Err(StateError::NoSuchNode(c.node));
+                    }
+                    let d = self
+                        .devices
+                        .get(&c.device)
+                        .ok_or(StateError::NoSuchDevice(c.device))?;
+                    if d.node != c.node {
+                        return Err(StateError::DeviceNotOnNode {
+                            device: c.device,
+                            stated: c.node,
+                            actual: d.node,
+                        });
+                    }
+                }
+                let placed: Vec<_> = components.iter().map(|c| (c.role, c.device)).collect();
+                let reserved = self.reserve_delta(&placed, 0, reservation(*size, policy))?;
+                // Validated: mutate.
+                for (dev, r) in reserved {
+                    if let Some(d) = self.devices.get_mut(&dev) {
+                        d.reserved = r;
+                    }
+                }
+                let id = self.alloc_id();
+                let comps = components
+                    .iter()
+                    .map(|c| Component {
+                        id: self.alloc_id(),
+                        role: c.role,
+                        node: c.node,
+                        device: c.device,
+                        state: ComponentState::Active,
+                        votes: c.votes,
+                    })
+                    .collect();
+                self.volumes.insert(
+                    id,
+                    Volume {
+                        id,
+                        name: name.clone(),
+                        size: *size,
+                        policy: *policy,
+                        components: comps,
+                        owner: None,
+                        generation: 0,
+                    },
+                );
+                Ok(Response::Id(id))
+            }
+            Command::DeleteVolume { name } => {
+                let id = self.volume_id_by_name(name)?;
+                let v = &self.volumes[&id];
+                let placed: Vec<_> = v.components.iter().map(|c| (c.role, c.device)).collect();
+                let reserved = self.reserve_delta(&placed, reservation(v.size, &v.policy), 0)?;
+                for (dev, r) in reserved {
+                    if let Some(d) = self.devices.get_mut(&dev) {
+                        d.reserved = r;
+                    }
+                }
+                self.volumes.remove(&id);
+                Ok(Response::Ok)
+            }
+            Command::ResizeVolume { name, size } => {
+                let id = self.volume_id_by_name(name)?;
+                check_volume_size(*size).map_err(input)?;
+                let v = &self.volumes[&id];
+                if *size < v.size {
+                    return Err(StateError::Shrink {
+                        name: name.clone(),
+                        from: v.size,
+                        to: *size,
+                    });
+                }
+                let placed: Vec<_> = v.components.iter().map(|c| (c.role, c.device)).collect();
+                let reserved = self.reserve_delta(
+                    &placed,
+                    reservation(v.size, &v.policy),
+                    reservation(*size, &v.policy),
+                )?;
+                for (dev, r) in reserved {
+                    if let Some(d) = self.devices.get_mut(&dev) {
+                        d.reserved = r;
+                    }
+                }
+                if let Some(v) = self.volumes.get_mut(&id) {
+                    v.size = *size;
+                }
+                Ok(Response::Ok)
+            }
+            Command::ClaimOwner {
+                volume,
+                node,
+                expected_generation,
+            } => {
+                if !self.nodes.contains_key(node) {
+                    return Err(StateError::NoSuchNode(*node));
+                }
+                let v = self
+                    .volumes
+                    .get_mut(volume)
+                    .ok_or(StateError::NoSuchVolumeId(*volume))?;
+                if v.generation != *expected_generation {
+                    return Err(StateError::GenerationConflict {
+                        current: v.generation,
+                        owner: v.owner,
+                    });
+                }
+                v.owner = Some(*node);
+                v.generation += 1;
+                Ok(Response::Generation(v.generation))
+            }
+            Command::ReleaseOwner { volume, generation } => {
+                let v = self
+                    .volumes
+                    .get_mut(volume)
+                    .ok_or(StateError::NoSuchVolumeId(*volume))?;
+                if v.generation != *generation {
+                    return Err(StateError::GenerationConflict {
+                        current: v.generation,
+                        owner: v.owner,
+                    });
+                }
+                v.owner = None;
+                Ok(Response::Ok)
+            }
+            Command::SetComponentState {
+                volume,
+                component,
+                state,
+                generation,
+            } => {
+                let v = self
+                    .volumes
+                    .get_mut(volume)
+                    .ok_or(StateError::NoSuchVolumeId(*volume))?;
+                if v.generation != *generation {
+                    return Err(StateError::GenerationConflict {
+                        current: v.generation,
+                        owner: v.owner,
+                    });
+                }
+                let c = v.components.iter_mut().find(|c| c.id == *component).ok_or(
+                    StateError::NoSuchComponent {
+                        volume: *volume,
+                        component: *component,
+                    },
+                )?;
+                c.state = *state;
+                Ok(Response::Ok)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeSet;
+
+    fn node(id: NodeId) -> NodeInfo {
+        NodeInfo {
+            id,
+            fault_domain: format!("node-{id}"),
+            peer_addr: format!("10.0.0.{id}:7000"),
+            api_addr: format!("10.0.0.{id}:8000"),
+            nbd_addr: format!("10.0.0.{id}:10809"),
+            state: NodeState::Up,
+        }
+    }
+
+    /// Three nodes with one device each; returns (state, device ids).
+    fn cluster() -> (ClusterState, Vec<DeviceId>) {
+        let mut s = ClusterState::default();
+        let mut devs = vec![];
+        for n in 1..=3 {
+            s.apply(&Command::RegisterNode { node: node(n) }).unwrap();
+            let Response::Id(d) = s
+                .apply(&Command::RegisterDevice {
+                    node: n,
+                    path: "/dev/a".into(),
+                    capacity: 1 << 30,
+                })
+                .unwrap()
+            else {
+                panic!()
+            };
+            devs.push(d);
+        }
+        (s, devs)
+    }
+
+    fn planned(devs: &[DeviceId]) -> Vec<PlannedComponent> {
+        vec![
+            PlannedComponent {
+                role: ComponentRole::Data,
+                node: 1,
+                device: devs[0],
+                votes: 1,
+            },
+            PlannedComponent {
+                role: ComponentRole::Data,
+                node: 2,
+                device: devs[1],
+                votes: 1,
+            },
+            PlannedComponent {
+                role: ComponentRole::Witness,
+                node: 3,
+                device: devs[2],
+                votes: 1,
+            },
+        ]
+    }
+
+    fn create(s: &mut ClusterState, devs: &[DeviceId], name: &str, policy: &str) -> VolumeId {
+        match s
+            .apply(&Command::CreateVolume {
+                name: name.into(),
+                size: 1 << 20,
+                policy: policy.parse().unwrap(),
+                components: planned(devs),
+            })
+            .unwrap()
+        {
+            Response::Id(id) => id,
+            r => panic!("{r:?}"),
+        }
+    }
+
+    #[test]
+    fn cluster_id_is_set_once() {
+        let mut s = ClusterState::default();
+        assert!(s
+            .apply(&Command::SetClusterId {
+                cluster_id: String::new()
+            })
+            .is_err());
+        let set = |id: &str| Command::SetClusterId {
+            cluster_id: id.into(),
+        };
+        assert_eq!(s.apply(&set("a")), Ok(Response::Ok));
+        assert_eq!(s.apply(&set("a")), Ok(Response::Ok));
+        assert!(matches!(
+            s.apply(&set("b")),
+            Err(StateError::ClusterMismatch { .. })
+        ));
+        assert_eq!(s.cluster_id, "a");
+    }
+
+    #[test]
+    fn devices_upsert_by_node_and_path() {
+        let (mut s, devs) = cluster();
+        let again = s
+            .apply(&Command::RegisterDevice {
+                node: 1,
+                path: "/dev/a".into(),
+                capacity: 2 << 30,
+            })
+            .unwrap();
+        assert_eq!(again, Response::Id(devs[0]));
+        assert_eq!(s.devices[&devs[0]].capacity, 2 << 30);
+        assert_eq!(s.devices.len(), 3);
+        assert_eq!(
+            s.apply(&Command::RegisterDevice {
+                node: 9,
+                path: "/x".into(),
+                capacity: 1
+            }),
+            Err(StateError::NoSuchNode(9))
+        );
+    }
+
+    #[test]
+    fn create_reserves_and_delete_releases() {
+        let (mut s, devs) = cluster();
+        let id = create(&mut s, &devs, "vol", "raid1 ftt=1 reserve=50");
+        let v = &s.volumes[&id];
+        assert_eq!(v.generation, 0);
+        assert_eq!(v.owner, None);
+        assert!(v
+            .components
+            .iter()
+            .all(|c| c.state == ComponentState::Active));
+        assert_eq!(s.devices[&devs[0]].reserved, 1 << 19);
+        assert_eq!(s.devices[&devs[1]].reserved, 1 << 19);
+        assert_eq!(s.devices[&devs[2]].reserved, 0, "witness reserves nothing");
+
+        let before = s.clone();
+        let err = s
+            .apply(&Command::CreateVolume {
+                name: "vol".into(),
+                size: 4096,
+                policy: Policy::default(),
+                components: planned(&devs),
+            })
+            .unwrap_err();
+        assert_eq!(err, StateError::NameTaken("vol".into()));
+        assert_eq!(err.to_string(), "a volume named \"vol\" already exists");
+        assert_eq!(s, before);
+
+        s.apply(&Command::ResizeVolume {
+            name: "vol".into(),
+            size: 2 << 20,
+        })
+        .unwrap();
+        assert_eq!(s.devices[&devs[0]].reserved, 1 << 20);
+        assert!(matches!(
+            s.apply(&Command::ResizeVolume {
+                name: "vol".into(),
+                size: 4096
+            }),
+            Err(StateError::Shrink { .. })
+        ));
+
+        s.apply(&Command::DeleteVolume { name: "vol".into() })
+            .unwrap();
+        assert!(s.devices.values().all(|d| d.reserved == 0));
+        assert_eq!(
+            s.apply(&Command::DeleteVolume { name: "vol".into() }),
+            Err(StateError::NoSuchVolume("vol".into()))
+        );
+        // Ids are never reused.
+        let id2 = create(&mut s, &devs, "vol", "ftt=1");
+        assert!(id2 > id);
+    }
+
+    #[test]
+    fn create_validates_input() {
+        let (mut s, devs) = cluster();
+        let before = s.clone();
+        let mk = |name: &str, size: u64, comps: Vec<PlannedComponent>| Command::CreateVolume {
+            name: name.into(),
+            size,
+            policy: Policy::default(),
+            components: comps,
+        };
+        assert!(matches!(
+            s.apply(&mk("a/b", 4096, planned(&devs))),
+            Err(StateError::Input(_))
+        ));
+        assert!(matches!(
+            s.apply(&mk("a", 4097, planned(&devs))),
+            Err(StateError::Input(_))
+        ));
+        assert!(matches!(
+            s.apply(&mk("a", 4096, vec![])),
+            Err(StateError::Input(_))
+        ));
+        let mut bad = planned(&devs);
+        bad[1].node = 1; // device of node 2 stated on node 1
+        assert!(matches!(
+            s.apply(&mk("a", 4096, bad)),
+            Err(StateError::DeviceNotOnNode { .. })
+        ));
+        let mut bad = planned(&devs);
+        bad[0].device = 999;
+        assert_eq!(
+            s.apply(&mk("a", 4096, bad)),
+            Err(StateError::NoSuchDevice(999))
+        );
+        assert_eq!(s, before);
+    }
+
+    #[test]
+    fn claim_owner_is_compare_and_set() {
+        let (mut s, devs) = cluster();
+        let id = create(&mut s, &devs, "vol", "ftt=1");
+        let claim = |node, g| Command::ClaimOwner {
+            volume: id,
+            node,
+            expected_generation: g,
+        };
+        assert_eq!(s.apply(&claim(1, 0)), Ok(Response::Generation(1)));
+        assert_eq!(
+            s.apply(&claim(2, 0)),
+            Err(StateError::GenerationConflict {
+                current: 1,
+                owner: Some(1)
+            })
+        );
+        assert_eq!(s.apply(&claim(2, 1)), Ok(Response::Generation(2)));
+        assert_eq!(s.volumes[&id].owner, Some(2));
+
+        // Only the current generation may set component states.
+        let comp = s.volumes[&id].components[0].id;
+        let set = |g| Command::SetComponentState {
+            volume: id,
+            component: comp,
+            state: ComponentState::Resyncing,
+            generation: g,
+        };
+        assert!(matches!(
+            s.apply(&set(1)),
+            Err(StateError::GenerationConflict { .. })
+        ));
+        assert_eq!(s.apply(&set(2)), Ok(Response::Ok));
+        assert_eq!(
+            s.volumes[&id].components[0].state,
+            ComponentState::Resyncing
+        );
+
+        assert!(s
+            .apply(&Command::ReleaseOwner {
+                volume: id,
+                generation: 1
+            })
+            .is_err());
+        s.apply(&Command::ReleaseOwner {
+            volume: id,
+            generation: 2,
+        })
+        .unwrap();
+        assert_eq!(s.volumes[&id].owner, None);
+        assert_eq!(s.volumes[&id].generation, 2);
+    }
+
+    #[test]
+    fn node_down_makes_its_components_absent() {
+        let (mut s, devs) = cluster();
+        let id = create(&mut s, &devs, "vol", "ftt=1");
+        let g = 0;
+        let c1 = s.volumes[&id].components[1].id;
+        s.apply(&Command::SetComponentState {
+            volume: id,
+            component: c1,
+            state: ComponentState::Degraded,
+            generation: g,
+        })
+        .unwrap();
+        s.apply(&Command::SetNodeState {
+            node: 1,
+            state: NodeState::Down,
+        })
+        .unwrap();
+        s.apply(&Command::SetNodeState {
+            node: 2,
+            state: NodeState::Down,
+        })
+        .unwrap();
+        let v = &s.volumes[&id];
+        assert_eq!(v.components[0].state, ComponentState::Absent);
+        assert_eq!(
+            v.components[1].state,
+            ComponentState::Degraded,
+            "degraded stays degraded"
+        );
+        assert_eq!(v.components[2].state, ComponentState::Active);
+        assert_eq!(s.nodes[&1].state, NodeState::Down);
+    }
+
+    // ---- property tests ----
+
+    fn arb_command() -> impl Strategy<Value = Command> {
+        let names = prop::sample::select(vec!["a", "b", "c", "bad/name"]);
+        let sizes = prop::sample::select(vec![0u64, 4096, 4097, 8192, 1 << 20, u64::MAX - 4095]);
+        let states = prop::sample::select(vec![
+            ComponentState::Active,
+            ComponentState::Absent,
+            ComponentState::Degraded,
+            ComponentState::Resyncing,
+        ]);
+        // Mostly the device that `setup` registered on the node.
+        let planned = (
+            prop::bool::ANY,
+            1u64..5,
+            prop::option::weighted(0.2, 1u64..12),
+            1u32..3,
+        )
+            .prop_map(|(data, node, device, votes)| PlannedComponent {
+                role: if data {
+                    ComponentRole::Data
+                } else {
+                    ComponentRole::Witness
+                },
+                node,
+                device: device.unwrap_or(node),
+                votes,
+            });
+        prop_oneof![
+            (1u64..5).prop_map(|id| Command::RegisterNode { node: node(id) }),
+            (1u64..5, prop::bool::ANY).prop_map(|(n, up)| Command::SetNodeState {
+                node: n,
+                state: if up { NodeState::Up } else { NodeState::Down }
+            }),
+            (
+                1u64..5,
+                prop::sample::select(vec!["/a", "/b"]),
+                0u64..1 << 40
+            )
+                .prop_map(|(n, p, c)| Command::RegisterDevice {
+                    node: n,
+                    path: p.into(),
+                    capacity: c
+                }),
+            (1u64..12, 0u64..1 << 30).prop_map(|(d, u)| Command::ReportDeviceUsage {
+                device: d,
+                used: u,
+                state: DeviceState::Healthy
+            }),
+            (
+                names.clone(),
+                sizes.clone(),
+                0u8..=100,
+                prop::collection::vec(planned, 0..4)
+            )
+                .prop_map(|(n, size, r, comps)| Command::CreateVolume {
+                    name: n.into(),
+                    size,
+                    policy: Policy {
+                        reserve_pct: r,
+                        ..Policy::default()
+                    },
+                    components: comps
+                }),
+            names
+                .clone()
+                .prop_map(|n| Command::DeleteVolume { name: n.into() }),
+            (names, sizes).prop_map(|(n, size)| Command::ResizeVolume {
+                name: n.into(),
+                size
+            }),
+            (1u64..20, 1u64..5, 0u64..4).prop_map(|(v, n, g)| Command::ClaimOwner {
+                volume: v,
+                node: n,
+                expected_generation: g
+            }),
+            (1u64..20, 0u64..4).prop_map(|(v, g)| Command::ReleaseOwner {
+                volume: v,
+                generation: g
+            }),
+            (1u64..20, 1u64..30, states, 0u64..4).prop_map(|(v, c, st, g)| {
+                Command::SetComponentState {
+                    volume: v,
+                    component: c,
+                    state: st,
+                    generation: g,
+                }
+            }),
+        ]
+    }
+
+    fn check_invariants(s: &ClusterState) {
+        // Unique names.
+        let names: BTreeSet<_> = s.volumes.values().map(|v| v.name.as_str()).collect();
+        assert_eq!(names.len(), s.volumes.len());
+        // Ids distinct across volumes, components and devices, below next_id.
+        let mut ids = BTreeSet::new();
+        for (k, v) in &s.volumes {
+            assert_eq!(*k, v.id);
+            assert!(ids.insert(v.id));
+            for c in &v.components {
+                assert!(ids.insert(c.id));
+            }
+        }
+        for (k, d) in &s.devices {
+            assert_eq!(*k, d.id);
+            assert!(ids.insert(d.id));
+        }
+        if let Some(max) = ids.last() {
+            assert!(*max < s.next_id);
+        }
+        // Reservations are the sum over data components.
+        let mut want: BTreeMap<DeviceId, u64> = BTreeMap::new();
+        for v in s.volumes.values() {
+            for c in v.data_components() {
+                *want.entry(c.device).or_default() += reservation(v.size, &v.policy);
+            }
+        }
+        for d in s.devices.values() {
+            assert_eq!(d.reserved, want.get(&d.id).copied().unwrap_or(0));
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn random_commands_keep_invariants(cmds in prop::collection::vec(arb_command(), 1..80)) {
+            let mut s = ClusterState::default();
+            // Nodes 1..=4 with device i on node i, so that creates succeed.
+            for n in 1..=4 {
+                s.apply(&Command::RegisterNode { node: node(n) }).unwrap();
+                s.apply(&Command::RegisterDevice { node: n, path: "/a".into(), capacity: 1 << 40 }).unwrap();
+            }
+            prop_assert_eq!(s.devices.keys().copied().collect::<Vec<_>>(), vec![1, 2, 3, 4]);
+            let mut seen_volume_ids = BTreeSet::new();
+            let mut generations: BTreeMap<VolumeId, Generation> = BTreeMap::new();
+            for cmd in &cmds {
+                let before = s.clone();
+                let res = s.apply(cmd);
+                match &res {
+                    Err(_) => prop_assert_eq!(&s, &before, "rejected {:?} changed the state", cmd),
+                    Ok(Response::Id(id)) => {
+                        if let Command::CreateVolume { .. } = cmd {
+                            prop_assert!(seen_volume_ids.insert(*id), "volume id {} reused", id);
+                        }
+                    }
+                    Ok(_) => {}
+                }
+                for v in s.volumes.values() {
+                    let g = generations.entry(v.id).or_insert(v.generation);
+                    prop_assert!(v.generation >= *g, "generation went back");
+                    *g = v.generation;
+                }
+                check_invariants(&s);
+            }
+        }
+    }
+}

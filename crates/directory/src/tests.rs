@@ -1,0 +1,110 @@
+//! Snapshots: built, persisted, used after log purge to catch up a new
+//! member over HTTP, and reloaded at restart.
+
+use super::*;
+use std::net::SocketAddr;
+use std::path::Path;
+use tokio::net::TcpListener;
+
+async fn start(
+    id: NodeId,
+    dir: &Path,
+    addr: Option<SocketAddr>,
+) -> (Directory, SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = TcpListener::bind(addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap()))
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let d = Directory::open(DirectoryConfig {
+        node_id: id,
+        data_dir: dir.to_path_buf(),
+        api_addr: addr.to_string(),
+    })
+    .await
+    .unwrap();
+    let router = d.router();
+    let h = tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    (d, addr, h)
+}
+
+async fn wait_for<F: FnMut() -> bool>(what: &str, mut f: F) {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_catches_up_a_new_member_and_survives_restart() {
+    let t1 = tempfile::tempdir().unwrap();
+    let t2 = tempfile::tempdir().unwrap();
+    let (d1, a1, h1) = start(1, t1.path(), None).await;
+    d1.bootstrap().await.unwrap();
+    wait_for("leader", || d1.is_leader()).await;
+    d1.propose(Command::SetClusterId {
+        cluster_id: "snap".into(),
+    })
+    .await
+    .unwrap();
+    for n in 1..=20 {
+        let node = shoal_model::NodeInfo {
+            id: n,
+            fault_domain: format!("node-{n}"),
+            peer_addr: String::new(),
+            api_addr: String::new(),
+            nbd_addr: String::new(),
+            state: shoal_model::NodeState::Up,
+        };
+        d1.propose(Command::RegisterNode { node }).await.unwrap();
+    }
+
+    // Snapshot, then purge every log entry it covers.
+    let raft = &d1.inner.raft;
+    raft.trigger().snapshot().await.unwrap();
+    wait_for("snapshot", || d1.inner.metrics.borrow().snapshot.is_some()).await;
+    let upto = d1.inner.metrics.borrow().snapshot.unwrap().index;
+    raft.trigger().purge_log(upto).await.unwrap();
+    wait_for("purge", || {
+        d1.inner.metrics.borrow().purged.map(|l| l.index) == Some(upto)
+    })
+    .await;
+
+    // A new member can only catch up from the snapshot.
+    let (d2, a2, h2) = start(2, t2.path(), None).await;
+    d2.join(&a1.to_string()).await.unwrap();
+    wait_for("replicated state", || *d2.state() == *d1.state()).await;
+    assert_eq!(d2.state().nodes.len(), 20);
+    assert_eq!(d2.voters().len(), 2);
+    d2.propose(Command::SetClusterId {
+        cluster_id: "snap".into(),
+    })
+    .await
+    .unwrap();
+    let before = d1.state();
+
+    // Restart both: state comes back from snapshot plus log replay.
+    for (d, h) in [(d1, h1), (d2, h2)] {
+        d.shutdown().await;
+        h.abort();
+    }
+    let (d1, _, h1) = start(1, t1.path(), Some(a1)).await;
+    let (d2, _, h2) = start(2, t2.path(), Some(a2)).await;
+    assert_eq!(*d1.state(), *before, "node 1 state restored at open");
+    wait_for("node 2 state restored", || *d2.state() == *before).await;
+    wait_for("leader after restart", || d1.leader().is_some()).await;
+    d2.propose(Command::SetClusterId {
+        cluster_id: "snap".into(),
+    })
+    .await
+    .unwrap();
+    for (d, h) in [(d1, h1), (d2, h2)] {
+        d.shutdown().await;
+        h.abort();
+    }
+}

@@ -1,0 +1,310 @@
+//! In-process three-member directory over real HTTP on 127.0.0.1.
+
+use shoal_directory::{
+    ClusterState, Command, Directory, DirectoryConfig, DirectoryError, PlannedComponent, Response,
+    StateError,
+};
+use shoal_model::{ComponentRole, NodeId, NodeInfo, NodeState, Policy};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// A directory member with its HTTP server.
+struct Member {
+    id: NodeId,
+    addr: SocketAddr,
+    dir: Directory,
+    stop: Option<oneshot::Sender<()>>,
+    server: JoinHandle<()>,
+}
+
+impl Member {
+    async fn start(id: NodeId, data_dir: &Path, addr: Option<SocketAddr>) -> Member {
+        let bind = addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap());
+        let listener = TcpListener::bind(bind).await.expect("bind");
+        let addr = listener.local_addr().unwrap();
+        let dir = Directory::open(DirectoryConfig {
+            node_id: id,
+            data_dir: data_dir.to_path_buf(),
+            api_addr: addr.to_string(),
+        })
+        .await
+        .expect("open");
+        let (tx, rx) = oneshot::channel::<()>();
+        let router = dir.router();
+        let server = tokio::spawn(async move {
+            let _ = axum::serve(listener, router)
+                .with_graceful_shutdown(async move {
+                    let _ = rx.await;
+                })
+                .await;
+        });
+        Member {
+            id,
+            addr,
+            dir,
+            stop: Some(tx),
+            server,
+        }
+    }
+
+    async fn stop(mut self) {
+        self.dir.shutdown().await;
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if tokio::time::timeout(Duration::from_secs(2), &mut self.server)
+            .await
+            .is_err()
+        {
+            self.server.abort();
+        }
+    }
+}
+
+async fn wait_for<F: FnMut() -> bool>(what: &str, secs: u64, mut f: F) -> Duration {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < Duration::from_secs(secs),
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    start.elapsed()
+}
+
+fn node(id: NodeId) -> NodeInfo {
+    NodeInfo {
+        id,
+        fault_domain: format!("node-{id}"),
+        peer_addr: format!("127.0.0.1:{}", 7000 + id),
+        api_addr: format!("127.0.0.1:{}", 8000 + id),
+        nbd_addr: format!("127.0.0.1:{}", 10800 + id),
+        state: NodeState::Up,
+    }
+}
+
+fn same_state(dirs: &[&Directory]) -> bool {
+    let first = dirs[0].state();
+    dirs.iter().all(|d| *d.state() == *first)
+}
+
+async fn populate(via: &Directory) -> u64 {
+    via.propose(Command::SetClusterId {
+        cluster_id: "test".into(),
+    })
+    .await
+    .unwrap();
+    let mut devs = vec![];
+    for n in 1..=3 {
+        via.propose(Command::RegisterNode { node: node(n) })
+            .await
+            .unwrap();
+        match via
+            .propose(Command::RegisterDevice {
+                node: n,
+                path: "/data/dev0".into(),
+                capacity: 1 << 30,
+            })
+            .await
+            .unwrap()
+        {
+            Response::Id(d) => devs.push(d),
+            r => panic!("unexpected {r:?}"),
+        }
+    }
+    let comps = vec![
+        PlannedComponent {
+            role: ComponentRole::Data,
+            node: 1,
+            device: devs[0],
+            votes: 1,
+        },
+        PlannedComponent {
+            role: ComponentRole::Data,
+            node: 2,
+            device: devs[1],
+            votes: 1,
+        },
+        PlannedComponent {
+            role: ComponentRole::Witness,
+            node: 3,
+            device: devs[2],
+            votes: 1,
+        },
+    ];
+    match via
+        .propose(Command::CreateVolume {
+            name: "vol1".into(),
+            size: 1 << 20,
+            policy: "raid1 ftt=1 reserve=100".parse::<Policy>().unwrap(),
+            components: comps,
+        })
+        .await
+        .unwrap()
+    {
+        Response::Id(v) => v,
+        r => panic!("unexpected {r:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_members_replicate_fail_over_and_persist() {
+    let tmp: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let paths: Vec<PathBuf> = tmp.iter().map(|t| t.path().to_path_buf()).collect();
+
+    let mut members = Vec::new();
+    for (i, p) in paths.iter().enumerate() {
+        members.push(Member::start(i as NodeId + 1, p, None).await);
+    }
+    let addrs: Vec<SocketAddr> = members.iter().map(|m| m.addr).collect();
+
+    // Bootstrap node 1, join 2 via 1 and 3 via 2 (forwarded to the leader).
+    assert!(!members[0].dir.is_initialized().await);
+    members[0].dir.bootstrap().await.unwrap();
+    members[0].dir.bootstrap().await.unwrap(); // no-op
+    wait_for("node 1 to lead", 10, || members[0].dir.is_leader()).await;
+    members[1].dir.join(&addrs[0].to_string()).await.unwrap();
+    members[2].dir.join(&addrs[1].to_string()).await.unwrap();
+    members[2].dir.join(&addrs[0].to_string()).await.unwrap(); // no-op
+    wait_for("three voters everywhere", 10, || {
+        members.iter().all(|m| {
+            let mut v = m.dir.voters();
+            v.sort();
+            v == vec![1, 2, 3] && m.dir.members().len() == 3
+        })
+    })
+    .await;
+    assert!(members[2].dir.is_initialized().await);
+
+    // Proposals on a follower are forwarded to the leader.
+    let follower = &members[2].dir;
+    assert!(!follower.is_leader());
+    let vol = populate(follower).await;
+    let mut watch = members[1].dir.watch();
+    wait_for("the same state everywhere", 10, || {
+        same_state(&members.iter().map(|m| &m.dir).collect::<Vec<_>>())
+    })
+    .await;
+    let st = members[0].dir.state();
+    assert_eq!(st.cluster_id, "test");
+    assert_eq!(st.nodes.len(), 3);
+    assert_eq!(st.volume_by_name("vol1").unwrap().id, vol);
+    assert!(watch.borrow_and_update().volume_by_name("vol1").is_some());
+
+    // Rejections come back as State errors, from a follower too.
+    let err = follower
+        .propose(Command::CreateVolume {
+            name: "vol1".into(),
+            size: 4096,
+            policy: Policy::default(),
+            components: vec![],
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, DirectoryError::State(StateError::NameTaken(ref n)) if n == "vol1"),
+        "{err:?}"
+    );
+
+    // Compare-and-set of the owner: two concurrent claims, exactly one wins.
+    let claim = |node| Command::ClaimOwner {
+        volume: vol,
+        node,
+        expected_generation: 0,
+    };
+    let (a, b) = tokio::join!(
+        members[1].dir.propose(claim(2)),
+        members[2].dir.propose(claim(3))
+    );
+    let wins = [&a, &b]
+        .iter()
+        .filter(|r| matches!(r, Ok(Response::Generation(1))))
+        .count();
+    let conflicts = [&a, &b]
+        .iter()
+        .filter(|r| {
+            matches!(
+                r,
+                Err(DirectoryError::State(StateError::GenerationConflict {
+                    current: 1,
+                    ..
+                }))
+            )
+        })
+        .count();
+    assert_eq!((wins, conflicts), (1, 1), "{a:?} {b:?}");
+
+    // Kill the leader: another is elected and proposals go on.
+    let old = members[0].dir.leader().expect("a leader");
+    let idx = members.iter().position(|m| m.id == old).unwrap();
+    let dead = members.remove(idx);
+    let dead_id = dead.id;
+    dead.stop().await;
+    let took = wait_for("a new leader", 15, || {
+        let l = members[0].dir.leader();
+        l.is_some() && l != Some(dead_id) && members.iter().all(|m| m.dir.leader() == l)
+    })
+    .await;
+    eprintln!("new leader elected in {took:?}");
+    assert!(took < Duration::from_secs(8), "election took {took:?}");
+    let r = members[0]
+        .dir
+        .propose(Command::SetNodeState {
+            node: dead_id,
+            state: NodeState::Down,
+        })
+        .await
+        .unwrap();
+    assert_eq!(r, Response::Ok);
+    wait_for("survivors to agree", 10, || {
+        same_state(&members.iter().map(|m| &m.dir).collect::<Vec<_>>())
+    })
+    .await;
+    let before: Arc<ClusterState> = members[0].dir.state();
+    assert_eq!(before.nodes[&dead_id].state, NodeState::Down);
+
+    // Stop everything and reopen from the same folders and addresses.
+    for m in members.drain(..) {
+        m.stop().await;
+    }
+    let mut members = Vec::new();
+    for (i, p) in paths.iter().enumerate() {
+        members.push(Member::start(i as NodeId + 1, p, Some(addrs[i])).await);
+    }
+    for m in &members {
+        assert!(m.dir.is_initialized().await);
+        m.dir.bootstrap().await.unwrap(); // no-op on a member
+    }
+    wait_for("a leader after restart", 15, || {
+        let l = members[0].dir.leader();
+        l.is_some() && members.iter().all(|m| m.dir.leader() == l)
+    })
+    .await;
+    wait_for("state restored everywhere", 15, || {
+        members.iter().all(|m| *m.dir.state() == *before)
+    })
+    .await;
+    let r = members[1]
+        .dir
+        .propose(Command::SetNodeState {
+            node: dead_id,
+            state: NodeState::Up,
+        })
+        .await
+        .unwrap();
+    assert_eq!(r, Response::Ok);
+    wait_for("the same state after restart", 10, || {
+        same_state(&members.iter().map(|m| &m.dir).collect::<Vec<_>>())
+    })
+    .await;
+    assert_eq!(members[2].dir.state().nodes[&dead_id].state, NodeState::Up);
+    for m in members {
+        m.stop().await;
+    }
+}

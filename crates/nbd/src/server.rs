@@ -1,0 +1,547 @@
+//! Connection handling: accept loop, handshake / option haggling and the
+//! pipelined transmission phase.
+
+use std::future::Future;
+use std::io::{self, IoSlice};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, Semaphore};
+use tracing::{debug, warn};
+
+use crate::codec::*;
+use crate::{Export, Exports, IoError, NbdError};
+
+/// Requests being handled concurrently per connection.
+pub(crate) const MAX_IN_FLIGHT: usize = 256;
+/// Payload bytes (READ + WRITE) in flight per connection, in 4 KiB units.
+const BYTE_UNIT: u32 = 4096;
+const MAX_IN_FLIGHT_UNITS: u32 = (128 * 1024 * 1024) / BYTE_UNIT;
+/// Option data we are willing to buffer (GO/INFO need 4 + 4096 + 2 + 2n).
+const MAX_OPTION_LEN: u32 = 64 * 1024;
+/// Oversized option data we still skip (and answer TOO_BIG); beyond, we close.
+const MAX_DISCARD_OPTION_LEN: u32 = 16 * 1024 * 1024;
+/// Options accepted per connection before we consider it a DoS.
+const MAX_OPTIONS: usize = 4096;
+/// Replies coalesced into one vectored write.
+const MAX_BATCH_CHUNKS: usize = 64;
+const MAX_BATCH_BYTES: usize = 4 * 1024 * 1024;
+
+const HANDSHAKE_FLAGS: u16 = NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES;
+const KNOWN_CLIENT_FLAGS: u32 = NBD_FLAG_C_FIXED_NEWSTYLE | NBD_FLAG_C_NO_ZEROES;
+
+/// Accept loop: one task per connection; returns when `shutdown` resolves.
+/// Errors of one connection are logged (tracing) and never stop the loop.
+/// Connections already accepted keep running after `serve` returns.
+pub async fn serve<E: Exports>(
+    listener: TcpListener,
+    exports: Arc<E>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> io::Result<()> {
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => return Ok(()),
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let exports = exports.clone();
+                    tokio::spawn(async move {
+                        match serve_connection(stream, exports).await {
+                            Ok(()) => debug!(%peer, "nbd connection closed"),
+                            Err(NbdError::ClientAborted) => debug!(%peer, "nbd client went away"),
+                            Err(e) => warn!(%peer, error = %e, "nbd connection failed"),
+                        }
+                    });
+                }
+                Err(e) => {
+                    // E.g. EMFILE: back off briefly instead of spinning.
+                    warn!(error = %e, "nbd accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+        }
+    }
+}
+
+/// Serve one already-accepted connection (used by serve and tests).
+pub async fn serve_connection<E: Exports>(
+    mut stream: TcpStream,
+    exports: Arc<E>,
+) -> Result<(), NbdError> {
+    if let Err(e) = stream.set_nodelay(true) {
+        debug!(error = %e, "set_nodelay failed");
+    }
+    let export = match handshake(&mut stream, &*exports).await? {
+        Some(export) => export,
+        None => return Ok(()),
+    };
+    drop(exports);
+    transmission(stream, Arc::new(export)).await
+}
+
+fn eof_to_abort(e: io::Error) -> NbdError {
+    match e.kind() {
+        io::ErrorKind::UnexpectedEof
+        | io::ErrorKind::ConnectionReset
+        | io::ErrorKind::BrokenPipe => NbdError::ClientAborted,
+        _ => NbdError::Io(e),
+    }
+}
+
+fn transmission_flags<X: Export>(export: &X) -> u16 {
+    let mut flags = NBD_FLAG_HAS_FLAGS
+        | NBD_FLAG_SEND_FLUSH
+        | NBD_FLAG_SEND_FUA
+        | NBD_FLAG_SEND_TRIM
+        | NBD_FLAG_SEND_WRITE_ZEROES;
+    if export.multi_conn() {
+        flags |= NBD_FLAG_CAN_MULTI_CONN;
+    }
+    flags
+}
+
+async fn send_opt_reply<S: AsyncWrite + Unpin>(s: &mut S, reply: OptionReply) -> io::Result<()> {
+    s.write_all(&reply.encode()).await
+}
+
+/// Read and throw away `n` bytes without allocating `n` bytes.
+async fn discard<R: AsyncRead + Unpin>(r: &mut R, n: u64) -> io::Result<()> {
+    let copied = tokio::io::copy(&mut r.take(n), &mut tokio::io::sink()).await?;
+    if copied != n {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(())
+}
+
+/// Fixed newstyle handshake and option haggling. `Ok(None)`: the client
+/// aborted cleanly (NBD_OPT_ABORT).
+async fn handshake<E: Exports>(
+    stream: &mut TcpStream,
+    exports: &E,
+) -> Result<Option<E::Export>, NbdError> {
+    stream
+        .write_all(&encode_greeting(HANDSHAKE_FLAGS))
+        .await
+        .map_err(eof_to_abort)?;
+    let client_flags = stream.read_u32().await.map_err(eof_to_abort)?;
+    if client_flags & !KNOWN_CLIENT_FLAGS != 0 {
+        return Err(NbdError::Protocol(format!(
+            "unknown client flags {client_flags:#x}"
+        )));
+    }
+    if client_flags & NBD_FLAG_C_FIXED_NEWSTYLE == 0 {
+        debug!("client did not set NBD_FLAG_C_FIXED_NEWSTYLE; continuing anyway");
+    }
+    let no_zeroes = client_flags & NBD_FLAG_C_NO_ZEROES != 0;
+
+    for _ in 0..MAX_OPTIONS {
+        let mut hdr = [0u8; OPTION_HEADER_LEN];
+        stream.read_exact(&mut hdr).await.map_err(eof_to_abort)?;
+        let OptionHeader { option, len } = OptionHeader::decode(&hdr)
+            .map_err(|e| NbdError::Protocol(format!("bad option header: {e}")))?;
+
+        if len > MAX_OPTION_LEN {
+            if option == NBD_OPT_EXPORT_NAME {
+                return Err(NbdError::Protocol(format!(
+                    "NBD_OPT_EXPORT_NAME with {len} bytes of data"
+                )));
+            }
+            let msg = format!("option data of {len} bytes is too large");
+            send_opt_reply(
+                stream,
+                OptionReply::error(option, NBD_REP_ERR_TOO_BIG, &msg),
+            )
+            .await?;
+            if len > MAX_DISCARD_OPTION_LEN {
+                return Err(NbdError::Protocol(msg));
+            }
+            discard(stream, len as u64).await.map_err(eof_to_abort)?;
+            continue;
+        }
+        // Bounded by MAX_OPTION_LEN above.
+        let mut data = vec![0u8; len as usize];
+        stream.read_exact(&mut data).await.map_err(eof_to_abort)?;
+
+        match option {
+            NBD_OPT_EXPORT_NAME => {
+                let name = String::from_utf8(data).map_err(|_| {
+                    NbdError::Protocol("export name is not valid UTF-8".to_string())
+                })?;
+                match exports.open(&name).await {
+                    Ok(export) => {
+                        let reply = ExportNameReply {
+                            size: export.size(),
+                            flags: transmission_flags(&export),
+                        };
+                        stream.write_all(&reply.encode(no_zeroes)).await?;
+                        debug!(name = %name, "export opened via NBD_OPT_EXPORT_NAME");
+                        return Ok(Some(export));
+                    }
+                    Err(message) => return Err(NbdError::ExportRejected { name, message }),
+                }
+            }
+            NBD_OPT_ABORT => {
+                // The client may already have closed its end; ignore errors.
+                let _ = send_opt_reply(stream, OptionReply::new(option, NBD_REP_ACK, Bytes::new()))
+                    .await;
+                let _ = stream.shutdown().await;
+                return Ok(None);
+            }
+            NBD_OPT_LIST => {
+                if !data.is_empty() {
+                    send_opt_reply(
+                        stream,
+                        OptionReply::error(
+                            option,
+                            NBD_REP_ERR_INVALID,
+                            "NBD_OPT_LIST takes no data",
+                        ),
+                    )
+                    .await?;
+                    continue;
+                }
+                let mut out = Vec::new();
+                for name in exports.list().await {
+                    let entry = ServerEntry {
+                        name: clamp_string(&name).to_string(),
+                        details: String::new(),
+                    };
+                    out.extend_from_slice(
+                        &OptionReply::new(option, NBD_REP_SERVER, entry.encode()).encode(),
+                    );
+                }
+                out.extend_from_slice(
+                    &OptionReply::new(option, NBD_REP_ACK, Bytes::new()).encode(),
+                );
+                stream.write_all(&out).await?;
+            }
+            NBD_OPT_INFO | NBD_OPT_GO => {
+                let req = match InfoRequest::decode(&data) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let msg = format!("malformed option data: {e}");
+                        send_opt_reply(
+                            stream,
+                            OptionReply::error(option, NBD_REP_ERR_INVALID, &msg),
+                        )
+                        .await?;
+                        continue;
+                    }
+                };
+                let export = match exports.open(&req.name).await {
+                    Ok(x) => x,
+                    Err(message) => {
+                        send_opt_reply(
+                            stream,
+                            OptionReply::error(option, NBD_REP_ERR_UNKNOWN, &message),
+                        )
+                        .await?;
+                        continue;
+                    }
+                };
+                let mut infos = vec![Info::Export {
+                    size: export.size(),
+                    flags: transmission_flags(&export),
+                }];
+                if req.requests.contains(&NBD_INFO_NAME) {
+                    infos.push(Info::Name(req.name.clone()));
+                }
+                infos.push(Info::BlockSize {
+                    min: MIN_BLOCK_SIZE,
+                    preferred: PREFERRED_BLOCK_SIZE,
+                    max: MAX_BLOCK_SIZE,
+                });
+                let mut out = Vec::new();
+                for i in infos {
+                    out.extend_from_slice(
+                        &OptionReply::new(option, NBD_REP_INFO, i.encode()).encode(),
+                    );
+                }
+                out.extend_from_slice(
+                    &OptionReply::new(option, NBD_REP_ACK, Bytes::new()).encode(),
+                );
+                stream.write_all(&out).await?;
+                if option == NBD_OPT_GO {
+                    debug!(name = %req.name, "export opened via NBD_OPT_GO");
+                    return Ok(Some(export));
+                }
+                // NBD_OPT_INFO: the export is dropped here.
+            }
+            _ => {
+                // Includes STARTTLS, STRUCTURED_REPLY, META_CONTEXT, EXTENDED_HEADERS.
+                send_opt_reply(
+                    stream,
+                    OptionReply::error(option, NBD_REP_ERR_UNSUP, "option not supported"),
+                )
+                .await?;
+            }
+        }
+    }
+    Err(NbdError::Protocol("too many options".to_string()))
+}
+
+/// A reply queued for the writer task.
+struct Reply {
+    handle: u64,
+    error: u32,
+    data: Option<Bytes>,
+}
+
+impl Reply {
+    fn err(handle: u64, error: u32) -> Self {
+        Self {
+            handle,
+            error,
+            data: None,
+        }
+    }
+}
+
+/// Validation outcome of a request header before touching the export.
+fn check_request(req: &Request, size: u64) -> Result<(), u32> {
+    let allowed_flags = match req.command {
+        Command::WriteZeroes => NBD_CMD_FLAG_FUA | NBD_CMD_FLAG_NO_HOLE,
+        _ => NBD_CMD_FLAG_FUA,
+    };
+    if req.flags & !allowed_flags != 0 {
+        return Err(NBD_EINVAL);
+    }
+    match req.command {
+        Command::Flush => Ok(()),
+        Command::Read | Command::Write | Command::Trim | Command::WriteZeroes => {
+            if req.len == 0 {
+                return Err(NBD_EINVAL);
+            }
+            let payload = matches!(req.command, Command::Read | Command::Write);
+            if payload && req.len > MAX_BLOCK_SIZE {
+                return Err(NBD_EINVAL);
+            }
+            let in_range = req
+                .offset
+                .checked_add(req.len as u64)
+                .is_some_and(|end| end <= size);
+            if !in_range {
+                // proto.md: ENOSPC for writes past the end, EINVAL otherwise.
+                return Err(match req.command {
+                    Command::Write | Command::WriteZeroes => NBD_ENOSPC,
+                    _ => NBD_EINVAL,
+                });
+            }
+            Ok(())
+        }
+        _ => Err(NBD_EINVAL),
+    }
+}
+
+async fn transmission<X: Export>(stream: TcpStream, export: Arc<X>) -> Result<(), NbdError> {
+    let (read_half, write_half) = stream.into_split();
+    let mut reader = BufReader::with_capacity(256 * 1024, read_half);
+    let (tx, rx) = mpsc::channel::<Reply>(MAX_IN_FLIGHT);
+    let writer = tokio::spawn(writer_loop(write_half, rx));
+    let requests = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+    let bytes_budget = Arc::new(Semaphore::new(MAX_IN_FLIGHT_UNITS as usize));
+    let size = export.size();
+
+    let read_result = reader_loop(&mut reader, &export, &tx, &requests, &bytes_budget, size).await;
+    drop(tx);
+    // Wait until every spawned request finished (they release their permits
+    // after dropping their export handle), so the export is released when
+    // this function returns.
+    let _ = requests.acquire_many(MAX_IN_FLIGHT as u32).await;
+    let write_result = writer.await;
+    drop(export);
+    read_result?;
+    match write_result {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(eof_to_abort(e)),
+        Err(join) => Err(NbdError::Io(io::Error::other(join.to_string()))),
+    }
+}
+
+async fn reader_loop<X: Export, R: AsyncRead + Unpin>(
+    reader: &mut R,
+    export: &Arc<X>,
+    tx: &mpsc::Sender<Reply>,
+    requests: &Arc<Semaphore>,
+    bytes_budget: &Arc<Semaphore>,
+    size: u64,
+) -> Result<(), NbdError> {
+    loop {
+        let mut hdr = [0u8; REQUEST_LEN];
+        tokio::select! {
+            biased;
+            // The writer died (socket broken): stop reading.
+            _ = tx.closed() => return Ok(()),
+            r = reader.read_exact(&mut hdr) => { r.map_err(eof_to_abort)?; }
+        }
+        let req =
+            Request::decode(&hdr).map_err(|e| NbdError::Protocol(format!("bad request: {e}")))?;
+
+        if req.command == Command::Disc {
+            debug!("NBD_CMD_DISC");
+            return Ok(());
+        }
+
+        if let Err(error) = check_request(&req, size) {
+            debug!(?req, error, "rejecting request");
+            if req.command == Command::Write {
+                // The payload still follows the header; skip it without
+                // buffering it (it may be up to 4 GiB).
+                discard(reader, req.len as u64)
+                    .await
+                    .map_err(eof_to_abort)?;
+            }
+            if tx.send(Reply::err(req.handle, error)).await.is_err() {
+                return Ok(());
+            }
+            continue;
+        }
+
+        let units = match req.command {
+            Command::Read | Command::Write => req.len.div_ceil(BYTE_UNIT),
+            _ => 0,
+        };
+        let (Ok(permit), Ok(byte_permit)) = (
+            requests.clone().acquire_owned().await,
+            bytes_budget.clone().acquire_many_owned(units).await,
+        ) else {
+            return Ok(());
+        };
+
+        let payload = if req.command == Command::Write {
+            // len <= MAX_BLOCK_SIZE was checked above.
+            let mut buf = BytesMut::zeroed(req.len as usize);
+            reader.read_exact(&mut buf).await.map_err(eof_to_abort)?;
+            buf.freeze()
+        } else {
+            Bytes::new()
+        };
+
+        let export = export.clone();
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let reply = handle_request(&*export, req, payload).await;
+            let _ = tx.send(reply).await;
+            drop(export);
+            drop(tx);
+            drop(byte_permit);
+            drop(permit);
+        });
+    }
+}
+
+async fn handle_request<X: Export>(export: &X, req: Request, payload: Bytes) -> Reply {
+    let fua = req.flags & NBD_CMD_FLAG_FUA != 0;
+    let result = match req.command {
+        Command::Read => match export.read(req.offset, req.len).await {
+            Ok(data) if data.len() == req.len as usize => {
+                return Reply {
+                    handle: req.handle,
+                    error: NBD_OK,
+                    data: Some(data),
+                }
+            }
+            Ok(data) => {
+                warn!(
+                    expected = req.len,
+                    got = data.len(),
+                    "export returned a short read"
+                );
+                Err(IoError::Io)
+            }
+            Err(e) => Err(e),
+        },
+        Command::Write => export.write(req.offset, payload, fua).await,
+        Command::Flush => export.flush().await,
+        Command::Trim => export.trim(req.offset, req.len, fua).await,
+        Command::WriteZeroes => {
+            let may_trim = req.flags & NBD_CMD_FLAG_NO_HOLE == 0;
+            export
+                .write_zeroes(req.offset, req.len, fua, may_trim)
+                .await
+        }
+        _ => Err(IoError::Invalid),
+    };
+    Reply::err(
+        req.handle,
+        match result {
+            Ok(()) => NBD_OK,
+            Err(e) => e.to_nbd(),
+        },
+    )
+}
+
+/// Single writer: sends replies in completion order, coalescing whatever is
+/// ready into one vectored write (reply header and read payload together).
+async fn writer_loop(mut w: OwnedWriteHalf, mut rx: mpsc::Receiver<Reply>) -> io::Result<()> {
+    let mut chunks: Vec<Bytes> = Vec::with_capacity(MAX_BATCH_CHUNKS * 2);
+    while let Some(first) = rx.recv().await {
+        let mut total = push_reply(first, &mut chunks);
+        while chunks.len() < MAX_BATCH_CHUNKS && total < MAX_BATCH_BYTES {
+            match rx.try_recv() {
+                Ok(r) => total += push_reply(r, &mut chunks),
+                Err(_) => break,
+            }
+        }
+        write_all_vectored(&mut w, &chunks).await?;
+        chunks.clear();
+    }
+    let _ = w.shutdown().await;
+    Ok(())
+}
+
+/// Append a reply's header (and payload) to `chunks`; returns bytes added.
+fn push_reply(r: Reply, chunks: &mut Vec<Bytes>) -> usize {
+    let hdr = SimpleReply {
+        error: r.error,
+        handle: r.handle,
+    }
+    .encode();
+    chunks.push(Bytes::copy_from_slice(&hdr));
+    match r.data {
+        Some(d) => {
+            let n = hdr.len() + d.len();
+            chunks.push(d);
+            n
+        }
+        None => hdr.len(),
+    }
+}
+
+async fn write_all_vectored<W: AsyncWrite + Unpin>(w: &mut W, chunks: &[Bytes]) -> io::Result<()> {
+    let mut idx = 0;
+    let mut off = 0;
+    loop {
+        while idx < chunks.len() && off == chunks[idx].len() {
+            idx += 1;
+            off = 0;
+        }
+        if idx == chunks.len() {
+            return Ok(());
+        }
+        let slices: Vec<IoSlice<'_>> = chunks[idx..]
+            .iter()
+            .enumerate()
+            .map(|(i, c)| IoSlice::new(if i == 0 { &c[off..] } else { &c[..] }))
+            .collect();
+        let mut n = w.write_vectored(&slices).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        while n > 0 {
+            let rem = chunks[idx].len() - off;
+            if n >= rem {
+                n -= rem;
+                idx += 1;
+                off = 0;
+            } else {
+                off += n;
+                n = 0;
+            }
+        }
+    }
+}

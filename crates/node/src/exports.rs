@@ -1,0 +1,148 @@
+//! Every volume of the cluster as an NBD export of this node, by name.
+
+use crate::router::{IoFailure, Router};
+use bytes::Bytes;
+use shoal_model::VolumeId;
+use shoal_nbd::{Export, Exports, IoError};
+use shoal_rpc::VolumeOp;
+use std::sync::Arc;
+
+pub struct VolumeExports {
+    pub router: Arc<Router>,
+}
+
+/// One client connection's handle on a volume; counted while open.
+pub struct VolumeExport {
+    router: Arc<Router>,
+    volume: VolumeId,
+    name: String,
+    size: u64,
+}
+
+impl Drop for VolumeExport {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.router.connections.lock() {
+            if let Some(n) = m.get_mut(&self.name) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    m.remove(&self.name);
+                }
+            }
+        }
+    }
+}
+
+fn nbd_err(e: IoFailure) -> IoError {
+    match e {
+        IoFailure::OutOfRange => IoError::Invalid,
+        IoFailure::NoSpace => IoError::NoSpace,
+        IoFailure::Gone => IoError::Shutdown,
+        IoFailure::Io(msg) => {
+            tracing::warn!("I/O failed: {msg}");
+            IoError::Io
+        }
+    }
+}
+
+impl VolumeExport {
+    async fn run(&self, op: VolumeOp, payload: Bytes) -> Result<Bytes, IoError> {
+        self.router
+            .io(self.volume, op, payload)
+            .await
+            .map_err(nbd_err)
+    }
+}
+
+impl Export for VolumeExport {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Every write is durable on its replicas before it is acknowledged, so
+    /// a FLUSH on any connection covers the writes of all of them.
+    fn multi_conn(&self) -> bool {
+        true
+    }
+
+    async fn read(&self, offset: u64, len: u32) -> Result<Bytes, IoError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.router.counters.reads.fetch_add(1, Relaxed);
+        self.router
+            .counters
+            .read_bytes
+            .fetch_add(len as u64, Relaxed);
+        self.run(VolumeOp::Read { offset, len }, Bytes::new()).await
+    }
+
+    async fn write(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), IoError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.router.counters.writes.fetch_add(1, Relaxed);
+        self.router
+            .counters
+            .write_bytes
+            .fetch_add(data.len() as u64, Relaxed);
+        self.run(VolumeOp::Write { offset, fua }, data)
+            .await
+            .map(|_| ())
+    }
+
+    async fn flush(&self) -> Result<(), IoError> {
+        self.run(VolumeOp::Flush, Bytes::new()).await.map(|_| ())
+    }
+
+    async fn trim(&self, offset: u64, len: u32, _fua: bool) -> Result<(), IoError> {
+        self.run(VolumeOp::Trim { offset, len }, Bytes::new())
+            .await
+            .map(|_| ())
+    }
+
+    async fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u32,
+        _fua: bool,
+        _may_trim: bool,
+    ) -> Result<(), IoError> {
+        self.run(VolumeOp::WriteZeroes { offset, len }, Bytes::new())
+            .await
+            .map(|_| ())
+    }
+}
+
+impl Exports for VolumeExports {
+    type Export = VolumeExport;
+
+    async fn list(&self) -> Vec<String> {
+        self.router
+            .dir
+            .state()
+            .volumes
+            .values()
+            .map(|v| v.name.clone())
+            .collect()
+    }
+
+    async fn open(&self, name: &str) -> Result<VolumeExport, String> {
+        let state = self.router.dir.state();
+        let Some(v) = state.volume_by_name(name) else {
+            let names: Vec<&str> = state.volumes.values().map(|v| v.name.as_str()).collect();
+            return Err(format!(
+                "no volume named {name:?}; volumes: {}",
+                if names.is_empty() {
+                    "(none)".to_string()
+                } else {
+                    names.join(", ")
+                }
+            ));
+        };
+        if let Ok(mut m) = self.router.connections.lock() {
+            *m.entry(name.to_string()).or_default() += 1;
+        }
+        Ok(VolumeExport {
+            router: self.router.clone(),
+            volume: v.id,
+            name: name.to_string(),
+            size: v.size,
+        })
+    }
+}

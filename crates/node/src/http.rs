@@ -1,0 +1,318 @@
+//! The node's HTTP API: REST (`/v1/...`), Prometheus metrics (`/metrics`)
+//! and the directory's Raft endpoints, on one port.
+
+use crate::liveness::Liveness;
+use crate::router::Router;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response as HttpResponse};
+use axum::routing::{get, post};
+use axum::Json;
+use shoal_api::{
+    Connections, CreateVolume, ErrorBody, Heartbeat, Owners, Resize, StatusReport, VolumeReport,
+};
+use shoal_directory::{ClusterState, Command, DirectoryError, StateError};
+use shoal_model::{check_volume_name, check_volume_size, NodeState, Policy, Volume};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+#[derive(Clone)]
+pub struct Http {
+    pub router: Arc<Router>,
+    pub liveness: Arc<Liveness>,
+    /// Set once the node's devices are registered.
+    pub replicas: Arc<std::sync::OnceLock<Arc<crate::replica::Replicas>>>,
+}
+
+struct ApiErr(StatusCode, String);
+
+impl IntoResponse for ApiErr {
+    fn into_response(self) -> HttpResponse {
+        (self.0, Json(ErrorBody { error: self.1 })).into_response()
+    }
+}
+
+fn bad(msg: impl ToString) -> ApiErr {
+    ApiErr(StatusCode::BAD_REQUEST, msg.to_string())
+}
+
+impl From<DirectoryError> for ApiErr {
+    fn from(e: DirectoryError) -> Self {
+        match e {
+            DirectoryError::State(StateError::NameTaken(_)) => {
+                ApiErr(StatusCode::CONFLICT, e.to_string())
+            }
+            DirectoryError::State(StateError::NoSuchVolume(_)) => {
+                ApiErr(StatusCode::NOT_FOUND, e.to_string())
+            }
+            DirectoryError::State(_) => bad(e),
+            other => ApiErr(StatusCode::SERVICE_UNAVAILABLE, other.to_string()),
+        }
+    }
+}
+
+pub fn report(state: &ClusterState, v: &Volume) -> VolumeReport {
+    let uris = state
+        .nodes
+        .values()
+        .filter(|n| n.state == NodeState::Up)
+        .map(|n| format!("nbd://{}/{}", n.nbd_addr, v.name))
+        .collect();
+    VolumeReport {
+        volume: v.clone(),
+        health: v.health(&state.nodes),
+        uris,
+    }
+}
+
+pub fn routes(h: Http) -> axum::Router {
+    let dir_routes = h.router.dir.router();
+    axum::Router::new()
+        .route("/v1/status", get(status))
+        .route("/v1/volumes", get(list).post(create))
+        .route("/v1/volumes/{name}", get(show).delete(delete))
+        .route("/v1/volumes/{name}/resize", post(resize))
+        .route("/v1/heartbeat", post(heartbeat))
+        .route("/v1/local/connections", get(connections))
+        .route("/v1/local/owners", get(owners))
+        .route("/metrics", get(metrics))
+        .with_state(h)
+        .merge(dir_routes)
+}
+
+async fn status(State(h): State<Http>) -> Json<StatusReport> {
+    let s = h.router.dir.state();
+    Json(StatusReport {
+        cluster_id: s.cluster_id.clone(),
+        leader: h.router.dir.leader(),
+        voters: h.router.dir.voters(),
+        nodes: s.nodes.values().cloned().collect(),
+        devices: s.devices.values().cloned().collect(),
+        volumes: s.volumes.values().map(|v| report(&s, v)).collect(),
+    })
+}
+
+async fn list(State(h): State<Http>) -> Json<Vec<VolumeReport>> {
+    let s = h.router.dir.state();
+    Json(s.volumes.values().map(|v| report(&s, v)).collect())
+}
+
+async fn show(
+    State(h): State<Http>,
+    Path(name): Path<String>,
+) -> Result<Json<VolumeReport>, ApiErr> {
+    let s = h.router.dir.state();
+    s.volume_by_name(&name)
+        .map(|v| Json(report(&s, v)))
+        .ok_or_else(|| ApiErr(StatusCode::NOT_FOUND, format!("no volume named {name:?}")))
+}
+
+async fn create(
+    State(h): State<Http>,
+    Json(req): Json<CreateVolume>,
+) -> Result<Json<VolumeReport>, ApiErr> {
+    check_volume_name(&req.name).map_err(bad)?;
+    check_volume_size(req.size).map_err(bad)?;
+    let policy: Policy = req.policy.parse().map_err(bad)?;
+    let s = h.router.dir.state();
+    if s.volume_by_name(&req.name).is_some() {
+        return Err(ApiErr(
+            StatusCode::CONFLICT,
+            format!("a volume named {:?} already exists", req.name),
+        ));
+    }
+    let nodes: Vec<_> = s.nodes.values().cloned().collect();
+    let devices: Vec<_> = s.devices.values().cloned().collect();
+    let planned = shoal_placement::place(&policy, req.size, &nodes, &devices)
+        .map_err(|e| ApiErr(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()))?;
+    let components = planned
+        .into_iter()
+        .map(|p| shoal_directory::PlannedComponent {
+            role: p.role,
+            node: p.node,
+            device: p.device,
+            votes: p.votes,
+        })
+        .collect();
+    h.router
+        .dir
+        .propose(Command::CreateVolume {
+            name: req.name.clone(),
+            size: req.size,
+            policy,
+            components,
+        })
+        .await?;
+    wait_for(&h, |s| s.volume_by_name(&req.name).is_some()).await;
+    let s = h.router.dir.state();
+    let v = s
+        .volume_by_name(&req.name)
+        .ok_or_else(|| ApiErr(StatusCode::INTERNAL_SERVER_ERROR, "volume vanished".into()))?;
+    Ok(Json(report(&s, v)))
+}
+
+/// Waits (briefly) until this node's copy of the directory shows a change.
+async fn wait_for(h: &Http, f: impl Fn(&ClusterState) -> bool) {
+    let mut w = h.router.dir.watch();
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        loop {
+            if f(&w.borrow_and_update()) {
+                return;
+            }
+            if w.changed().await.is_err() {
+                return;
+            }
+        }
+    })
+    .await;
+}
+
+async fn resize(
+    State(h): State<Http>,
+    Path(name): Path<String>,
+    Json(req): Json<Resize>,
+) -> Result<Json<VolumeReport>, ApiErr> {
+    check_volume_size(req.size).map_err(bad)?;
+    h.router
+        .dir
+        .propose(Command::ResizeVolume {
+            name: name.clone(),
+            size: req.size,
+        })
+        .await?;
+    wait_for(&h, |s| {
+        s.volume_by_name(&name).is_some_and(|v| v.size >= req.size)
+    })
+    .await;
+    show(State(h), Path(name)).await
+}
+
+async fn delete(
+    State(h): State<Http>,
+    Path(name): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Result<Json<serde_json::Value>, ApiErr> {
+    let force = q.get("force").is_some_and(|v| v == "true" || v == "1");
+    let s = h.router.dir.state();
+    if s.volume_by_name(&name).is_none() {
+        return Err(ApiErr(
+            StatusCode::NOT_FOUND,
+            format!("no volume named {name:?}"),
+        ));
+    }
+    if !force {
+        let mut open = Vec::new();
+        for n in s.nodes.values().filter(|n| n.state == NodeState::Up) {
+            let c = shoal_api::Client::new(&n.api_addr);
+            match c.get::<Connections>("/v1/local/connections").await {
+                Ok(conns) => {
+                    if let Some(k) = conns.volumes.get(&name) {
+                        open.push(format!("{k} on node {}", n.id));
+                    }
+                }
+                Err(e) => {
+                    return Err(ApiErr(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!("cannot check open connections on node {}: {e}; use --force to delete anyway", n.id),
+                    ))
+                }
+            }
+        }
+        if !open.is_empty() {
+            return Err(ApiErr(
+                StatusCode::CONFLICT,
+                format!(
+                    "volume {name:?} has open connections ({}); disconnect the clients or use --force",
+                    open.join(", ")
+                ),
+            ));
+        }
+    }
+    h.router
+        .dir
+        .propose(Command::DeleteVolume { name: name.clone() })
+        .await?;
+    Ok(Json(serde_json::json!({ "deleted": name })))
+}
+
+async fn heartbeat(State(h): State<Http>, Json(hb): Json<Heartbeat>) -> Json<serde_json::Value> {
+    h.liveness.heard(hb).await;
+    Json(serde_json::json!({}))
+}
+
+async fn connections(State(h): State<Http>) -> Json<Connections> {
+    Json(Connections {
+        volumes: h
+            .router
+            .connections
+            .lock()
+            .map(|m| m.clone())
+            .unwrap_or_default(),
+    })
+}
+
+async fn owners(State(h): State<Http>) -> Json<Owners> {
+    let s = h.router.dir.state();
+    Json(Owners {
+        volumes: h
+            .router
+            .owned()
+            .into_iter()
+            .filter_map(|v| s.volumes.get(&v).map(|v| (v.name.clone(), v.generation)))
+            .collect(),
+    })
+}
+
+async fn metrics(State(h): State<Http>) -> String {
+    let c = &h.router.counters;
+    let mut out = String::new();
+    let mut put = |name: &str, help: &str, v: u64| {
+        out.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{node=\"{}\"}} {v}\n",
+            h.router.node
+        ));
+    };
+    put(
+        "shoal_nbd_reads_total",
+        "NBD read requests served by this node",
+        c.reads.load(Relaxed),
+    );
+    put(
+        "shoal_nbd_writes_total",
+        "NBD write requests served by this node",
+        c.writes.load(Relaxed),
+    );
+    put(
+        "shoal_nbd_read_bytes_total",
+        "Bytes read by NBD clients of this node",
+        c.read_bytes.load(Relaxed),
+    );
+    put(
+        "shoal_nbd_write_bytes_total",
+        "Bytes written by NBD clients of this node",
+        c.write_bytes.load(Relaxed),
+    );
+    put(
+        "shoal_forwarded_total",
+        "Requests forwarded to another node's owner",
+        c.forwarded.load(Relaxed),
+    );
+    put(
+        "shoal_io_errors_total",
+        "Client requests that failed",
+        c.errors.load(Relaxed),
+    );
+    put(
+        "shoal_owner_claims_total",
+        "Volume ownership claims made by this node",
+        c.claims.load(Relaxed),
+    );
+    for d in h.replicas.get().into_iter().flat_map(|r| r.devices()) {
+        out.push_str(&format!(
+            "shoal_device_used_bytes{{node=\"{}\",device=\"{}\"}} {}\nshoal_device_syncs_total{{node=\"{}\",device=\"{}\"}} {}\n",
+            h.router.node, d.id, d.store.used(), h.router.node, d.id, d.commit.syncs()
+        ));
+    }
+    out
+}

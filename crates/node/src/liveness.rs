@@ -1,0 +1,168 @@
+//! Node liveness: every node sends a heartbeat to the directory leader; the
+//! leader marks a node down when its heartbeats stop and up when they
+//! resume. Liveness lives in the leader's memory, never in the Raft log,
+//! except for the up/down transitions themselves.
+
+use shoal_api::{DeviceUsage, Heartbeat};
+use shoal_directory::{Command, Directory};
+use shoal_model::{DeviceState, NodeId, NodeState};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Interval between heartbeats, in milliseconds: a few per down timeout.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(500);
+/// Silence after which the leader marks a node down, in seconds: several
+/// missed heartbeats, so one slow round trip does not flap a node.
+pub const DOWN_AFTER: Duration = Duration::from_secs(3);
+/// Usage changes smaller than this are not written to the directory (bytes).
+const USAGE_STEP: u64 = 16 << 20;
+
+pub struct Liveness {
+    node: NodeId,
+    dir: Directory,
+    seen: Mutex<HashMap<NodeId, Instant>>,
+    leader_since: Mutex<Option<Instant>>,
+}
+
+impl Liveness {
+    pub fn new(node: NodeId, dir: Directory) -> Liveness {
+        Liveness {
+            node,
+            dir,
+            seen: Mutex::new(HashMap::new()),
+            leader_since: Mutex::new(None),
+        }
+    }
+
+    /// A heartbeat arrived (on the leader).
+    pub async fn heard(&self, hb: Heartbeat) {
+        if !self.dir.is_leader() {
+            return;
+        }
+        if let Ok(mut s) = self.seen.lock() {
+            s.insert(hb.node, Instant::now());
+        }
+        let state = self.dir.state();
+        if state.nodes.get(&hb.node).map(|n| n.state) == Some(NodeState::Down) {
+            tracing::info!(node = hb.node, "node is back up");
+            let _ = self
+                .dir
+                .propose(Command::SetNodeState {
+                    node: hb.node,
+                    state: NodeState::Up,
+                })
+                .await;
+        }
+        for u in hb.devices {
+            let Some(d) = state.devices.get(&u.device) else {
+                continue;
+            };
+            if d.state != u.state || d.used.abs_diff(u.used) >= USAGE_STEP {
+                let _ = self
+                    .dir
+                    .propose(Command::ReportDeviceUsage {
+                        device: u.device,
+                        used: u.used,
+                        state: u.state,
+                    })
+                    .await;
+            }
+        }
+    }
+
+    /// On the leader: mark silent nodes down.
+    async fn check(&self) {
+        if !self.dir.is_leader() {
+            if let Ok(mut l) = self.leader_since.lock() {
+                *l = None;
+            }
+            return;
+        }
+        let now = Instant::now();
+        let since = {
+            let Ok(mut l) = self.leader_since.lock() else {
+                return;
+            };
+            *l.get_or_insert(now)
+        };
+        let state = self.dir.state();
+        let mut down = Vec::new();
+        if let Ok(seen) = self.seen.lock() {
+            for n in state.nodes.values() {
+                if n.id == self.node || n.state != NodeState::Up {
+                    continue;
+                }
+                // A new leader gives everyone a full timeout from its start.
+                let last = seen.get(&n.id).copied().unwrap_or(since).max(since);
+                if now.duration_since(last) > DOWN_AFTER {
+                    down.push(n.id);
+                }
+            }
+        }
+        for id in down {
+            tracing::warn!(
+                node = id,
+                "no heartbeat for {DOWN_AFTER:?}: marking node down"
+            );
+            let _ = self
+                .dir
+                .propose(Command::SetNodeState {
+                    node: id,
+                    state: NodeState::Down,
+                })
+                .await;
+        }
+    }
+
+    /// Runs the heartbeat sender and the leader's check until the process ends.
+    pub fn spawn(self: &Arc<Self>, usage: impl Fn() -> Vec<DeviceUsage> + Send + Sync + 'static) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut iv = tokio::time::interval(HEARTBEAT_EVERY);
+            iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                iv.tick().await;
+                let hb = Heartbeat {
+                    node: me.node,
+                    devices: usage(),
+                };
+                match me.dir.leader() {
+                    Some(l) if l == me.node => me.heard(hb).await,
+                    Some(l) => {
+                        let addr = me.dir.state().nodes.get(&l).map(|n| n.api_addr.clone());
+                        if let Some(addr) = addr {
+                            let c = shoal_api::Client::new(&addr);
+                            let r = tokio::time::timeout(
+                                Duration::from_secs(1),
+                                c.post::<_, serde_json::Value>("/v1/heartbeat", &hb),
+                            )
+                            .await;
+                            if let Ok(Err(e)) = r {
+                                tracing::debug!("heartbeat to {addr}: {e}");
+                            }
+                        }
+                    }
+                    None => {}
+                }
+            }
+        });
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut iv = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                iv.tick().await;
+                me.check().await;
+            }
+        });
+    }
+}
+
+/// A device that answered I/O errors is reported failed.
+pub fn device_state(used: u64, capacity: u64) -> DeviceState {
+    if used >= capacity {
+        DeviceState::Full
+    } else {
+        DeviceState::Healthy
+    }
+}

@@ -1,0 +1,297 @@
+//! The replica side of the data path: executes the peer requests an owner
+//! sends to the components stored on this node's devices.
+//!
+//! Ordering: `handle` runs in arrival order for one connection and applies
+//! writes (and fences) synchronously, so every replica applies an owner's
+//! writes in the order the owner sent them. Durability (group commit) and
+//! reads run afterwards, concurrently.
+
+use crate::router::Router;
+use bytes::Bytes;
+use shoal_model::{ComponentId, DeviceId, Generation};
+use shoal_rpc::{Handler, RemoteError, Reply, Request, Response};
+use shoal_store::{DeviceStore, GroupCommit, StoreError};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Region size of the dirty map (matches the owner's reconcile unit).
+const REGION: u64 = shoal_owner::REGION;
+
+pub struct Device {
+    pub id: DeviceId,
+    pub path: String,
+    pub store: Arc<DeviceStore>,
+    pub commit: GroupCommit,
+}
+
+/// All components on this node's devices.
+pub struct Replicas {
+    devices: HashMap<DeviceId, Arc<Device>>,
+    /// Which device holds each component.
+    placement: Mutex<HashMap<ComponentId, DeviceId>>,
+    /// Regions written by owners and not yet covered by a barrier:
+    /// component → region → (generation, seq) of the newest write.
+    dirty: Mutex<HashMap<ComponentId, BTreeMap<u64, (Generation, u64)>>>,
+    /// Set once the node's router exists; serves forwarded volume I/O.
+    pub router: OnceLock<Arc<Router>>,
+}
+
+fn remote(e: StoreError) -> RemoteError {
+    match e {
+        StoreError::NoSpace => RemoteError::NoSpace,
+        StoreError::OutOfRange { .. } => RemoteError::OutOfRange,
+        StoreError::NoSuchComponent(c) => RemoteError::NoSuchComponent(c),
+        StoreError::StaleGeneration { have, got } => RemoteError::StaleGeneration { have, got },
+        StoreError::Io(e) => RemoteError::Io(e.to_string()),
+        other => RemoteError::Io(other.to_string()),
+    }
+}
+
+fn done(r: Result<Response, RemoteError>) -> Reply {
+    let resp = r.unwrap_or_else(Response::Err);
+    Box::pin(async move { (resp, Bytes::new()) })
+}
+
+impl Replicas {
+    pub fn new(devices: Vec<Device>) -> Replicas {
+        let mut placement = HashMap::new();
+        let mut map = HashMap::new();
+        for d in devices {
+            for c in d.store.components() {
+                placement.insert(c.id, d.id);
+            }
+            map.insert(d.id, Arc::new(d));
+        }
+        Replicas {
+            devices: map,
+            placement: Mutex::new(placement),
+            dirty: Mutex::new(HashMap::new()),
+            router: OnceLock::new(),
+        }
+    }
+
+    pub fn devices(&self) -> impl Iterator<Item = &Arc<Device>> {
+        self.devices.values()
+    }
+
+    /// Components stored here, with their volume ids.
+    pub fn components(&self) -> Vec<(ComponentId, u64, DeviceId)> {
+        let mut v = Vec::new();
+        for d in self.devices.values() {
+            for c in d.store.components() {
+                v.push((c.id, c.volume, d.id));
+            }
+        }
+        v
+    }
+
+    fn device_of(&self, c: ComponentId) -> Result<Arc<Device>, RemoteError> {
+        let id = self
+            .placement
+            .lock()
+            .map_err(|_| RemoteError::Io("poisoned".into()))?
+            .get(&c)
+            .copied()
+            .ok_or(RemoteError::NoSuchComponent(c))?;
+        self.devices
+            .get(&id)
+            .cloned()
+            .ok_or(RemoteError::NoSuchDevice(id))
+    }
+
+    /// Refuses older generations; adopts a newer one (persisted).
+    fn fence(&self, d: &Device, c: ComponentId, gen: Generation) -> Result<(), RemoteError> {
+        let have = d
+            .store
+            .generation(c)
+            .ok_or(RemoteError::NoSuchComponent(c))?;
+        if gen < have {
+            return Err(RemoteError::StaleGeneration { have, got: gen });
+        }
+        if gen > have {
+            d.store.fence(c, gen).map_err(remote)?;
+        }
+        Ok(())
+    }
+
+    fn mark_dirty(&self, c: ComponentId, off: u64, len: u64, gen: Generation, seq: u64) {
+        if seq == 0 || len == 0 {
+            return;
+        }
+        if let Ok(mut m) = self.dirty.lock() {
+            let e = m.entry(c).or_default();
+            let mut r = off / REGION;
+            while r * REGION < off + len {
+                e.insert(r, (gen, seq));
+                r += 1;
+            }
+        }
+    }
+
+    /// Durable once the device's group commit completes.
+    fn durable(d: Arc<Device>, resp: Response) -> Reply {
+        Box::pin(async move {
+            match d.commit.commit().await {
+                Ok(()) => (resp, Bytes::new()),
+                Err(e) => (Response::Err(remote(e)), Bytes::new()),
+            }
+        })
+    }
+
+    fn execute(&self, req: Request, payload: Bytes) -> Result<Reply, RemoteError> {
+        Ok(match req {
+            Request::Ping => done(Ok(Response::Ok)),
+            Request::CreateComponent {
+                component,
+                volume,
+                device,
+                size,
+            } => {
+                let d = self
+                    .devices
+                    .get(&device)
+                    .cloned()
+                    .ok_or(RemoteError::NoSuchDevice(device))?;
+                d.store
+                    .create_component(component, volume, size)
+                    .map_err(remote)?;
+                self.placement
+                    .lock()
+                    .map_err(|_| RemoteError::Io("poisoned".into()))?
+                    .insert(component, device);
+                Self::durable(d, Response::Ok)
+            }
+            Request::DeleteComponent { component } => {
+                let d = self.device_of(component)?;
+                d.store.delete_component(component).map_err(remote)?;
+                if let Ok(mut p) = self.placement.lock() {
+                    p.remove(&component);
+                }
+                if let Ok(mut m) = self.dirty.lock() {
+                    m.remove(&component);
+                }
+                Self::durable(d, Response::Ok)
+            }
+            Request::ResizeComponent { component, size } => {
+                let d = self.device_of(component)?;
+                d.store.resize_component(component, size).map_err(remote)?;
+                Self::durable(d, Response::Ok)
+            }
+            Request::Activate {
+                component,
+                generation,
+            } => {
+                let d = self.device_of(component)?;
+                self.fence(&d, component, generation)?;
+                let dirty = self
+                    .dirty
+                    .lock()
+                    .ok()
+                    .and_then(|m| m.get(&component).cloned())
+                    .unwrap_or_default()
+                    .keys()
+                    .map(|r| (r * REGION, REGION))
+                    .collect();
+                Self::durable(d, Response::Activated { dirty })
+            }
+            Request::Write {
+                component,
+                generation,
+                offset,
+                seq,
+            } => {
+                let d = self.device_of(component)?;
+                self.fence(&d, component, generation)?;
+                self.mark_dirty(component, offset, payload.len() as u64, generation, seq);
+                d.store.write(component, offset, &payload).map_err(remote)?;
+                Self::durable(d, Response::Ok)
+            }
+            Request::WriteZeroes {
+                component,
+                generation,
+                offset,
+                len,
+            } => {
+                let d = self.device_of(component)?;
+                self.fence(&d, component, generation)?;
+                d.store
+                    .write_zeroes(component, offset, len)
+                    .map_err(remote)?;
+                Self::durable(d, Response::Ok)
+            }
+            Request::Read {
+                component,
+                generation,
+                offset,
+                len,
+            } => {
+                let d = self.device_of(component)?;
+                self.fence(&d, component, generation)?;
+                if len > shoal_rpc::MAX_PAYLOAD {
+                    return Err(RemoteError::BadRequest("read too large".into()));
+                }
+                Box::pin(async move {
+                    let r = tokio::task::spawn_blocking(move || {
+                        let mut buf = vec![0u8; len as usize];
+                        d.store.read(component, offset, &mut buf).map(|_| buf)
+                    })
+                    .await;
+                    match r {
+                        Ok(Ok(buf)) => (Response::Data, Bytes::from(buf)),
+                        Ok(Err(e)) => (Response::Err(remote(e)), Bytes::new()),
+                        Err(e) => (Response::Err(RemoteError::Io(e.to_string())), Bytes::new()),
+                    }
+                })
+            }
+            Request::Flush {
+                component,
+                generation,
+            } => {
+                let d = self.device_of(component)?;
+                self.fence(&d, component, generation)?;
+                Self::durable(d, Response::Ok)
+            }
+            Request::AllocatedRanges { component } => {
+                let d = self.device_of(component)?;
+                done(Ok(Response::Ranges(d.store.allocated_ranges(component))))
+            }
+            Request::Barrier {
+                component,
+                generation,
+                seq,
+            } => {
+                let d = self.device_of(component)?;
+                self.fence(&d, component, generation)?;
+                if let Ok(mut m) = self.dirty.lock() {
+                    if let Some(e) = m.get_mut(&component) {
+                        e.retain(|_, v| *v >= (generation, seq));
+                    }
+                }
+                done(Ok(Response::Ok))
+            }
+            Request::VolumeIo { volume, op } => {
+                let router = self
+                    .router
+                    .get()
+                    .cloned()
+                    .ok_or(RemoteError::NotOwner { volume })?;
+                Box::pin(async move {
+                    match router.serve_forwarded(volume, op, payload).await {
+                        Ok(data) if data.is_empty() => (Response::Ok, data),
+                        Ok(data) => (Response::Data, data),
+                        Err(e) => (Response::Err(e), Bytes::new()),
+                    }
+                })
+            }
+        })
+    }
+}
+
+impl Handler for Replicas {
+    fn handle(&self, req: Request, payload: Bytes) -> Reply {
+        match self.execute(req, payload) {
+            Ok(r) => r,
+            Err(e) => done(Err(e)),
+        }
+    }
+}

@@ -1,0 +1,366 @@
+//! Routes client I/O of a volume to its owner: the local [`Owner`] when this
+//! node owns the volume, otherwise the owner node over RPC. Claims ownership
+//! (through the directory) when the volume has no live owner. Clients see a
+//! pause, never an error, while ownership moves.
+
+use bytes::Bytes;
+use shoal_directory::{ClusterState, Command, Directory, DirectoryError, Response, StateError};
+use shoal_model::{ComponentState, Generation, NodeId, NodeState, VolumeId};
+use shoal_owner::{Control, ControlError, Op, Owner, OwnerConfig, OwnerError, Target, View};
+use shoal_rpc::{Peer, RemoteError, Request, RpcError, VolumeOp};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long a client request may wait for a volume to become available
+/// (owner failover, quorum loss) before it fails with EIO, in seconds.
+/// Longer than node-down detection plus Raft election plus activation.
+pub const IO_PATIENCE: Duration = Duration::from_secs(60);
+/// Pause between attempts while a volume is unavailable.
+const RETRY_PAUSE: Duration = Duration::from_millis(200);
+/// Timeout of a forwarded request: covers the owner's own replica timeout.
+const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// I/O counters exported as metrics.
+#[derive(Default)]
+pub struct Counters {
+    pub reads: AtomicU64,
+    pub writes: AtomicU64,
+    pub read_bytes: AtomicU64,
+    pub write_bytes: AtomicU64,
+    pub forwarded: AtomicU64,
+    pub errors: AtomicU64,
+    pub claims: AtomicU64,
+}
+
+pub struct Router {
+    pub node: NodeId,
+    pub dir: Directory,
+    cfg: OwnerConfig,
+    owners: Mutex<HashMap<VolumeId, Owner>>,
+    claim_locks: Mutex<HashMap<VolumeId, Arc<tokio::sync::Mutex<()>>>>,
+    peers: Mutex<HashMap<String, Arc<Peer>>>,
+    /// Open NBD connections per volume name.
+    pub connections: Mutex<BTreeMap<String, u64>>,
+    pub counters: Counters,
+}
+
+/// The owner's way to the directory.
+pub struct DirControl {
+    dir: Directory,
+    node: NodeId,
+}
+
+fn control_err(e: DirectoryError) -> ControlError {
+    match e {
+        DirectoryError::State(StateError::GenerationConflict { .. }) => ControlError::Conflict,
+        DirectoryError::State(StateError::NoSuchVolumeId(_)) => ControlError::Conflict,
+        other => ControlError::Unavailable(other.to_string()),
+    }
+}
+
+impl Control for DirControl {
+    async fn set_component_state(
+        &self,
+        volume: VolumeId,
+        component: shoal_model::ComponentId,
+        state: ComponentState,
+        generation: Generation,
+    ) -> Result<(), ControlError> {
+        self.dir
+            .propose(Command::SetComponentState {
+                volume,
+                component,
+                state,
+                generation,
+            })
+            .await
+            .map(|_| ())
+            .map_err(control_err)
+    }
+
+    async fn reclaim(
+        &self,
+        volume: VolumeId,
+        expected: Generation,
+    ) -> Result<Generation, ControlError> {
+        match self
+            .dir
+            .propose(Command::ClaimOwner {
+                volume,
+                node: self.node,
+                expected_generation: expected,
+            })
+            .await
+        {
+            Ok(Response::Generation(g)) => Ok(g),
+            Ok(other) => Err(ControlError::Unavailable(format!(
+                "unexpected answer {other:?}"
+            ))),
+            Err(e) => Err(control_err(e)),
+        }
+    }
+}
+
+/// The owner's view of a volume from a directory state.
+pub fn view_of(state: &ClusterState, volume: VolumeId) -> Option<View> {
+    let v = state.volumes.get(&volume)?;
+    let targets = v
+        .components
+        .iter()
+        .map(|c| {
+            let n = state.nodes.get(&c.node);
+            Target {
+                component: c.clone(),
+                addr: n.map(|n| n.peer_addr.clone()).unwrap_or_default(),
+                node_up: n.map(|n| n.state) == Some(NodeState::Up),
+            }
+        })
+        .collect();
+    Some(View {
+        volume: v.clone(),
+        targets,
+    })
+}
+
+fn to_owner_op(op: VolumeOp, payload: Bytes) -> Op {
+    match op {
+        VolumeOp::Read { offset, len } => Op::Read { offset, len },
+        VolumeOp::Write { offset, .. } => Op::Write {
+            offset,
+            data: payload,
+        },
+        VolumeOp::Flush => Op::Flush,
+        VolumeOp::Trim { offset, len } | VolumeOp::WriteZeroes { offset, len } => Op::Zero {
+            offset,
+            len: len as u64,
+        },
+    }
+}
+
+/// Final errors a client sees.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IoFailure {
+    OutOfRange,
+    NoSpace,
+    Gone,
+    Io(String),
+}
+
+impl Router {
+    pub fn new(node: NodeId, dir: Directory, cfg: OwnerConfig) -> Router {
+        Router {
+            node,
+            dir,
+            cfg,
+            owners: Mutex::new(HashMap::new()),
+            claim_locks: Mutex::new(HashMap::new()),
+            peers: Mutex::new(HashMap::new()),
+            connections: Mutex::new(BTreeMap::new()),
+            counters: Counters::default(),
+        }
+    }
+
+    fn local_owner(&self, v: VolumeId) -> Option<Owner> {
+        let mut m = self.owners.lock().ok()?;
+        match m.get(&v) {
+            Some(o) if o.is_running() => Some(o.clone()),
+            Some(_) => {
+                m.remove(&v);
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// Volumes owned here now.
+    pub fn owned(&self) -> Vec<VolumeId> {
+        self.owners
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .filter(|(_, o)| o.is_running())
+                    .map(|(v, _)| *v)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Passes a new directory state to the local owners; stops owners of
+    /// deleted volumes.
+    pub fn directory_changed(&self, state: &ClusterState) {
+        let Ok(mut m) = self.owners.lock() else {
+            return;
+        };
+        m.retain(|vid, o| match view_of(state, *vid) {
+            Some(view) => {
+                o.update(view);
+                o.is_running()
+            }
+            None => {
+                o.stop();
+                false
+            }
+        });
+    }
+
+    async fn peer(&self, addr: &str) -> Result<Arc<Peer>, RpcError> {
+        if let Some(p) = self.peers.lock().ok().and_then(|m| m.get(addr).cloned()) {
+            if !p.is_closed() {
+                return Ok(p);
+            }
+        }
+        let p = Arc::new(Peer::connect(addr, Duration::from_millis(1000)).await?);
+        if let Ok(mut m) = self.peers.lock() {
+            m.insert(addr.to_string(), p.clone());
+        }
+        Ok(p)
+    }
+
+    /// Takes ownership of `volume` if it is still at `expected`, and starts
+    /// the owner. Errors mean "retry".
+    async fn claim(&self, volume: VolumeId, expected: Generation) -> Result<(), String> {
+        let lock = {
+            let mut m = self.claim_locks.lock().map_err(|_| "poisoned")?;
+            m.entry(volume).or_default().clone()
+        };
+        let _g = lock.lock().await;
+        if self.local_owner(volume).is_some() {
+            return Ok(());
+        }
+        let gen = match self
+            .dir
+            .propose(Command::ClaimOwner {
+                volume,
+                node: self.node,
+                expected_generation: expected,
+            })
+            .await
+        {
+            Ok(Response::Generation(g)) => g,
+            Ok(other) => return Err(format!("unexpected answer {other:?}")),
+            Err(e) => return Err(e.to_string()),
+        };
+        self.counters.claims.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(volume, generation = gen, "claimed ownership");
+        let mut view = view_of(&self.dir.state(), volume).ok_or("volume deleted")?;
+        // The local copy of the directory may lag behind the claim.
+        view.volume.generation = gen;
+        view.volume.owner = Some(self.node);
+        let control = Arc::new(DirControl {
+            dir: self.dir.clone(),
+            node: self.node,
+        });
+        let owner = Owner::start(self.cfg.clone(), view, gen, control)
+            .await
+            .map_err(|e| e.to_string())?;
+        if let Ok(mut m) = self.owners.lock() {
+            m.insert(volume, owner);
+        }
+        Ok(())
+    }
+
+    /// Serves one client operation, waiting through ownership changes.
+    pub async fn io(
+        &self,
+        volume: VolumeId,
+        op: VolumeOp,
+        payload: Bytes,
+    ) -> Result<Bytes, IoFailure> {
+        let deadline = Instant::now() + IO_PATIENCE;
+        let mut last = String::new();
+        loop {
+            if Instant::now() > deadline {
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                return Err(IoFailure::Io(last));
+            }
+            let state = self.dir.state();
+            let Some(v) = state.volumes.get(&volume) else {
+                return Err(IoFailure::Gone);
+            };
+            if let Some(o) = self.local_owner(volume) {
+                match o.execute(to_owner_op(op, payload.clone())).await {
+                    Ok(b) => return Ok(b),
+                    Err(OwnerError::OutOfRange) => return Err(IoFailure::OutOfRange),
+                    Err(OwnerError::NoSpace) => return Err(IoFailure::NoSpace),
+                    Err(OwnerError::Deposed | OwnerError::Stopped) => {
+                        if let Ok(mut m) = self.owners.lock() {
+                            m.remove(&volume);
+                        }
+                        last = "owner deposed".into();
+                        continue;
+                    }
+                    Err(e) => {
+                        last = e.to_string();
+                        tokio::time::sleep(RETRY_PAUSE).await;
+                        continue;
+                    }
+                }
+            }
+            let owner_node = v.owner.and_then(|o| state.nodes.get(&o));
+            match owner_node {
+                Some(n) if n.id != self.node && n.state == NodeState::Up => {
+                    self.counters.forwarded.fetch_add(1, Ordering::Relaxed);
+                    let r = async {
+                        let p = self.peer(&n.peer_addr).await?;
+                        p.call(
+                            &Request::VolumeIo { volume, op },
+                            payload.clone(),
+                            FORWARD_TIMEOUT,
+                        )
+                        .await
+                    }
+                    .await;
+                    match r {
+                        Ok((_, data)) => return Ok(data),
+                        Err(RpcError::Remote(RemoteError::OutOfRange)) => {
+                            return Err(IoFailure::OutOfRange)
+                        }
+                        Err(RpcError::Remote(RemoteError::NoSpace)) => {
+                            return Err(IoFailure::NoSpace)
+                        }
+                        Err(RpcError::Remote(RemoteError::NotOwner { .. })) => {
+                            // It does not own it (restarted, or deposed): take over.
+                            if let Err(e) = self.claim(volume, v.generation).await {
+                                last = e;
+                                tokio::time::sleep(RETRY_PAUSE).await;
+                            }
+                        }
+                        Err(e) => {
+                            // Wait for the directory to notice a dead owner.
+                            last = e.to_string();
+                            tokio::time::sleep(RETRY_PAUSE).await;
+                        }
+                    }
+                }
+                _ => {
+                    if let Err(e) = self.claim(volume, v.generation).await {
+                        last = e;
+                        tokio::time::sleep(RETRY_PAUSE).await;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Serves I/O forwarded by another node: only a local owner may answer.
+    pub async fn serve_forwarded(
+        &self,
+        volume: VolumeId,
+        op: VolumeOp,
+        payload: Bytes,
+    ) -> Result<Bytes, RemoteError> {
+        let Some(o) = self.local_owner(volume) else {
+            return Err(RemoteError::NotOwner { volume });
+        };
+        o.execute(to_owner_op(op, payload))
+            .await
+            .map_err(|e| match e {
+                OwnerError::OutOfRange => RemoteError::OutOfRange,
+                OwnerError::NoSpace => RemoteError::NoSpace,
+                OwnerError::Deposed | OwnerError::Stopped => RemoteError::NotOwner { volume },
+                other => RemoteError::Unavailable(other.to_string()),
+            })
+    }
+}

@@ -1,0 +1,185 @@
+//! Client side: one multiplexed TCP connection to a peer.
+//!
+//! [`Peer::send`] queues the frame synchronously, so frames leave in the
+//! order `send` was called: an owner that calls `send` on every replica in
+//! the same order gets the same apply order everywhere.
+
+use crate::frame::{Header, HEADER_LEN};
+use crate::{Request, Response, RpcError};
+use bytes::Bytes;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+
+type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<(Response, Bytes)>>>>;
+
+/// A connection to one peer. Cheap to share behind an `Arc`.
+pub struct Peer {
+    addr: String,
+    tx: mpsc::UnboundedSender<(Header, Vec<u8>, Bytes)>,
+    waiters: Waiters,
+    next_id: AtomicU64,
+    closed: Arc<AtomicBool>,
+}
+
+/// A reply that will arrive.
+pub struct PendingReply {
+    rx: oneshot::Receiver<(Response, Bytes)>,
+    id: u64,
+    waiters: Waiters,
+}
+
+impl PendingReply {
+    /// Waits for the reply. A remote error becomes [`RpcError::Remote`].
+    pub async fn wait(self, timeout: Duration) -> Result<(Response, Bytes), RpcError> {
+        let r = tokio::time::timeout(timeout, self.rx).await;
+        match r {
+            Ok(Ok((Response::Err(e), _))) => Err(RpcError::Remote(e)),
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(_)) => Err(RpcError::Closed),
+            Err(_) => {
+                if let Ok(mut w) = self.waiters.lock() {
+                    w.remove(&self.id);
+                }
+                Err(RpcError::Timeout(timeout))
+            }
+        }
+    }
+}
+
+impl Peer {
+    /// Connects within `timeout`.
+    pub async fn connect(addr: &str, timeout: Duration) -> Result<Peer, RpcError> {
+        let cerr = |reason: String| RpcError::Connect {
+            addr: addr.to_string(),
+            reason,
+        };
+        let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| cerr("timed out".into()))?
+            .map_err(|e| cerr(e.to_string()))?;
+        stream.set_nodelay(true).map_err(|e| cerr(e.to_string()))?;
+        let (mut rd, wr) = stream.into_split();
+        let (tx, mut rx) = mpsc::unbounded_channel::<(Header, Vec<u8>, Bytes)>();
+        let waiters: Waiters = Arc::new(Mutex::new(HashMap::new()));
+        let closed = Arc::new(AtomicBool::new(false));
+
+        // Writer: drains the queue, batching frames into one flush.
+        let c2 = closed.clone();
+        tokio::spawn(async move {
+            let mut w = BufWriter::with_capacity(256 << 10, wr);
+            while let Some(first) = rx.recv().await {
+                let mut next = Some(first);
+                while let Some((h, body, payload)) = next.take() {
+                    let ok = w.write_all(&h.encode()).await.is_ok()
+                        && w.write_all(&body).await.is_ok()
+                        && w.write_all(&payload).await.is_ok();
+                    if !ok {
+                        c2.store(true, Ordering::SeqCst);
+                        return;
+                    }
+                    next = rx.try_recv().ok();
+                }
+                if w.flush().await.is_err() {
+                    c2.store(true, Ordering::SeqCst);
+                    return;
+                }
+            }
+        });
+
+        // Reader: matches replies to waiters; any framing error closes.
+        let w2 = waiters.clone();
+        let c3 = closed.clone();
+        tokio::spawn(async move {
+            let r: Result<(), RpcError> = async {
+                loop {
+                    let mut hb = [0u8; HEADER_LEN];
+                    rd.read_exact(&mut hb).await.map_err(|_| RpcError::Closed)?;
+                    let h = Header::decode(&hb).map_err(|e| RpcError::Protocol(e.to_string()))?;
+                    let mut body = vec![0u8; h.body_len as usize];
+                    rd.read_exact(&mut body)
+                        .await
+                        .map_err(|_| RpcError::Closed)?;
+                    let mut payload = vec![0u8; h.payload_len as usize];
+                    rd.read_exact(&mut payload)
+                        .await
+                        .map_err(|_| RpcError::Closed)?;
+                    let resp: Response = postcard::from_bytes(&body)
+                        .map_err(|e| RpcError::Protocol(format!("bad reply body: {e}")))?;
+                    let waiter = w2.lock().ok().and_then(|mut w| w.remove(&h.id));
+                    if let Some(tx) = waiter {
+                        let _ = tx.send((resp, Bytes::from(payload)));
+                    }
+                }
+            }
+            .await;
+            if let Err(e) = r {
+                tracing::debug!("peer connection ended: {e}");
+            }
+            c3.store(true, Ordering::SeqCst);
+            // Dropping the senders wakes every waiter with Closed.
+            if let Ok(mut w) = w2.lock() {
+                w.clear();
+            }
+        });
+
+        Ok(Peer {
+            addr: addr.to_string(),
+            tx,
+            waiters,
+            next_id: AtomicU64::new(1),
+            closed,
+        })
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// True once the connection broke; make a new [`Peer`].
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst) || self.tx.is_closed()
+    }
+
+    /// Queues a request now (preserving call order) and returns its reply.
+    pub fn send(&self, req: &Request, payload: Bytes) -> Result<PendingReply, RpcError> {
+        if self.is_closed() {
+            return Err(RpcError::Closed);
+        }
+        let body = postcard::to_stdvec(req).map_err(|e| RpcError::Protocol(e.to_string()))?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (otx, orx) = oneshot::channel();
+        self.waiters
+            .lock()
+            .map_err(|_| RpcError::Closed)?
+            .insert(id, otx);
+        let h = Header {
+            flags: 0,
+            id,
+            body_len: body.len() as u32,
+            payload_len: payload.len() as u32,
+        };
+        self.tx
+            .send((h, body, payload))
+            .map_err(|_| RpcError::Closed)?;
+        Ok(PendingReply {
+            rx: orx,
+            id,
+            waiters: self.waiters.clone(),
+        })
+    }
+
+    /// Sends and waits.
+    pub async fn call(
+        &self,
+        req: &Request,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<(Response, Bytes), RpcError> {
+        self.send(req, payload)?.wait(timeout).await
+    }
+}
