@@ -71,6 +71,24 @@ pub struct Owners {
     pub volumes: Vec<(String, Generation)>,
 }
 
+/// `GET /v1/volumes/{name}/digests`: CRC-32C of every data copy.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Digests {
+    pub volume: String,
+    pub copies: Vec<CopyDigest>,
+    /// True when every copy answered with the same digest.
+    pub identical: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CopyDigest {
+    pub component: u64,
+    pub node: NodeId,
+    /// `Some(crc)` or the error that prevented reading the copy.
+    pub crc32c: Option<u32>,
+    pub error: Option<String>,
+}
+
 /// Error body of any non-2xx answer.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ErrorBody {
@@ -182,6 +200,10 @@ impl Client {
     pub async fn resize_volume(&self, name: &str, size: u64) -> Result<VolumeReport, ApiError> {
         self.post(&format!("/v1/volumes/{name}/resize"), &Resize { size })
             .await
+    }
+
+    pub async fn digests(&self, name: &str) -> Result<Digests, ApiError> {
+        self.get(&format!("/v1/volumes/{name}/digests")).await
     }
 
     pub async fn delete_volume(

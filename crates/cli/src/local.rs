@@ -184,23 +184,28 @@ pub async fn up(a: UpArgs) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(a.timeout);
     let want = cluster.nodes.len();
     let status = loop {
-        let mut last = String::from("no answer yet");
+        // Every node answers (so it serves NBD too) and sees a leader, and
+        // the directory has every node up with its devices.
+        let mut last = String::new();
+        let mut answered = 0;
+        let mut view = None;
         for n in &cluster.nodes {
             match Client::new(&n.api).status().await {
-                Ok(s) => {
-                    let up = s.nodes.iter().filter(|x| x.state == NodeState::Up).count();
-                    if s.leader.is_some() && up == want && s.devices.len() >= want {
-                        break;
-                    }
-                    last = format!("{up} of {want} nodes up");
+                Ok(s) if s.leader.is_some() => {
+                    answered += 1;
+                    view = Some(s);
                 }
-                Err(e) => last = e.to_string(),
+                Ok(_) => last = format!("node {} sees no leader", n.id),
+                Err(e) => last = format!("node {}: {e}", n.id),
             }
         }
-        if let Ok(s) = Client::new(&first_api).status().await {
+        if let Some(s) = view {
             let up = s.nodes.iter().filter(|x| x.state == NodeState::Up).count();
-            if s.leader.is_some() && up == want && s.devices.len() >= want {
+            if answered == want && up == want && s.devices.len() >= want {
                 break s;
+            }
+            if last.is_empty() {
+                last = format!("{up} of {want} nodes up");
             }
         }
         if Instant::now() > deadline {

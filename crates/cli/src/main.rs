@@ -93,6 +93,14 @@ enum VolumeCmd {
         #[command(flatten)]
         target: Target,
     },
+    /// Compare the data copies of a volume (CRC-32C of each); fails if they differ.
+    Verify {
+        name: String,
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
     Delete {
         name: String,
         /// Delete even with clients connected.
@@ -203,6 +211,11 @@ fn node_config(a: NodeArgs) -> Result<NodeConfig> {
 }
 
 fn main() {
+    // Behave like other tools when the reader of our output goes away.
+    // SAFETY: restoring the default disposition of a signal at start-up.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -291,6 +304,34 @@ async fn volume(v: VolumeCmd) -> Result<()> {
             let c = local::client(&target)?;
             let r = c.resize_volume(&name, size).await?;
             show::volume(&r);
+        }
+        VolumeCmd::Verify { name, target, json } => {
+            let c = local::client(&target)?;
+            let r = c.digests(&name).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                for d in &r.copies {
+                    match (d.crc32c, &d.error) {
+                        (Some(crc), _) => println!(
+                            "component {} on node {}: crc32c {crc:08x}",
+                            d.component, d.node
+                        ),
+                        (None, e) => println!(
+                            "component {} on node {}: {}",
+                            d.component,
+                            d.node,
+                            e.clone().unwrap_or_default()
+                        ),
+                    }
+                }
+            }
+            if !r.identical {
+                bail!("the copies of volume {name} differ or could not all be read");
+            }
+            if !json {
+                println!("all {} copies identical", r.copies.len());
+            }
         }
         VolumeCmd::Delete {
             name,

@@ -9,7 +9,8 @@ use axum::response::{IntoResponse, Response as HttpResponse};
 use axum::routing::{get, post};
 use axum::Json;
 use shoal_api::{
-    Connections, CreateVolume, ErrorBody, Heartbeat, Owners, Resize, StatusReport, VolumeReport,
+    Connections, CopyDigest, CreateVolume, Digests, ErrorBody, Heartbeat, Owners, Resize,
+    StatusReport, VolumeReport,
 };
 use shoal_directory::{ClusterState, Command, DirectoryError, StateError};
 use shoal_model::{check_volume_name, check_volume_size, NodeState, Policy, Volume};
@@ -73,6 +74,7 @@ pub fn routes(h: Http) -> axum::Router {
         .route("/v1/volumes", get(list).post(create))
         .route("/v1/volumes/{name}", get(show).delete(delete))
         .route("/v1/volumes/{name}/resize", post(resize))
+        .route("/v1/volumes/{name}/digests", get(digests))
         .route("/v1/heartbeat", post(heartbeat))
         .route("/v1/local/connections", get(connections))
         .route("/v1/local/owners", get(owners))
@@ -234,6 +236,53 @@ async fn delete(
         .propose(Command::DeleteVolume { name: name.clone() })
         .await?;
     Ok(Json(serde_json::json!({ "deleted": name })))
+}
+
+/// Reads every data copy on its node and compares CRC-32C digests. Meant
+/// for checks after I/O stopped: writes in flight make copies differ.
+async fn digests(State(h): State<Http>, Path(name): Path<String>) -> Result<Json<Digests>, ApiErr> {
+    let s = h.router.dir.state();
+    let v = s
+        .volume_by_name(&name)
+        .ok_or_else(|| ApiErr(StatusCode::NOT_FOUND, format!("no volume named {name:?}")))?;
+    let mut copies = Vec::new();
+    for c in v.data_components() {
+        let addr = s
+            .nodes
+            .get(&c.node)
+            .map(|n| n.peer_addr.clone())
+            .unwrap_or_default();
+        let r = async {
+            let p = shoal_rpc::Peer::connect(&addr, std::time::Duration::from_secs(1)).await?;
+            p.call(
+                &shoal_rpc::Request::Digest { component: c.id },
+                bytes::Bytes::new(),
+                std::time::Duration::from_secs(120),
+            )
+            .await
+        }
+        .await;
+        let (crc32c, error) = match r {
+            Ok((shoal_rpc::Response::Digest { crc, .. }, _)) => (Some(crc), None),
+            Ok((other, _)) => (None, Some(format!("unexpected answer {other:?}"))),
+            Err(e) => (None, Some(e.to_string())),
+        };
+        copies.push(CopyDigest {
+            component: c.id,
+            node: c.node,
+            crc32c,
+            error,
+        });
+    }
+    let identical = !copies.is_empty()
+        && copies
+            .iter()
+            .all(|c| c.crc32c.is_some() && c.crc32c == copies[0].crc32c);
+    Ok(Json(Digests {
+        volume: name,
+        copies,
+        identical,
+    }))
 }
 
 async fn heartbeat(State(h): State<Http>, Json(hb): Json<Heartbeat>) -> Json<serde_json::Value> {

@@ -269,6 +269,34 @@ impl Replicas {
                 }
                 done(Ok(Response::Ok))
             }
+            Request::Digest { component } => {
+                let d = self.device_of(component)?;
+                let size = d
+                    .store
+                    .component(component)
+                    .ok_or(RemoteError::NoSuchComponent(component))?
+                    .size;
+                Box::pin(async move {
+                    let r = tokio::task::spawn_blocking(move || {
+                        let mut crc = 0u32;
+                        let mut buf = vec![0u8; 1 << 20];
+                        let mut off = 0;
+                        while off < size {
+                            let n = (size - off).min(buf.len() as u64) as usize;
+                            d.store.read(component, off, &mut buf[..n])?;
+                            crc = crc32c::crc32c_append(crc, &buf[..n]);
+                            off += n as u64;
+                        }
+                        Ok::<_, StoreError>(crc)
+                    })
+                    .await;
+                    match r {
+                        Ok(Ok(crc)) => (Response::Digest { crc, size }, Bytes::new()),
+                        Ok(Err(e)) => (Response::Err(remote(e)), Bytes::new()),
+                        Err(e) => (Response::Err(RemoteError::Io(e.to_string())), Bytes::new()),
+                    }
+                })
+            }
             Request::VolumeIo { volume, op } => {
                 let router = self
                     .router

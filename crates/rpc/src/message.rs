@@ -70,6 +70,9 @@ pub enum Request {
         generation: Generation,
         seq: u64,
     },
+    /// CRC-32C of a component's whole logical contents, to check that
+    /// replicas are identical. Answered with [`Response::Digest`].
+    Digest { component: ComponentId },
 }
 
 /// Client operations on a whole volume.
@@ -95,6 +98,10 @@ pub enum Response {
     },
     Ranges(Vec<(u64, u64)>),
     Err(RemoteError),
+    Digest {
+        crc: u32,
+        size: u64,
+    },
 }
 
 /// An error the remote side reports; callers branch on it.

@@ -1,0 +1,476 @@
+#!/usr/bin/env bash
+# Shoal vs nbdkit-file vs raw file: the same fio jobs, side by side, on one disk.
+#
+#   A  shoal   4-node local cluster (NET.1..4), one "raid1 ftt=1" volume,
+#              fio --ioengine=nbd against node 1
+#   B  nbdkit  nbdkit's file plugin serving a file, fio --ioengine=nbd
+#   C  raw     a plain file, fio --ioengine=io_uring --direct=1 (libaio if
+#              io_uring is refused)
+#
+# Usage: bench/cluster.sh [--quick] [--help]
+#        bench/cluster.sh --report RESULTS_DIR   (only rewrite RESULTS_DIR/table.md)
+# Env (defaults in brackets):
+#   BENCH_DIR [bench/results/work]  where the big files and the cluster live
+#   RESULTS_ROOT [bench/results]    the run's folder is RESULTS_ROOT/<timestamp>
+#   RUNTIME [15, 5 with --quick]    seconds measured per fio job
+#   RAMP [3, 1 with --quick]        seconds of ramp before measuring
+#   SIZE [2G]                       volume / file size
+#   DEVICE_SIZE [8G]                each Shoal node's (sparse) device file
+#   NET [127.0.50]                  Shoal nodes are NET.1..NET.4
+#   NBD_PORT [10809]                Shoal's NBD port
+#   NBDKIT_ADDR [127.0.0.1] NBDKIT_PORT [10859]
+#   TARGETS ["shoal nbdkit raw"]    which targets to run
+#   EXTRA [0]                       1 adds context rows: QD1 without sync for
+#                                   nbdkit/raw, QD1 with a flush per write for Shoal
+#   SHOAL_BIN [target/release/shoal]
+#   SKIP_BUILD [0]                  1 skips `cargo build --release -p shoal-cli`
+#   KEEP [0]                        1 keeps the big files and the cluster data
+#   FIO_TIMEOUT_SLACK [120]         seconds past ramp+runtime before a fio run is killed
+#   PREFILL_TIMEOUT [900]           seconds before a prefill is killed
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+
+# ---------------------------------------------------------------- report
+# report DIR: (re)writes DIR/table.md from the fio JSON in DIR.
+report() {
+  # shellcheck disable=SC2046
+  python3 - "$1" $(cat "$1/report-args") >"$1/table.md" <<'PY'
+import json, os, sys
+
+out, raw_engine, sync_nbdkit, extra, size, runtime, ramp = sys.argv[1:8]
+extra = extra == "1"
+targets = ["shoal", "nbdkit", "raw"]
+tname = {"shoal": "Shoal (raid1 ftt=1, 4 nodes)", "nbdkit": "nbdkit-file", "raw": f"raw file ({raw_engine})"}
+
+
+def load(job, t):
+    p = os.path.join(out, f"{job}__{t}.json")
+    if not os.path.exists(p) or os.path.exists(os.path.join(out, f"{job}__{t}.failed")):
+        return None
+    j = json.load(open(p))["jobs"][0]
+    rw = "read" if j["read"]["io_bytes"] > 0 else "write"
+    d = j[rw]
+    pct = d["clat_ns"].get("percentile", {})
+    r = {
+        "iops": d["iops"],
+        "mibs": d["bw_bytes"] / 2**20,
+        "clat_mean": d["clat_ns"]["mean"] / 1000,
+        "clat_p99": pct.get("99.000000", 0) / 1000,
+        "sync_mean": None,
+        "sync_p99": None,
+    }
+    s = j.get("sync", {})
+    # async engines (io_uring) leave sync.total_ios at 0 but count lat_ns.N
+    if s.get("total_ios", 0) > 0 or s.get("lat_ns", {}).get("N", 0) > 0:
+        r["sync_mean"] = s["lat_ns"]["mean"] / 1000
+        r["sync_p99"] = s["lat_ns"].get("percentile", {}).get("99.000000", 0) / 1000
+    # latency of a durable write: the write plus the sync that follows it
+    r["durable"] = r["clat_mean"] + (r["sync_mean"] or 0)
+    r["cycle"] = 1e6 / r["iops"] if r["iops"] else None
+    return r
+
+
+def k(x):
+    return f"{x/1000:.1f}k" if x >= 10000 else f"{x:,.0f}"
+
+
+def us(x):
+    if x is None:
+        return "–"
+    if x >= 10000:
+        return f"{x/1000:.1f} ms"
+    return f"{x:,.0f} µs" if x >= 100 else f"{x:.1f} µs"
+
+
+# job id, label, kind
+jobs = [
+    ("prefill", f"(prefill) 1M seq write QD8, first write of all {size}", "seq"),
+    ("rw4k_qd32", "4K random write QD32", "iops"),
+    ("rw4k_qd1", "4K random write QD1, durable", "lat"),
+]
+if extra:
+    jobs.append(("rw4k_qd1x", "(extra) 4K rand write QD1: Shoal + flush each / others no sync", "lat"))
+jobs += [
+    ("rr4k_qd32", "4K random read QD32 (prefilled)", "iops"),
+    ("sw1m_qd8", "1M sequential write QD8", "seq"),
+]
+R = {(j, t): load(j, t) for j, _, _ in jobs for t in targets}
+
+
+def cell(kind, r):
+    if r is None:
+        return "n/a"
+    if kind == "iops":
+        return f"{k(r['iops'])} IOPS, {r['mibs']:.0f} MiB/s, mean {us(r['clat_mean'])}, p99 {us(r['clat_p99'])}"
+    if kind == "lat":
+        s = f"**{us(r['durable'])}**"
+        if r["sync_mean"] is not None:
+            s += f" (write {us(r['clat_mean'])} + sync {us(r['sync_mean'])})"
+        return s + f", {k(r['iops'])} IOPS, write p99 {us(r['clat_p99'])}"
+    return f"{r['mibs']:.0f} MiB/s, mean {us(r['clat_mean'])}, p99 {us(r['clat_p99'])}"
+
+
+def ratio(kind, a, b):
+    if a is None or b is None:
+        return "n/a"
+    if kind == "iops":
+        return f"{a['iops']/b['iops']:.2f}x IOPS" if b["iops"] else "n/a"
+    if kind == "lat":
+        return f"{a['durable']/b['durable']:.2f}x latency" if b["durable"] else "n/a"
+    return f"{a['mibs']/b['mibs']:.2f}x MiB/s" if b["mibs"] else "n/a"
+
+
+p = print
+p(f"# Shoal vs nbdkit-file vs raw file ({size}, {runtime} s runs after {ramp} s ramp)")
+p()
+p("| Job | " + " | ".join(tname[t] for t in targets) + " | Shoal/raw | Shoal/nbdkit |")
+p("|---|" + "---|" * (len(targets) + 2))
+for j, label, kind in jobs:
+    row = [label] + [cell(kind, R[(j, t)]) for t in targets]
+    row += [ratio(kind, R[(j, "shoal")], R[(j, "raw")]), ratio(kind, R[(j, "shoal")], R[(j, "nbdkit")])]
+    p("| " + " | ".join(row) + " |")
+p()
+p("Latencies are fio completion latencies (clat). \"durable\" = mean write clat plus, where a")
+p("sync op follows each write, its mean latency. QD1 durable options: Shoal none (it acks only")
+p(f"writes durable on every copy); nbdkit-file `{sync_nbdkit}`; raw file `--fdatasync=1`.")
+p()
+
+p("## Targets")
+a, b = R[("rw4k_qd32", "shoal")], R[("rw4k_qd32", "raw")]
+if a and b and b["iops"]:
+    f = a["iops"] / b["iops"]
+    p(f"- 4K random write QD32 ≥ 25% of raw-file IOPS: Shoal {k(a['iops'])} vs raw {k(b['iops'])} IOPS = "
+      f"{100*f:.0f}% → **{'HOLDS' if f >= 0.25 else 'MISSED'}**")
+else:
+    p("- 4K random write QD32 ≥ 25% of raw-file IOPS: not measured (a run failed or was not run)")
+a, b = R[("rw4k_qd1", "shoal")], R[("rw4k_qd1", "raw")]
+if a and b and b["durable"]:
+    f = a["durable"] / b["durable"]
+    p(f"- QD1 write latency ≤ 4x raw file's (with fdatasync): Shoal {us(a['durable'])} vs raw "
+      f"{us(b['durable'])} (write + fdatasync) = {f:.2f}x → **{'HOLDS' if f <= 4 else 'MISSED'}**")
+else:
+    p("- QD1 write latency ≤ 4x raw file's (with fdatasync): not measured (a run failed or was not run)")
+p()
+
+p("## All numbers")
+p()
+p("| Job | Target | IOPS | MiB/s | clat mean | clat p99 | sync mean | sync p99 | 1/IOPS |")
+p("|---|---|---|---|---|---|---|---|---|")
+for j, label, kind in jobs:
+    for t in targets:
+        r = R[(j, t)]
+        if r is None:
+            failed = os.path.exists(os.path.join(out, f"{j}__{t}.failed"))
+            p(f"| {j} | {t} | {'FAILED' if failed else 'not run'} | | | | | | |")
+            continue
+        p(f"| {j} | {t} | {r['iops']:,.0f} | {r['mibs']:,.1f} | {us(r['clat_mean'])} | {us(r['clat_p99'])} | "
+          f"{us(r['sync_mean'])} | {us(r['sync_p99'])} | {us(r['cycle'])} |")
+
+notes = os.path.join(out, "notes.txt")
+if os.path.exists(notes):
+    p()
+    p("## Notes")
+    for line in open(notes):
+        p(f"- {line.strip()}")
+PY
+}
+
+QUICK=0
+REPORT_ONLY=""
+while [ $# -gt 0 ]; do
+  a="$1"; shift
+  case "$a" in
+    --quick) QUICK=1 ;;
+    --report) REPORT_ONLY="${1:?--report needs a results folder}"; shift ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "unknown argument: $a (try --help)" >&2; exit 2 ;;
+  esac
+done
+if [ -n "$REPORT_ONLY" ]; then
+  report "$REPORT_ONLY"; cat "$REPORT_ONLY/table.md"; exit 0
+fi
+
+if [ "$QUICK" = 1 ]; then
+  RUNTIME="${RUNTIME:-5}"; RAMP="${RAMP:-1}"
+else
+  RUNTIME="${RUNTIME:-15}"; RAMP="${RAMP:-3}"
+fi
+BENCH_DIR="${BENCH_DIR:-$REPO/bench/results/work}"
+RESULTS_ROOT="${RESULTS_ROOT:-$REPO/bench/results}"
+SIZE="${SIZE:-2G}"
+DEVICE_SIZE="${DEVICE_SIZE:-8G}"
+NET="${NET:-127.0.50}"
+NBD_PORT="${NBD_PORT:-10809}"
+NBDKIT_ADDR="${NBDKIT_ADDR:-127.0.0.1}"
+NBDKIT_PORT="${NBDKIT_PORT:-10859}"
+TARGETS="${TARGETS:-shoal nbdkit raw}"
+EXTRA="${EXTRA:-0}"
+SHOAL_BIN="${SHOAL_BIN:-$REPO/target/release/shoal}"
+SKIP_BUILD="${SKIP_BUILD:-0}"
+KEEP="${KEEP:-0}"
+FIO_TIMEOUT_SLACK="${FIO_TIMEOUT_SLACK:-120}"
+PREFILL_TIMEOUT="${PREFILL_TIMEOUT:-900}"
+
+mkdir -p "$BENCH_DIR" "$RESULTS_ROOT"
+BENCH_DIR="$(cd "$BENCH_DIR" && pwd)"
+OUT="$RESULTS_ROOT/$(date +%Y%m%d-%H%M%S)"
+mkdir -p "$OUT"
+
+SHOAL_DATA="$BENCH_DIR/shoal"
+RAW_FILE="$BENCH_DIR/raw.img"
+NBDKIT_FILE="$BENCH_DIR/nbdkit.img"
+SHOAL_URI="nbd://$NET.1:$NBD_PORT/bench"
+NBDKIT_URI="nbd://$NBDKIT_ADDR:$NBDKIT_PORT/"
+
+log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+note() { printf '%s\n' "$*" >>"$OUT/notes.txt"; log "note: $*"; }
+has_target() { [[ " $TARGETS " == *" $1 "* ]]; }
+
+# ---------------------------------------------------------------- cleanup
+NBDKIT_PID=""
+SHOAL_STARTED=0
+cleanup() {
+  local rc=$?
+  set +e
+  trap - EXIT INT TERM
+  if [ -n "$NBDKIT_PID" ] && kill -0 "$NBDKIT_PID" 2>/dev/null; then
+    log "stopping nbdkit (pid $NBDKIT_PID)"
+    kill "$NBDKIT_PID"; wait "$NBDKIT_PID" 2>/dev/null
+  fi
+  if [ "$SHOAL_STARTED" = 1 ] && [ -f "$SHOAL_DATA/cluster.json" ]; then
+    log "stopping the Shoal cluster"
+    "$SHOAL_BIN" down --data "$SHOAL_DATA" >>"$OUT/shoal-down.log" 2>&1
+  fi
+  # Keep the tail of each node's log with the results.
+  for f in "$SHOAL_DATA"/node*/node.log; do
+    [ -f "$f" ] || continue
+    tail -n 3000 "$f" >"$OUT/$(basename "$(dirname "$f")").log.tail"
+  done
+  if [ "$KEEP" != 1 ]; then
+    rm -f "$RAW_FILE" "$NBDKIT_FILE" "$BENCH_DIR/uring-probe.img"
+    rm -rf "$SHOAL_DATA"
+    rmdir "$BENCH_DIR" 2>/dev/null
+  else
+    log "KEEP=1: leaving $BENCH_DIR in place"
+  fi
+  if [ "$rc" != 0 ]; then log "failed (exit $rc); partial results in $OUT"; fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# ---------------------------------------------------------------- checks
+for t in $TARGETS; do
+  case "$t" in shoal|nbdkit|raw) ;; *) echo "unknown target: $t" >&2; exit 2 ;; esac
+done
+command -v fio >/dev/null || { echo "fio is required (apt-get install fio)" >&2; exit 1; }
+command -v python3 >/dev/null || { echo "python3 is required" >&2; exit 1; }
+if has_target nbdkit; then
+  command -v nbdkit >/dev/null || { echo "nbdkit is required (apt-get install nbdkit)" >&2; exit 1; }
+fi
+if ! fio --enghelp 2>/dev/null | grep -qw nbd; then
+  echo "this fio has no nbd engine (Debian's fio has it)" >&2; exit 1
+fi
+size_bytes() { python3 -c '
+import sys; s=sys.argv[1].strip().upper(); m={"K":1<<10,"M":1<<20,"G":1<<30,"T":1<<40}
+print(int(float(s[:-1])*m[s[-1]]) if s[-1] in m else int(s))' "$1"; }
+SIZE_B="$(size_bytes "$SIZE")"
+need=$(( SIZE_B * 5 + (1 << 30) ))   # raw + nbdkit + 2 Shoal copies + slack
+avail=$(( $(df -Pk "$BENCH_DIR" | awk 'NR==2{print $4}') * 1024 ))
+if [ "$avail" -lt "$need" ]; then
+  echo "not enough space in $BENCH_DIR: $((avail>>30)) GiB free, ~$((need>>30)) GiB needed" >&2; exit 1
+fi
+
+if has_target shoal; then
+  if [ "$SKIP_BUILD" != 1 ]; then
+    log "cargo build --release -p shoal-cli"
+    cargo build --release -p shoal-cli >"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log" >&2; exit 1; }
+  fi
+  [ -x "$SHOAL_BIN" ] || { echo "no shoal binary at $SHOAL_BIN" >&2; exit 1; }
+fi
+
+{
+  echo "date: $(date -Is)"
+  echo "host: $(uname -srm), $(nproc) cores"
+  echo "fio: $(fio --version)"
+  command -v nbdkit >/dev/null && echo "nbdkit: $(nbdkit --version | head -1)"
+  has_target shoal && echo "shoal: $("$SHOAL_BIN" --version)"
+  echo "disk: $(df -Ph "$BENCH_DIR" | awk 'NR==2{print $1" ("$2", mounted on "$6")"}')"
+  echo "BENCH_DIR=$BENCH_DIR SIZE=$SIZE RUNTIME=$RUNTIME RAMP=$RAMP TARGETS=\"$TARGETS\" EXTRA=$EXTRA"
+} >"$OUT/env.txt"
+
+# ---------------------------------------------------------------- fio
+# run_fio NAME TIMEOUT ARGS... : writes $OUT/NAME.json (clean JSON) and
+# $OUT/NAME.err; returns non-zero if fio failed or reported an error.
+run_fio() {
+  local name="$1" to="$2"; shift 2
+  printf 'fio %s\n' "$*" >"$OUT/$name.cmd"
+  local rc=0
+  timeout --kill-after=10 "$to" fio --output-format=json "$@" >"$OUT/$name.raw" 2>"$OUT/$name.err" || rc=$?
+  # The nbd engine prints "fio: connected to NBD server" before the JSON.
+  local pyrc=0
+  python3 - "$OUT/$name.raw" "$OUT/$name.json" <<'PY' || pyrc=$?
+import json, sys
+s = open(sys.argv[1]).read()
+i = s.find("\n{") + 1 if not s.startswith("{") else 0
+if not s.startswith("{") and i == 0:
+    sys.exit(1)
+d = json.loads(s[i:])
+json.dump(d, open(sys.argv[2], "w"), indent=1)
+sys.exit(1 if any(j.get("error") for j in d.get("jobs", [])) else 0)
+PY
+  [ "$pyrc" = 0 ] || [ "$rc" != 0 ] || rc=1
+  rm -f "$OUT/$name.raw"
+  if [ "$rc" != 0 ]; then
+    echo "$rc" >"$OUT/$name.failed"
+    log "fio $name failed (rc $rc): $(tail -n 3 "$OUT/$name.err" | tr '\n' ' ')"
+    [ "$rc" = 124 ] && note "$name: fio did not finish within ${to}s and was killed (stall?)"
+    return 1
+  fi
+}
+
+TIMED=(--time_based "--runtime=$RUNTIME" "--ramp_time=$RAMP")
+FIO_TO=$(( RUNTIME + RAMP + FIO_TIMEOUT_SLACK ))
+RAND=(--norandommap --randrepeat=0)
+
+# engine args per target
+target_args() {
+  case "$1" in
+    shoal)  echo "--ioengine=nbd --uri=$SHOAL_URI" ;;
+    nbdkit) echo "--ioengine=nbd --uri=$NBDKIT_URI" ;;
+    raw)    echo "--ioengine=$RAW_ENGINE --direct=1 --filename=$RAW_FILE" ;;
+  esac
+}
+
+# The durable-QD1 option per target (set after the probes below).
+SYNC_SHOAL=""            # Shoal acks a write only once it is durable on every copy
+SYNC_NBDKIT="--fdatasync=1"
+SYNC_RAW="--fdatasync=1"
+sync_opt() { case "$1" in shoal) echo "$SYNC_SHOAL" ;; nbdkit) echo "$SYNC_NBDKIT" ;; raw) echo "$SYNC_RAW" ;; esac; }
+
+run_jobs() { # run_jobs TARGET
+  local t="$1" ta; read -r -a ta <<<"$(target_args "$t")"
+  local common=(--size="$SIZE" "${ta[@]}")
+  log "[$t] prefill: 1M sequential write of $SIZE, QD8"
+  run_fio "prefill__$t" "$PREFILL_TIMEOUT" --name=prefill --rw=write --bs=1M --iodepth=8 "${common[@]}" || true
+  log "[$t] 4K random write QD32"
+  run_fio "rw4k_qd32__$t" "$FIO_TO" --name=rw4k_qd32 --rw=randwrite --bs=4k --iodepth=32 "${RAND[@]}" "${TIMED[@]}" "${common[@]}" || true
+  local so; so="$(sync_opt "$t")"
+  log "[$t] 4K random write QD1 durable ${so:-(no sync option: every ack is durable)}"
+  # shellcheck disable=SC2086
+  run_fio "rw4k_qd1__$t" "$FIO_TO" --name=rw4k_qd1 --rw=randwrite --bs=4k --iodepth=1 $so "${RAND[@]}" "${TIMED[@]}" "${common[@]}" || true
+  if [ "$EXTRA" = 1 ]; then
+    if [ "$t" = shoal ]; then
+      log "[$t] (extra) 4K random write QD1 + NBD flush after each write"
+      run_fio "rw4k_qd1x__$t" "$FIO_TO" --name=rw4k_qd1x --rw=randwrite --bs=4k --iodepth=1 --fsync=1 "${RAND[@]}" "${TIMED[@]}" "${common[@]}" || true
+    else
+      log "[$t] (extra) 4K random write QD1 without sync"
+      run_fio "rw4k_qd1x__$t" "$FIO_TO" --name=rw4k_qd1x --rw=randwrite --bs=4k --iodepth=1 "${RAND[@]}" "${TIMED[@]}" "${common[@]}" || true
+    fi
+  fi
+  log "[$t] 4K random read QD32"
+  run_fio "rr4k_qd32__$t" "$FIO_TO" --name=rr4k_qd32 --rw=randread --bs=4k --iodepth=32 "${RAND[@]}" "${TIMED[@]}" "${common[@]}" || true
+  log "[$t] 1M sequential write QD8"
+  run_fio "sw1m_qd8__$t" "$FIO_TO" --name=sw1m_qd8 --rw=write --bs=1M --iodepth=8 "${TIMED[@]}" "${common[@]}" || true
+}
+
+# ---------------------------------------------------------------- A: Shoal
+if has_target shoal; then
+  if [ -f "$SHOAL_DATA/cluster.json" ]; then
+    log "a cluster from an earlier run is in $SHOAL_DATA: stopping and removing it"
+    "$SHOAL_BIN" down --data "$SHOAL_DATA" >/dev/null 2>&1 || true
+  fi
+  rm -rf "$SHOAL_DATA"
+  log "[shoal] starting 4 nodes on $NET.1-4"
+  SHOAL_STARTED=1
+  if ! "$SHOAL_BIN" up --data "$SHOAL_DATA" --nodes 4 --net "$NET" --nbd-port "$NBD_PORT" \
+        --device-size "$DEVICE_SIZE" --no-demo >"$OUT/shoal-up.log" 2>&1; then
+    cat "$OUT/shoal-up.log" >&2
+    note "shoal up failed; Shoal cells are empty"
+  elif ! "$SHOAL_BIN" volume create bench --size "$SIZE" --policy "raid1 ftt=1" \
+        --data "$SHOAL_DATA" >"$OUT/shoal-volume.log" 2>&1; then
+    cat "$OUT/shoal-volume.log" >&2
+    note "shoal volume create failed; Shoal cells are empty"
+  else
+    ready=0
+    for _ in $(seq 1 120); do
+      if nbdinfo --size "$SHOAL_URI" >/dev/null 2>&1 || \
+         fio --name=probe --ioengine=nbd --uri="$SHOAL_URI" --rw=read --bs=4k --size=4k >/dev/null 2>&1; then
+        ready=1; break
+      fi
+      sleep 0.5
+    done
+    if [ "$ready" = 1 ]; then
+      "$SHOAL_BIN" status --data "$SHOAL_DATA" >"$OUT/shoal-status-before.txt" 2>&1 || true
+      run_jobs shoal
+      "$SHOAL_BIN" status --data "$SHOAL_DATA" >"$OUT/shoal-status-after.txt" 2>&1 || true
+      "$SHOAL_BIN" volume verify bench --data "$SHOAL_DATA" >"$OUT/shoal-verify.txt" 2>&1 \
+        || note "shoal volume verify bench failed after the run: $(tail -n 1 "$OUT/shoal-verify.txt")"
+    else
+      note "the Shoal export $SHOAL_URI did not answer within 60s; Shoal cells are empty"
+    fi
+  fi
+  log "[shoal] stopping the cluster"
+  "$SHOAL_BIN" down --data "$SHOAL_DATA" >>"$OUT/shoal-down.log" 2>&1 || true
+  SHOAL_STARTED=0
+  if [ "$KEEP" != 1 ]; then
+    for f in "$SHOAL_DATA"/node*/node.log; do
+      if [ -f "$f" ]; then tail -n 3000 "$f" >"$OUT/$(basename "$(dirname "$f")").log.tail"; fi
+    done
+    rm -rf "$SHOAL_DATA"
+  fi
+fi
+
+# ---------------------------------------------------------------- B: nbdkit
+if has_target nbdkit; then
+  rm -f "$NBDKIT_FILE"
+  truncate -s "$SIZE" "$NBDKIT_FILE"
+  log "[nbdkit] serving $NBDKIT_FILE on $NBDKIT_ADDR:$NBDKIT_PORT"
+  nbdkit -f -i "$NBDKIT_ADDR" -p "$NBDKIT_PORT" file "$NBDKIT_FILE" >"$OUT/nbdkit.log" 2>&1 &
+  NBDKIT_PID=$!
+  ready=0
+  for _ in $(seq 1 50); do
+    if nbdinfo --size "$NBDKIT_URI" >/dev/null 2>&1; then ready=1; break; fi
+    kill -0 "$NBDKIT_PID" 2>/dev/null || break
+    sleep 0.2
+  done
+  if [ "$ready" = 1 ]; then
+    # fio's nbd engine answers --fdatasync with EINVAL (it only maps
+    # --fsync to NBD_CMD_FLUSH): probe, and use --fsync=1 if so.
+    if ! fio --name=probe --ioengine=nbd --uri="$NBDKIT_URI" --rw=randwrite --bs=4k --size=4M \
+          --io_size=64k --fdatasync=1 >/dev/null 2>&1; then
+      SYNC_NBDKIT="--fsync=1"
+      note "nbdkit QD1: fio's nbd engine refuses --fdatasync (EINVAL); used --fsync=1, which sends NBD_CMD_FLUSH (nbdkit's file plugin then fdatasyncs) after each write"
+    fi
+    run_jobs nbdkit
+  else
+    note "nbdkit did not start (see nbdkit.log); nbdkit cells are empty"
+  fi
+  if [ -n "$NBDKIT_PID" ]; then kill "$NBDKIT_PID" 2>/dev/null || true; wait "$NBDKIT_PID" 2>/dev/null || true; NBDKIT_PID=""; fi
+  [ "$KEEP" = 1 ] || rm -f "$NBDKIT_FILE"
+fi
+
+# ---------------------------------------------------------------- C: raw file
+RAW_ENGINE=io_uring
+if has_target raw; then
+  if ! fio --name=probe --filename="$BENCH_DIR/uring-probe.img" --size=16M --ioengine=io_uring --direct=1 \
+        --rw=randwrite --bs=4k --iodepth=4 --io_size=1M >"$OUT/uring-probe.log" 2>&1; then
+    RAW_ENGINE=libaio
+    note "io_uring was refused (see uring-probe.log); the raw file used --ioengine=libaio"
+  fi
+  rm -f "$BENCH_DIR/uring-probe.img"
+  rm -f "$RAW_FILE"   # fio lays it out during the prefill
+  run_jobs raw
+  [ "$KEEP" = 1 ] || rm -f "$RAW_FILE"
+fi
+echo "$RAW_ENGINE" >"$OUT/raw-engine.txt"
+echo "$RAW_ENGINE $SYNC_NBDKIT $EXTRA $SIZE $RUNTIME $RAMP" >"$OUT/report-args"
+report "$OUT"
+
+
+cat "$OUT/table.md"
+echo
+echo "results: $OUT"

@@ -1,0 +1,208 @@
+//! Failure tests on real node processes: kill -9 and SIGSTOP of replicas,
+//! of the owner and of the directory leader during a fio verify workload,
+//! and a whole-cluster restart. Subnets 127.0.30-39.
+
+mod common;
+
+use common::{require, sh, Cluster};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+const HEAL: Duration = Duration::from_secs(90);
+
+/// fio writing every block of `size` once in random order with crc32c
+/// verification headers, then reading everything back.
+fn fio_write_verify(uri: &str, size: &str) -> Child {
+    Command::new("fio")
+        .args([
+            "--name=w",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            &format!("--size={size}"),
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--output-format=json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting fio")
+}
+
+/// Same job, verification only: every block must still carry what the
+/// write pass put there.
+fn fio_verify_only(uri: &str, size: &str) {
+    let out = sh(&format!(
+        "fio --name=w --ioengine=nbd --uri={uri} --rw=randwrite --bs=4k --iodepth=16 \
+         --size={size} --verify=crc32c --verify_only --verify_fatal=1 --output-format=json"
+    ));
+    assert_fio_clean(&out, false);
+}
+
+fn assert_fio_clean(json: &str, expect_writes: bool) {
+    let start = json.find('{').expect("fio printed JSON");
+    let v: serde_json::Value = serde_json::from_str(&json[start..]).expect("fio JSON");
+    let job = &v["jobs"][0];
+    assert_eq!(job["error"], 0, "fio reported an error: {json}");
+    if expect_writes {
+        assert!(
+            job["write"]["total_ios"].as_u64().unwrap_or(0) > 0,
+            "no writes: {json}"
+        );
+    }
+    assert!(
+        job["read"]["total_ios"].as_u64().unwrap_or(0) > 0,
+        "no verify reads: {json}"
+    );
+}
+
+fn finish(child: Child) {
+    let out = child.wait_with_output().expect("fio");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "fio failed: {}\n{}",
+        stdout,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_fio_clean(&stdout, true);
+}
+
+/// The nodes holding data copies, and the owner, of a volume.
+fn layout(c: &Cluster, vol: &str) -> (Vec<u32>, Option<u32>) {
+    let v = c.json(&["volume", "show", vol]);
+    let data = v["volume"]["components"]
+        .as_array()
+        .expect("components")
+        .iter()
+        .filter(|x| x["role"] == "Data")
+        .map(|x| x["node"].as_u64().expect("node") as u32)
+        .collect();
+    let owner = v["volume"]["owner"].as_u64().map(|o| o as u32);
+    (data, owner)
+}
+
+/// Makes node 1 the owner by doing I/O through it.
+fn own_from_node1(c: &Cluster, vol: &str) {
+    sh(&format!(
+        "qemu-io -f raw -c 'write -P 7 0 4k' {}",
+        c.uri(1, vol)
+    ));
+    assert_eq!(layout(c, vol).1, Some(1));
+}
+
+/// A data node other than node 1 and other than `avoid`.
+fn replica_victim(c: &Cluster, vol: &str, avoid: u32) -> u32 {
+    let (data, _) = layout(c, vol);
+    *data
+        .iter()
+        .find(|&&n| n != 1 && n != avoid)
+        .expect("a data copy outside node 1")
+}
+
+#[test]
+fn kill9_replica_during_fio_verify() {
+    require("fio");
+    let c = Cluster::start(4, 30);
+    c.create_volume("v", "256M", "raid1 ftt=1");
+    own_from_node1(&c, "v");
+    let victim = replica_victim(&c, "v", 1);
+    let client = if victim == 2 { 3 } else { 2 };
+    let fio = fio_write_verify(&c.uri(client, "v"), "96M");
+    std::thread::sleep(Duration::from_secs(3));
+    c.signal(victim, "KILL");
+    finish(fio);
+    assert_ne!(
+        c.health("v"),
+        "healthy",
+        "a killed copy must not look healthy"
+    );
+    c.up();
+    c.wait_healthy("v", HEAL);
+    // Read everything back through a third node, and compare the copies.
+    fio_verify_only(&c.uri(4, "v"), "96M");
+    c.verify_copies("v");
+}
+
+#[test]
+fn sigstop_replica_during_fio_verify() {
+    require("fio");
+    let c = Cluster::start(4, 31);
+    c.create_volume("v", "256M", "raid1 ftt=1");
+    own_from_node1(&c, "v");
+    let victim = replica_victim(&c, "v", 1);
+    let client = if victim == 2 { 3 } else { 2 };
+    let fio = fio_write_verify(&c.uri(client, "v"), "128M");
+    std::thread::sleep(Duration::from_secs(2));
+    c.signal(victim, "STOP");
+    std::thread::sleep(Duration::from_secs(10));
+    c.signal(victim, "CONT");
+    finish(fio);
+    c.wait_healthy("v", HEAL);
+    fio_verify_only(&c.uri(4, "v"), "128M");
+    c.verify_copies("v");
+}
+
+#[test]
+fn owner_and_leader_kill_pause_io_but_lose_nothing() {
+    require("fio");
+    let c = Cluster::start(4, 32);
+    c.create_volume("v", "256M", "raid1 ftt=1");
+    own_from_node1(&c, "v");
+    // The client is on a node that survives; node 1 is the owner.
+    let fio = fio_write_verify(&c.uri(3, "v"), "96M");
+    std::thread::sleep(Duration::from_secs(3));
+    c.signal(1, "KILL");
+    finish(fio);
+    let (_, owner) = layout(&c, "v");
+    assert!(
+        owner.is_some() && owner != Some(1),
+        "ownership moved: {owner:?}"
+    );
+    c.up();
+    c.wait_healthy("v", HEAL);
+
+    // Now kill the directory leader (unless it is the client's node).
+    let st = c.json(&["status"]);
+    let leader = st["leader"].as_u64().expect("a leader") as u32;
+    let client = if leader == 4 { 2 } else { 4 };
+    let fio = fio_write_verify(&c.uri(client, "v"), "64M");
+    std::thread::sleep(Duration::from_secs(2));
+    c.signal(leader, "KILL");
+    finish(fio);
+    c.up();
+    c.wait_healthy("v", HEAL);
+    fio_verify_only(&c.uri(client, "v"), "64M");
+    c.verify_copies("v");
+}
+
+#[test]
+fn down_then_up_keeps_volumes_and_data() {
+    require("nbdcopy");
+    let c = Cluster::start(4, 33);
+    c.create_volume("a", "64M", "raid1 ftt=1");
+    c.create_volume("b", "32M", "ftt=0");
+    let dir = tempfile::tempdir().expect("tmp");
+    let src = dir.path().join("src.img");
+    let back = dir.path().join("back.img");
+    sh(&format!("head -c 64M /dev/urandom > {}", src.display()));
+    sh(&format!("nbdcopy {} {}", src.display(), c.uri(2, "a")));
+    c.shoal(&["down"]);
+    c.up();
+    let list = c.json(&["volume", "list"]);
+    let names: Vec<&str> = list
+        .as_array()
+        .expect("list")
+        .iter()
+        .filter_map(|v| v["volume"]["name"].as_str())
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    sh(&format!("nbdcopy {} {}", c.uri(3, "a"), back.display()));
+    sh(&format!("cmp {} {}", src.display(), back.display()));
+    c.wait_healthy("a", HEAL);
+    c.verify_copies("a");
+}
