@@ -378,10 +378,11 @@ fn garbage_collect(state: &shoal_directory::ClusterState, replicas: &replica::Re
                 "removing component of a deleted volume"
             );
             use shoal_rpc::Handler;
-            let _ = replicas.handle(
+            // The deletion happens now; the returned future syncs it.
+            tokio::spawn(replicas.handle(
                 shoal_rpc::Request::DeleteComponent { component: comp },
                 bytes::Bytes::new(),
-            );
+            ));
         }
     }
 }

@@ -17,6 +17,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 /// Region size of the dirty map (matches the owner's reconcile unit).
 const REGION: u64 = shoal_owner::REGION;
 
+/// component → region → (generation, seq) of the newest write there.
+type DirtyMap = HashMap<ComponentId, BTreeMap<u64, (Generation, u64)>>;
+
 pub struct Device {
     pub id: DeviceId,
     pub path: String,
@@ -31,7 +34,7 @@ pub struct Replicas {
     placement: Mutex<HashMap<ComponentId, DeviceId>>,
     /// Regions written by owners and not yet covered by a barrier:
     /// component → region → (generation, seq) of the newest write.
-    dirty: Mutex<HashMap<ComponentId, BTreeMap<u64, (Generation, u64)>>>,
+    dirty: Mutex<DirtyMap>,
     /// Set once the node's router exists; serves forwarded volume I/O.
     pub router: OnceLock<Arc<Router>>,
 }

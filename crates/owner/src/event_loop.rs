@@ -1155,7 +1155,7 @@ impl<C: Control> Loop<C> {
         let Some(src) = rs.source else { return };
         let off = region * REGION;
         let len = REGION.min(self.size - off);
-        debug_assert!(off % BLOCK_SIZE == 0);
+        debug_assert!(off.is_multiple_of(BLOCK_SIZE));
         self.lock = Some((off, off + len));
         let s = &self.replicas[src];
         let sent = s.peer.as_ref().map(|p| {

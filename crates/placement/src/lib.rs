@@ -117,7 +117,7 @@ fn usable<'a>(nodes: &'a [NodeInfo], devices: &'a [DeviceInfo]) -> BTreeMap<&'a 
         // Duplicate ids: keep the smallest domain name, independent of order.
         let keep = by_id
             .get(&n.id)
-            .map_or(true, |o| n.fault_domain < o.fault_domain);
+            .is_none_or(|o| n.fault_domain < o.fault_domain);
         if keep {
             by_id.insert(n.id, n);
         }

@@ -179,7 +179,7 @@ impl Superblock {
             return bad("chunk map overlaps the component table");
         }
         let map_end = self.map_off.checked_add(self.chunks * ENTRY_SIZE as u64);
-        if past(map_end, self.data_off) || self.data_off % CHUNK_SIZE != 0 {
+        if past(map_end, self.data_off) || !self.data_off.is_multiple_of(CHUNK_SIZE) {
             return bad("data area overlaps the chunk map or is unaligned");
         }
         let end = self
@@ -210,7 +210,7 @@ impl Superblock {
 
 /// `v` is missing (overflow) or past `limit`.
 fn past(v: Option<u64>, limit: u64) -> bool {
-    v.map_or(true, |v| v > limit)
+    v.is_none_or(|v| v > limit)
 }
 
 /// One component table slot.
