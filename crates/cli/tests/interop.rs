@@ -46,7 +46,7 @@ fn show(out: &Output) -> String {
     )
 }
 
-/// `count` MiB from /dev/urandom into `path`.
+/// `mib` MiB from /dev/urandom into `path`.
 fn random_file(path: &Path, mib: u64) {
     sh(&format!(
         "head -c {mib}M /dev/urandom > '{}'",
@@ -73,11 +73,11 @@ fn owner(c: &Cluster, vol: &str) -> Option<u64> {
 fn qemu_img_convert_and_compare() {
     let _t = Timed::start("qemu_img_convert_and_compare");
     require("qemu-img");
-    require("nbdinfo");
+    require("qemu-io");
     let c = start_volume(20, "vol", "256M");
-    // Make node 1 the owner (nbdinfo reads the first sectors), so that the
-    // write through node 2 and the reads through node 3 are forwarded.
-    ok(Command::new("nbdinfo").arg(c.uri(1, "vol")));
+    // Make node 1 the owner (the first I/O claims the volume), so that the
+    // write through node 2 and the reads through nodes 3 and 4 are forwarded.
+    ok(Command::new("qemu-io").args(["-f", "raw", "-c", "read 0 4k", &c.uri(1, "vol")]));
     assert_eq!(
         owner(&c, "vol"),
         Some(1),
@@ -510,6 +510,28 @@ mod raw {
             })
         }
 
+        fn header(&mut self, cmd: u16, offset: u64, len: u32, out: &mut Vec<u8>) -> u64 {
+            self.handle += 1;
+            out.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
+            out.extend_from_slice(&0u16.to_be_bytes());
+            out.extend_from_slice(&cmd.to_be_bytes());
+            out.extend_from_slice(&self.handle.to_be_bytes());
+            out.extend_from_slice(&offset.to_be_bytes());
+            out.extend_from_slice(&len.to_be_bytes());
+            self.handle
+        }
+
+        /// Reads one simple reply header: (handle, error).
+        fn reply(&mut self) -> (u64, u32) {
+            assert_eq!(
+                u32_of(&mut self.s),
+                SIMPLE_REPLY_MAGIC,
+                "simple reply magic"
+            );
+            let error = u32_of(&mut self.s);
+            (u64_of(&mut self.s), error)
+        }
+
         /// Sends one request and returns (error, read data).
         pub fn request(
             &mut self,
@@ -518,23 +540,12 @@ mod raw {
             len: u32,
             payload: &[u8],
         ) -> (u32, Vec<u8>) {
-            self.handle += 1;
             let mut r = Vec::with_capacity(28 + payload.len());
-            r.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
-            r.extend_from_slice(&0u16.to_be_bytes());
-            r.extend_from_slice(&cmd.to_be_bytes());
-            r.extend_from_slice(&self.handle.to_be_bytes());
-            r.extend_from_slice(&offset.to_be_bytes());
-            r.extend_from_slice(&len.to_be_bytes());
+            let handle = self.header(cmd, offset, len, &mut r);
             r.extend_from_slice(payload);
             self.s.write_all(&r).unwrap();
-            assert_eq!(
-                u32_of(&mut self.s),
-                SIMPLE_REPLY_MAGIC,
-                "simple reply magic"
-            );
-            let error = u32_of(&mut self.s);
-            assert_eq!(u64_of(&mut self.s), self.handle, "reply handle");
+            let (got, error) = self.reply();
+            assert_eq!(got, handle, "reply handle");
             let mut data = Vec::new();
             if error == 0 && cmd == CMD_READ {
                 data.resize(len as usize, 0);
@@ -543,14 +554,31 @@ mod raw {
             (error, data)
         }
 
+        /// Sends all the writes at once (pipelined), then collects the
+        /// replies, in whatever order they come; returns the errors.
+        pub fn write_all(&mut self, writes: &[(u64, Vec<u8>)]) -> Vec<u32> {
+            let mut buf = Vec::new();
+            let mut handles = std::collections::HashMap::new();
+            for (i, (off, data)) in writes.iter().enumerate() {
+                let h = self.header(CMD_WRITE, *off, data.len() as u32, &mut buf);
+                buf.extend_from_slice(data);
+                handles.insert(h, i);
+            }
+            self.s.write_all(&buf).unwrap();
+            let mut errors = vec![u32::MAX; writes.len()];
+            for _ in 0..writes.len() {
+                let (h, error) = self.reply();
+                let i = handles
+                    .remove(&h)
+                    .expect("reply to an unknown or answered handle");
+                errors[i] = error;
+            }
+            errors
+        }
+
         pub fn disconnect(mut self) {
-            self.handle += 1;
             let mut r = Vec::new();
-            r.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
-            r.extend_from_slice(&0u16.to_be_bytes());
-            r.extend_from_slice(&CMD_DISC.to_be_bytes());
-            r.extend_from_slice(&self.handle.to_be_bytes());
-            r.extend_from_slice(&[0u8; 12]);
+            self.header(CMD_DISC, 0, 0, &mut r);
             let _ = self.s.write_all(&r);
         }
     }
@@ -1007,4 +1035,77 @@ fn ext4_through_nbdfuse() {
     m.umount();
     fuse.finish();
     c.verify_copies("vol");
+}
+
+// ---------------------------------------------------------------------------
+// 7. Concurrent unaligned writes through every node at once
+
+#[test]
+fn concurrent_unaligned_writes_through_all_nodes() {
+    let _t = Timed::start("concurrent_unaligned_writes_through_all_nodes");
+    // A fresh volume with no owner yet: the first I/O arrives through all
+    // four nodes at once, so the nodes race to claim it while 8 clients
+    // (2 per node, 64 pipelined writes each) write unaligned 509-byte
+    // slots that share every 4 KiB block: slot i of block b is at
+    // b * 4096 + 3 + i * 509, filled with byte i + 1.
+    const CLIENTS: u64 = 8;
+    const BLOCKS: u64 = 64;
+    const SLOT: u64 = 509;
+    let c = start_volume(26, "vol", "16M");
+    let threads: Vec<_> = (0..CLIENTS)
+        .map(|i| {
+            let addr = format!("{}.{}:10809", c.net, i % 4 + 1);
+            std::thread::spawn(move || {
+                let mut conn = raw::Conn::open(&addr, "vol").expect("NBD_OPT_GO vol");
+                let writes: Vec<(u64, Vec<u8>)> = (0..BLOCKS)
+                    .map(|b| (b * 4096 + 3 + i * SLOT, vec![i as u8 + 1; SLOT as usize]))
+                    .collect();
+                let errors = conn.write_all(&writes);
+                conn.disconnect();
+                let failed: Vec<_> = errors.iter().filter(|&&e| e != 0).collect();
+                assert!(
+                    failed.is_empty(),
+                    "client {i} via {addr}: {} writes failed: {failed:?}",
+                    failed.len()
+                );
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("a writer failed");
+    }
+
+    let mut bad = Vec::new();
+    for node in [1, 3] {
+        let mut conn =
+            raw::Conn::open(&format!("{}.{node}:10809", c.net), "vol").expect("NBD_OPT_GO vol");
+        let (err, data) = conn.request(raw::CMD_READ, 0, (BLOCKS * 4096) as u32, &[]);
+        assert_eq!(err, 0, "read back through node {node}");
+        conn.disconnect();
+        for (b, block) in data.chunks(4096).enumerate() {
+            let mut want = vec![0u8; 4096];
+            for i in 0..CLIENTS {
+                let at = (3 + i * SLOT) as usize;
+                want[at..at + SLOT as usize].fill(i as u8 + 1);
+            }
+            if block != want.as_slice() {
+                let first = block.iter().zip(&want).position(|(x, y)| x != y).unwrap();
+                bad.push(format!(
+                    "node {node} block {b}: first difference at byte {first}"
+                ));
+            }
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "{} blocks read back wrong, e.g. {:?}",
+        bad.len(),
+        &bad[..bad.len().min(10)]
+    );
+    c.verify_copies("vol");
+    let v = c.json(&["volume", "show", "vol"]);
+    eprintln!(
+        "[interop] concurrent writers: owner node {}, generation {}",
+        v["volume"]["owner"], v["volume"]["generation"]
+    );
 }

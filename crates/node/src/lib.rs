@@ -206,6 +206,7 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
     if have_all {
         let r = Arc::new(replica::Replicas::new(initial));
         let _ = r.router.set(router.clone());
+        shoal_rpc::register_local(&cfg.peer_addr, r.clone());
         let _ = replicas_cell.set(r.clone());
         if let Some(l) = peer_l.take() {
             tokio::spawn(shoal_rpc::serve(l, r));
@@ -286,6 +287,7 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
             .collect();
         let r = Arc::new(replica::Replicas::new(devs));
         let _ = r.router.set(router.clone());
+        shoal_rpc::register_local(&cfg.peer_addr, r.clone());
         let _ = replicas_cell.set(r.clone());
     }
     let replicas = replicas_cell

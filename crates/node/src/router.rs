@@ -40,7 +40,7 @@ pub struct Router {
     cfg: OwnerConfig,
     owners: Mutex<HashMap<VolumeId, Owner>>,
     claim_locks: Mutex<HashMap<VolumeId, Arc<tokio::sync::Mutex<()>>>>,
-    peers: Mutex<HashMap<String, Arc<Peer>>>,
+    peers: tokio::sync::Mutex<HashMap<String, Arc<Peer>>>,
     /// Open NBD connections per volume name.
     pub connections: Mutex<BTreeMap<String, u64>>,
     pub counters: Counters,
@@ -156,7 +156,7 @@ impl Router {
             cfg,
             owners: Mutex::new(HashMap::new()),
             claim_locks: Mutex::new(HashMap::new()),
-            peers: Mutex::new(HashMap::new()),
+            peers: tokio::sync::Mutex::new(HashMap::new()),
             connections: Mutex::new(BTreeMap::new()),
             counters: Counters::default(),
         }
@@ -206,15 +206,16 @@ impl Router {
     }
 
     async fn peer(&self, addr: &str) -> Result<Arc<Peer>, RpcError> {
-        if let Some(p) = self.peers.lock().ok().and_then(|m| m.get(addr).cloned()) {
+        // One connection per peer: concurrent callers wait for the first
+        // one's connect instead of opening their own.
+        let mut m = self.peers.lock().await;
+        if let Some(p) = m.get(addr) {
             if !p.is_closed() {
-                return Ok(p);
+                return Ok(p.clone());
             }
         }
         let p = Arc::new(Peer::connect(addr, Duration::from_millis(1000)).await?);
-        if let Ok(mut m) = self.peers.lock() {
-            m.insert(addr.to_string(), p.clone());
-        }
+        m.insert(addr.to_string(), p.clone());
         Ok(p)
     }
 
@@ -228,6 +229,15 @@ impl Router {
         let _g = lock.lock().await;
         if self.local_owner(volume).is_some() {
             return Ok(());
+        }
+        // Others may have claimed while we waited: only claim from the
+        // generation we saw if nobody moved it since.
+        let state = self.dir.state();
+        let Some(v) = state.volumes.get(&volume) else {
+            return Err("volume deleted".into());
+        };
+        if v.generation != expected {
+            return Err(format!("generation moved to {} while waiting", v.generation));
         }
         let gen = match self
             .dir
@@ -351,7 +361,20 @@ impl Router {
         op: VolumeOp,
         payload: Bytes,
     ) -> Result<Bytes, RemoteError> {
-        let Some(o) = self.local_owner(volume) else {
+        let mut owner = self.local_owner(volume);
+        if owner.is_none() {
+            // A claim in progress here finishes before we answer.
+            let lock = self
+                .claim_locks
+                .lock()
+                .ok()
+                .and_then(|m| m.get(&volume).cloned());
+            if let Some(lock) = lock {
+                let _g = lock.lock().await;
+                owner = self.local_owner(volume);
+            }
+        }
+        let Some(o) = owner else {
             return Err(RemoteError::NotOwner { volume });
         };
         o.execute(to_owner_op(op, payload))

@@ -17,7 +17,7 @@ mod server;
 
 pub use frame::{FrameError, Header, HEADER_LEN, MAGIC, MAX_BODY, MAX_PAYLOAD, VERSION};
 pub use message::{RemoteError, Request, Response, VolumeOp};
-pub use peer::{Peer, PendingReply};
+pub use peer::{register_local, Peer, PendingReply};
 pub use server::{serve, Handler, Reply};
 
 use std::time::Duration;
