@@ -13,6 +13,7 @@ use shoal_rpc::{Handler, RemoteError, Reply, Request, Response};
 use shoal_store::{DeviceStore, GroupCommit, StoreError};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
+use tokio::sync::watch;
 
 /// Region size of the dirty map (matches the owner's reconcile unit).
 const REGION: u64 = shoal_owner::REGION;
@@ -27,8 +28,99 @@ pub struct Device {
     pub commit: GroupCommit,
 }
 
+/// Keeps the owner's order between overlapping requests of a component
+/// while non-overlapping ones run in parallel on blocking threads (so the
+/// device sees many `O_DIRECT` writes at once). A write registers its range
+/// when it arrives (in connection order) and waits for the earlier
+/// overlapping writes still running; a read waits for them too, so it sees
+/// every write sent before it.
+#[derive(Default)]
+pub struct Sequencer {
+    running: Mutex<HashMap<ComponentId, Vec<Running>>>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+struct Running {
+    id: u64,
+    start: u64,
+    end: u64,
+    done: watch::Receiver<bool>,
+}
+
+/// Held while a write runs; dropping it releases the writes behind it.
+pub struct SeqGuard {
+    seq: Arc<Sequencer>,
+    component: ComponentId,
+    id: u64,
+    tx: watch::Sender<bool>,
+}
+
+impl Drop for SeqGuard {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.seq.running.lock() {
+            if let Some(v) = m.get_mut(&self.component) {
+                v.retain(|r| r.id != self.id);
+                if v.is_empty() {
+                    m.remove(&self.component);
+                }
+            }
+        }
+        let _ = self.tx.send(true);
+    }
+}
+
+impl Sequencer {
+    /// Earlier running writes overlapping `[start, end)`; with `write`, also
+    /// registers this access.
+    fn enter(
+        self: &Arc<Self>,
+        component: ComponentId,
+        start: u64,
+        end: u64,
+        write: bool,
+    ) -> (Vec<watch::Receiver<bool>>, Option<SeqGuard>) {
+        let Ok(mut m) = self.running.lock() else {
+            return (Vec::new(), None);
+        };
+        let v = m.entry(component).or_default();
+        let deps = v
+            .iter()
+            .filter(|r| r.start < end && start < r.end)
+            .map(|r| r.done.clone())
+            .collect();
+        let guard = write.then(|| {
+            let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let (tx, rx) = watch::channel(false);
+            v.push(Running {
+                id,
+                start,
+                end,
+                done: rx,
+            });
+            SeqGuard {
+                seq: self.clone(),
+                component,
+                id,
+                tx,
+            }
+        });
+        (deps, guard)
+    }
+}
+
+async fn wait_all(deps: Vec<watch::Receiver<bool>>) {
+    for mut r in deps {
+        while !*r.borrow_and_update() {
+            if r.changed().await.is_err() {
+                break;
+            }
+        }
+    }
+}
+
 /// All components on this node's devices.
 pub struct Replicas {
+    seq: Arc<Sequencer>,
     devices: HashMap<DeviceId, Arc<Device>>,
     /// Which device holds each component.
     placement: Mutex<HashMap<ComponentId, DeviceId>>,
@@ -66,6 +158,7 @@ impl Replicas {
             map.insert(d.id, Arc::new(d));
         }
         Replicas {
+            seq: Arc::default(),
             devices: map,
             placement: Mutex::new(placement),
             dirty: Mutex::new(HashMap::new()),
@@ -129,6 +222,32 @@ impl Replicas {
                 r += 1;
             }
         }
+    }
+
+    /// Runs `apply` on a blocking thread once the earlier overlapping writes
+    /// are done, releases the writes behind it, then waits for durability.
+    fn apply_then_commit(
+        d: Arc<Device>,
+        deps: Vec<watch::Receiver<bool>>,
+        guard: Option<SeqGuard>,
+        apply: impl FnOnce(&Device) -> Result<(), StoreError> + Send + 'static,
+    ) -> Reply {
+        Box::pin(async move {
+            wait_all(deps).await;
+            // Write and sync on one blocking thread: no hand-off between them.
+            let r = tokio::task::spawn_blocking(move || {
+                let r = apply(&d);
+                drop(guard);
+                r?;
+                d.commit.commit_blocking()
+            })
+            .await;
+            match r {
+                Ok(Ok(())) => (Response::Ok, Bytes::new()),
+                Ok(Err(e)) => (Response::Err(remote(e)), Bytes::new()),
+                Err(e) => (Response::Err(RemoteError::Io(e.to_string())), Bytes::new()),
+            }
+        })
     }
 
     /// Durable once the device's group commit completes.
@@ -206,8 +325,11 @@ impl Replicas {
                 let d = self.device_of(component)?;
                 self.fence(&d, component, generation)?;
                 self.mark_dirty(component, offset, payload.len() as u64, generation, seq);
-                d.store.write(component, offset, &payload).map_err(remote)?;
-                Self::durable(d, Response::Ok)
+                let end = offset.saturating_add(payload.len() as u64);
+                let (deps, guard) = self.seq.enter(component, offset, end, true);
+                Self::apply_then_commit(d, deps, guard, move |d| {
+                    d.store.write(component, offset, &payload)
+                })
             }
             Request::WriteZeroes {
                 component,
@@ -217,10 +339,11 @@ impl Replicas {
             } => {
                 let d = self.device_of(component)?;
                 self.fence(&d, component, generation)?;
-                d.store
-                    .write_zeroes(component, offset, len)
-                    .map_err(remote)?;
-                Self::durable(d, Response::Ok)
+                let end = offset.saturating_add(len);
+                let (deps, guard) = self.seq.enter(component, offset, end, true);
+                Self::apply_then_commit(d, deps, guard, move |d| {
+                    d.store.write_zeroes(component, offset, len)
+                })
             }
             Request::Read {
                 component,
@@ -233,7 +356,10 @@ impl Replicas {
                 if len > shoal_rpc::MAX_PAYLOAD {
                     return Err(RemoteError::BadRequest("read too large".into()));
                 }
+                let end = offset.saturating_add(len as u64);
+                let (deps, _) = self.seq.enter(component, offset, end, false);
                 Box::pin(async move {
+                    wait_all(deps).await;
                     let r = tokio::task::spawn_blocking(move || {
                         let mut buf = vec![0u8; len as usize];
                         d.store.read(component, offset, &mut buf).map(|_| buf)
@@ -256,7 +382,11 @@ impl Replicas {
             }
             Request::AllocatedRanges { component } => {
                 let d = self.device_of(component)?;
-                done(Ok(Response::Ranges(d.store.allocated_ranges(component))))
+                let (deps, _) = self.seq.enter(component, 0, u64::MAX, false);
+                Box::pin(async move {
+                    wait_all(deps).await;
+                    (Response::Ranges(d.store.allocated_ranges(component)), Bytes::new())
+                })
             }
             Request::Barrier {
                 component,
@@ -279,7 +409,9 @@ impl Replicas {
                     .component(component)
                     .ok_or(RemoteError::NoSuchComponent(component))?
                     .size;
+                let (deps, _) = self.seq.enter(component, 0, u64::MAX, false);
                 Box::pin(async move {
+                    wait_all(deps).await;
                     let r = tokio::task::spawn_blocking(move || {
                         let mut crc = 0u32;
                         let mut buf = vec![0u8; 1 << 20];

@@ -1,117 +1,117 @@
 //! Group commit: many writers, one `fdatasync`.
+//!
+//! Leader/follower: a committer takes a ticket; if no sync is running it
+//! becomes the leader and syncs on its own thread, covering every ticket
+//! taken before the sync started; otherwise it waits for the next sync to
+//! cover it. No dedicated thread and no hand-off: at queue depth 1 a write
+//! and its sync run back to back on the same thread. (Making the leader
+//! wait ~150 µs for writes still being applied gave fewer, larger syncs but
+//! no more IOPS here: the data path is bound by thread wake-ups, not by
+//! flushes.)
 
 use crate::{DeviceStore, StoreError};
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
-use tokio::sync::oneshot;
-
-type Reply = Result<(), (io::ErrorKind, String)>;
 
 struct State {
-    waiters: Vec<oneshot::Sender<Reply>>,
-    stop: bool,
+    /// Last ticket handed out.
+    issued: u64,
+    /// Every ticket up to this one is durable.
+    durable: u64,
+    syncing: bool,
+    /// The last failed sync: tickets up to `.0` get its error.
+    failed: Option<(u64, io::ErrorKind, String)>,
 }
 
 struct Shared {
+    store: Arc<DeviceStore>,
     state: Mutex<State>,
     cv: Condvar,
     syncs: AtomicU64,
 }
 
-/// Batches durability requests: a dedicated thread waits until a request is
-/// pending, takes the whole batch, syncs the device once and completes them
-/// all. Writes completed before [`commit`](Self::commit) was called are
-/// durable when it returns.
+/// Batches durability requests of one device. Writes completed before
+/// [`commit`](Self::commit) (or [`commit_blocking`](Self::commit_blocking))
+/// was called are durable when it returns.
+#[derive(Clone)]
 pub struct GroupCommit {
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
 }
 
 impl GroupCommit {
     pub fn new(store: Arc<DeviceStore>) -> GroupCommit {
-        let shared = Arc::new(Shared {
-            state: Mutex::new(State {
-                waiters: Vec::new(),
-                stop: false,
+        GroupCommit {
+            shared: Arc::new(Shared {
+                store,
+                state: Mutex::new(State {
+                    issued: 0,
+                    durable: 0,
+                    syncing: false,
+                    failed: None,
+                }),
+                cv: Condvar::new(),
+                syncs: AtomicU64::new(0),
             }),
-            cv: Condvar::new(),
-            syncs: AtomicU64::new(0),
-        });
-        let sh = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name("shoal-group-commit".into())
-            .spawn(move || run(&sh, &store))
-            .ok();
-        if thread.is_none() {
-            tracing::error!("cannot start the group commit thread; commits will fail");
         }
-        GroupCommit { shared, thread }
+    }
+
+    /// Blocks until everything written before this call is durable. Call it
+    /// from a thread that may block (it may run the sync itself).
+    pub fn commit_blocking(&self) -> Result<(), StoreError> {
+        let sh = &self.shared;
+        let mut st = sh.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.issued += 1;
+        let ticket = st.issued;
+        loop {
+            if let Some((upto, kind, msg)) = &st.failed {
+                if ticket <= *upto {
+                    return Err(StoreError::Io(io::Error::new(*kind, msg.clone())));
+                }
+            }
+            if st.durable >= ticket {
+                return Ok(());
+            }
+            if !st.syncing {
+                // Lead: this sync covers every ticket issued so far.
+                st.syncing = true;
+                let target = st.issued;
+                drop(st);
+                let r = sh.store.sync();
+                sh.syncs.fetch_add(1, Ordering::Relaxed);
+                st = sh.state.lock().unwrap_or_else(|e| e.into_inner());
+                st.syncing = false;
+                match r {
+                    Ok(()) => {
+                        assert!(target >= st.durable, "durable point moved back");
+                        st.durable = target;
+                    }
+                    Err(e) => {
+                        let (kind, msg) = match &e {
+                            StoreError::Io(io) => (io.kind(), io.to_string()),
+                            other => (io::ErrorKind::Other, other.to_string()),
+                        };
+                        tracing::error!("device sync failed: {msg}");
+                        st.failed = Some((target, kind, msg));
+                    }
+                }
+                sh.cv.notify_all();
+                continue;
+            }
+            st = sh.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
     }
 
     /// Waits until everything written before this call is durable.
     pub async fn commit(&self) -> Result<(), StoreError> {
-        let (tx, rx) = oneshot::channel();
-        {
-            let mut st = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
-            if st.stop || self.thread.is_none() {
-                return Err(stopped());
-            }
-            st.waiters.push(tx);
-        }
-        self.shared.cv.notify_one();
-        match rx.await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err((kind, msg))) => Err(StoreError::Io(io::Error::new(kind, msg))),
-            Err(_) => Err(stopped()),
-        }
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.commit_blocking())
+            .await
+            .map_err(|e| StoreError::Io(io::Error::other(e.to_string())))?
     }
 
     /// Number of syncs issued so far.
     pub fn syncs(&self) -> u64 {
         self.shared.syncs.load(Ordering::Relaxed)
-    }
-}
-
-fn stopped() -> StoreError {
-    StoreError::Io(io::Error::other("group commit thread has stopped"))
-}
-
-fn run(sh: &Shared, store: &DeviceStore) {
-    loop {
-        let batch = {
-            let mut st = sh.state.lock().unwrap_or_else(|e| e.into_inner());
-            while st.waiters.is_empty() && !st.stop {
-                st = sh.cv.wait(st).unwrap_or_else(|e| e.into_inner());
-            }
-            if st.waiters.is_empty() {
-                return;
-            }
-            std::mem::take(&mut st.waiters)
-        };
-        let r: Reply = store.sync().map_err(|e| match e {
-            StoreError::Io(e) => (e.kind(), e.to_string()),
-            other => (io::ErrorKind::Other, other.to_string()),
-        });
-        sh.syncs.fetch_add(1, Ordering::Relaxed);
-        for tx in batch {
-            let _ = tx.send(r.clone());
-        }
-    }
-}
-
-impl Drop for GroupCommit {
-    /// Completes the pending batch, then stops the thread.
-    fn drop(&mut self) {
-        self.shared
-            .state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .stop = true;
-        self.shared.cv.notify_one();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }

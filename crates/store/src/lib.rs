@@ -13,6 +13,7 @@
 //! This is the first, simple version; a log-structured store with per-block
 //! checksums will replace the internals behind the same small API.
 
+mod direct;
 mod format;
 mod group;
 
@@ -127,6 +128,8 @@ struct Alloc {
 /// The component store of one device.
 pub struct DeviceStore {
     file: File,
+    /// Data-region I/O (O_DIRECT where possible).
+    data: direct::DataFile,
     path: PathBuf,
     sb: Superblock,
     /// Regular file whose holes can be punched.
@@ -482,8 +485,10 @@ impl DeviceStore {
                 }),
             );
         }
+        let data = direct::DataFile::open(path, &file)?;
         Ok(DeviceStore {
             file,
+            data,
             path: path.to_path_buf(),
             sb,
             punch: AtomicBool::new(punch),
@@ -510,6 +515,11 @@ impl DeviceStore {
     }
 
     /// Bytes of data chunks.
+    /// True when data goes around the page cache (`O_DIRECT`).
+    pub fn direct_io(&self) -> bool {
+        self.data.is_direct()
+    }
+
     pub fn capacity(&self) -> u64 {
         self.sb.chunks * CHUNK_SIZE
     }
@@ -820,7 +830,7 @@ impl DeviceStore {
             }
         }
         if !clean {
-            match write_zeros(&self.file, off, CHUNK_SIZE) {
+            match self.data.zero_at(off, CHUNK_SIZE) {
                 Ok(()) => clean = true,
                 Err(e) => {
                     tracing::warn!(path = %self.path.display(), error = %e, "zeroing a freed chunk failed")
@@ -876,7 +886,7 @@ impl DeviceStore {
                         // around the data, before publishing it.
                         let mut buf = vec![0u8; CHUNK_SIZE as usize];
                         buf[within as usize..(within + n) as usize].copy_from_slice(part);
-                        if let Err(e) = self.file.write_all_at(&buf, self.sb.chunk_off(ch)) {
+                        if let Err(e) = self.data.write_at(&buf, self.sb.chunk_off(ch)) {
                             self.unallocate(ch);
                             failed = Some(e);
                             continue;
@@ -895,7 +905,7 @@ impl DeviceStore {
             }
         }
         for (off, part) in todo {
-            self.file.write_all_at(part, off)?;
+            self.data.write_at(part, off)?;
         }
         drop(gate);
         Ok(())
@@ -914,9 +924,7 @@ impl DeviceStore {
             let phys = lock(&c.chunks).get(&idx).copied();
             let part = &mut buf[at as usize..(at + n) as usize];
             match phys {
-                Some(ch) => self
-                    .file
-                    .read_exact_at(part, self.sb.chunk_off(ch) + within)?,
+                Some(ch) => self.data.read_at(part, self.sb.chunk_off(ch) + within)?,
                 None => part.fill(0),
             }
         }
@@ -944,7 +952,7 @@ impl DeviceStore {
             if whole {
                 self.free_chunk(&c, idx, ch)?;
             } else {
-                write_zeros(&self.file, self.sb.chunk_off(ch) + within, n)?;
+                self.data.zero_at(self.sb.chunk_off(ch) + within, n)?;
             }
         }
         drop(gate);
