@@ -5,6 +5,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh
 cargo build --workspace --all-targets
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
 # Cluster tests start several node processes each: two at a time is what a
 # 2-core machine carries without turning timeouts into failures.
-cargo test --workspace -- --test-threads=2
+set +e
+cargo test --workspace --all-targets -- --test-threads=2 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+passed=$(awk '/^test result:/ { for (i = 1; i < NF; i++) if ($(i+1) ~ /^passed/) s += $i } END { print s + 0 }' "$log")
+failed=$(awk '/^test result:/ { for (i = 1; i < NF; i++) if ($(i+1) ~ /^failed/) s += $i } END { print s + 0 }' "$log")
+echo
+echo "summary: ${passed:-0} passed, ${failed:-0} failed"
+exit "$status"
