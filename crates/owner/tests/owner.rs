@@ -1,0 +1,311 @@
+//! The owner against in-memory replicas served over real RPC connections:
+//! fan-out, marking a failed replica before the ack, resync of a returning
+//! replica, and fencing by a newer owner.
+
+use bytes::Bytes;
+use shoal_model::{Component, ComponentRole, ComponentState, Generation, Policy, Volume, VolumeId};
+use shoal_owner::{Control, ControlError, Owner, OwnerConfig, OwnerError, Target, View};
+use shoal_rpc::{Handler, RemoteError, Reply, Request, Response};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const SIZE: u64 = 4 << 20;
+
+/// One node's replicas, in memory.
+#[derive(Default)]
+struct Mem {
+    comps: Mutex<HashMap<u64, (Generation, Vec<u8>)>>,
+    /// Answer every request with a device error.
+    broken: AtomicBool,
+}
+
+impl Mem {
+    fn data(&self, c: u64) -> Vec<u8> {
+        self.comps.lock().unwrap()[&c].1.clone()
+    }
+
+    fn run(&self, req: Request, payload: Bytes) -> Result<(Response, Bytes), RemoteError> {
+        if self.broken.load(Ordering::SeqCst) {
+            return Err(RemoteError::Io("injected".into()));
+        }
+        let mut m = self.comps.lock().unwrap();
+        let mut fenced = |c: u64, g: Generation| -> Result<(), RemoteError> {
+            let e = m.get_mut(&c).ok_or(RemoteError::NoSuchComponent(c))?;
+            if g < e.0 {
+                return Err(RemoteError::StaleGeneration { have: e.0, got: g });
+            }
+            e.0 = g;
+            Ok(())
+        };
+        Ok(match req {
+            Request::CreateComponent {
+                component, size, ..
+            } => {
+                m.entry(component).or_insert((0, vec![0; size as usize]));
+                (Response::Ok, Bytes::new())
+            }
+            Request::Activate {
+                component,
+                generation,
+            } => {
+                fenced(component, generation)?;
+                (Response::Activated { dirty: vec![] }, Bytes::new())
+            }
+            Request::Flush {
+                component,
+                generation,
+            }
+            | Request::Barrier {
+                component,
+                generation,
+                ..
+            } => {
+                fenced(component, generation)?;
+                (Response::Ok, Bytes::new())
+            }
+            Request::Write {
+                component,
+                generation,
+                offset,
+                ..
+            } => {
+                fenced(component, generation)?;
+                let d = &mut m.get_mut(&component).unwrap().1;
+                d[offset as usize..offset as usize + payload.len()].copy_from_slice(&payload);
+                (Response::Ok, Bytes::new())
+            }
+            Request::WriteZeroes {
+                component,
+                generation,
+                offset,
+                len,
+            } => {
+                fenced(component, generation)?;
+                let d = &mut m.get_mut(&component).unwrap().1;
+                d[offset as usize..(offset + len) as usize].fill(0);
+                (Response::Ok, Bytes::new())
+            }
+            Request::Read {
+                component,
+                generation,
+                offset,
+                len,
+            } => {
+                fenced(component, generation)?;
+                let d = &m[&component].1;
+                (
+                    Response::Data,
+                    Bytes::copy_from_slice(&d[offset as usize..offset as usize + len as usize]),
+                )
+            }
+            Request::AllocatedRanges { component } => {
+                let n = m.get(&component).map(|e| e.1.len() as u64).unwrap_or(0);
+                (Response::Ranges(vec![(0, n)]), Bytes::new())
+            }
+            other => return Err(RemoteError::BadRequest(format!("{other:?}"))),
+        })
+    }
+}
+
+impl Handler for Mem {
+    fn handle(&self, req: Request, payload: Bytes) -> Reply {
+        let r = self.run(req, payload);
+        Box::pin(async move {
+            match r {
+                Ok(v) => v,
+                Err(e) => (Response::Err(e), Bytes::new()),
+            }
+        })
+    }
+}
+
+/// The directory, as far as the owner sees it.
+#[derive(Default)]
+struct Dir {
+    generation: AtomicU64,
+    states: Mutex<Vec<(u64, ComponentState)>>,
+}
+
+impl Control for Dir {
+    async fn set_component_state(
+        &self,
+        _v: VolumeId,
+        c: u64,
+        s: ComponentState,
+        g: Generation,
+    ) -> Result<(), ControlError> {
+        if g != self.generation.load(Ordering::SeqCst) {
+            return Err(ControlError::Conflict);
+        }
+        self.states.lock().unwrap().push((c, s));
+        Ok(())
+    }
+
+    async fn reclaim(
+        &self,
+        _v: VolumeId,
+        expected: Generation,
+    ) -> Result<Generation, ControlError> {
+        self.generation
+            .compare_exchange(expected, expected + 1, Ordering::SeqCst, Ordering::SeqCst)
+            .map(|g| g + 1)
+            .map_err(|_| ControlError::Conflict)
+    }
+}
+
+async fn serve(mem: Arc<Mem>) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    tokio::spawn(shoal_rpc::serve(l, mem));
+    addr
+}
+
+fn comp(id: u64, role: ComponentRole, node: u64) -> Component {
+    Component {
+        id,
+        role,
+        node,
+        device: 1,
+        state: ComponentState::Active,
+        votes: 1,
+    }
+}
+
+fn view(addrs: &[String], up: [bool; 3], gen: Generation) -> View {
+    let comps = [
+        comp(1, ComponentRole::Data, 1),
+        comp(2, ComponentRole::Data, 2),
+        comp(3, ComponentRole::Witness, 3),
+    ];
+    View {
+        volume: Volume {
+            id: 7,
+            name: "v".into(),
+            size: SIZE,
+            policy: Policy::default(),
+            components: comps.to_vec(),
+            owner: Some(1),
+            generation: gen,
+        },
+        targets: comps
+            .iter()
+            .zip(addrs)
+            .zip(up)
+            .map(|((c, a), u)| Target {
+                component: c.clone(),
+                addr: a.clone(),
+                node_up: u,
+            })
+            .collect(),
+    }
+}
+
+fn cfg() -> OwnerConfig {
+    OwnerConfig {
+        node: 1,
+        io_timeout: Duration::from_millis(500),
+        tick: Duration::from_millis(50),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_reach_both_copies_and_a_failed_copy_is_marked_before_the_ack() {
+    let mems: Vec<Arc<Mem>> = (0..3).map(|_| Arc::new(Mem::default())).collect();
+    let mut addrs = Vec::new();
+    for m in &mems {
+        addrs.push(serve(m.clone()).await);
+    }
+    let dir = Arc::new(Dir::default());
+    dir.generation.store(1, Ordering::SeqCst);
+    let o = Owner::start(cfg(), view(&addrs, [true; 3], 1), 1, dir.clone())
+        .await
+        .unwrap();
+    o.write(4096, Bytes::from(vec![7u8; 8192])).await.unwrap();
+    o.write(10, Bytes::from(vec![9u8; 5])).await.unwrap();
+    assert_eq!(mems[0].data(1), mems[1].data(2));
+    assert_eq!(&o.read(4096, 4).await.unwrap()[..], &[7, 7, 7, 7]);
+    assert_eq!(&o.read(8, 4).await.unwrap()[..], &[0, 0, 9, 9]);
+
+    // Copy 2 starts failing: the write still succeeds (copy 1 + witness
+    // are a majority), and copy 2 is recorded degraded by the time it does.
+    mems[1].broken.store(true, Ordering::SeqCst);
+    o.write(0, Bytes::from(vec![1u8; 4096])).await.unwrap();
+    assert!(dir
+        .states
+        .lock()
+        .unwrap()
+        .contains(&(2, ComponentState::Degraded)));
+    assert_eq!(&o.read(0, 2).await.unwrap()[..], &[1, 1]);
+
+    // It comes back: the owner raises the generation, copies, records it active.
+    mems[1].broken.store(false, Ordering::SeqCst);
+    o.update(view(&addrs, [true; 3], 1));
+    let mut healed = false;
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if dir.states.lock().unwrap().last() == Some(&(2, ComponentState::Active)) {
+            healed = true;
+            break;
+        }
+    }
+    assert!(
+        healed,
+        "resync did not finish: {:?}",
+        dir.states.lock().unwrap()
+    );
+    assert_eq!(
+        dir.generation.load(Ordering::SeqCst),
+        2,
+        "resync fences with a new generation"
+    );
+    assert_eq!(
+        mems[0].data(1),
+        mems[1].data(2),
+        "copies identical after resync"
+    );
+    o.write(0, Bytes::from(vec![3u8; 4096])).await.unwrap();
+    assert_eq!(mems[0].data(1), mems[1].data(2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_owner_fences_the_old_one() {
+    let mems: Vec<Arc<Mem>> = (0..3).map(|_| Arc::new(Mem::default())).collect();
+    let mut addrs = Vec::new();
+    for m in &mems {
+        addrs.push(serve(m.clone()).await);
+    }
+    let dir = Arc::new(Dir::default());
+    dir.generation.store(1, Ordering::SeqCst);
+    let old = Owner::start(cfg(), view(&addrs, [true; 3], 1), 1, dir.clone())
+        .await
+        .unwrap();
+    old.write(0, Bytes::from(vec![5u8; 4096])).await.unwrap();
+    dir.generation.store(2, Ordering::SeqCst);
+    let new = Owner::start(cfg(), view(&addrs, [true; 3], 2), 2, dir.clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        old.write(0, Bytes::from(vec![6u8; 4096])).await,
+        Err(OwnerError::Deposed)
+    );
+    assert_eq!(&new.read(0, 1).await.unwrap()[..], &[5]);
+    new.write(0, Bytes::from(vec![8u8; 4096])).await.unwrap();
+    assert_eq!(mems[0].data(1)[0], 8);
+    assert_eq!(mems[1].data(2)[0], 8);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_majority_the_owner_does_not_start() {
+    let mems: Vec<Arc<Mem>> = (0..3).map(|_| Arc::new(Mem::default())).collect();
+    let mut addrs = Vec::new();
+    for m in &mems {
+        addrs.push(serve(m.clone()).await);
+    }
+    let dir = Arc::new(Dir::default());
+    dir.generation.store(1, Ordering::SeqCst);
+    // Only copy 1 reachable: 1 vote of 3.
+    let r = Owner::start(cfg(), view(&addrs, [true, false, false], 1), 1, dir).await;
+    assert!(matches!(r, Err(OwnerError::Unavailable(_))));
+}
