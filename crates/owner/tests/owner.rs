@@ -162,6 +162,18 @@ async fn serve(mem: Arc<Mem>) -> String {
     addr
 }
 
+/// Three nodes' replicas served over RPC, and a directory at generation 1.
+async fn setup() -> (Vec<Arc<Mem>>, Vec<String>, Arc<Dir>) {
+    let mems: Vec<Arc<Mem>> = (0..3).map(|_| Arc::new(Mem::default())).collect();
+    let mut addrs = Vec::new();
+    for m in &mems {
+        addrs.push(serve(m.clone()).await);
+    }
+    let dir = Arc::new(Dir::default());
+    dir.generation.store(1, Ordering::SeqCst);
+    (mems, addrs, dir)
+}
+
 fn comp(id: u64, role: ComponentRole, node: u64) -> Component {
     Component {
         id,
@@ -212,13 +224,7 @@ fn cfg() -> OwnerConfig {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_reach_both_copies_and_a_failed_copy_is_marked_before_the_ack() {
-    let mems: Vec<Arc<Mem>> = (0..3).map(|_| Arc::new(Mem::default())).collect();
-    let mut addrs = Vec::new();
-    for m in &mems {
-        addrs.push(serve(m.clone()).await);
-    }
-    let dir = Arc::new(Dir::default());
-    dir.generation.store(1, Ordering::SeqCst);
+    let (mems, addrs, dir) = setup().await;
     let o = Owner::start(cfg(), view(&addrs, [true; 3], 1), 1, dir.clone())
         .await
         .unwrap();
@@ -271,13 +277,7 @@ async fn writes_reach_both_copies_and_a_failed_copy_is_marked_before_the_ack() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_newer_owner_fences_the_old_one() {
-    let mems: Vec<Arc<Mem>> = (0..3).map(|_| Arc::new(Mem::default())).collect();
-    let mut addrs = Vec::new();
-    for m in &mems {
-        addrs.push(serve(m.clone()).await);
-    }
-    let dir = Arc::new(Dir::default());
-    dir.generation.store(1, Ordering::SeqCst);
+    let (mems, addrs, dir) = setup().await;
     let old = Owner::start(cfg(), view(&addrs, [true; 3], 1), 1, dir.clone())
         .await
         .unwrap();
@@ -298,13 +298,7 @@ async fn a_newer_owner_fences_the_old_one() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_majority_the_owner_does_not_start() {
-    let mems: Vec<Arc<Mem>> = (0..3).map(|_| Arc::new(Mem::default())).collect();
-    let mut addrs = Vec::new();
-    for m in &mems {
-        addrs.push(serve(m.clone()).await);
-    }
-    let dir = Arc::new(Dir::default());
-    dir.generation.store(1, Ordering::SeqCst);
+    let (mems, addrs, dir) = setup().await;
     // Only copy 1 reachable: 1 vote of 3.
     let r = Owner::start(cfg(), view(&addrs, [true, false, false], 1), 1, dir).await;
     assert!(matches!(r, Err(OwnerError::Unavailable(_))));
