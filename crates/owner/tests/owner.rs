@@ -298,7 +298,7 @@ async fn a_newer_owner_fences_the_old_one() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_majority_the_owner_does_not_start() {
-    let (mems, addrs, dir) = setup().await;
+    let (_mems, addrs, dir) = setup().await;
     // Only copy 1 reachable: 1 vote of 3.
     let r = Owner::start(cfg(), view(&addrs, [true, false, false], 1), 1, dir).await;
     assert!(matches!(r, Err(OwnerError::Unavailable(_))));
