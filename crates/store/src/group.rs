@@ -9,7 +9,7 @@
 //! no more IOPS here: the data path is bound by thread wake-ups, not by
 //! flushes.)
 
-use crate::{DeviceStore, StoreError};
+use crate::{DeviceStore, LogStore, StoreError};
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -24,8 +24,25 @@ struct State {
     failed: Option<(u64, io::ErrorKind, String)>,
 }
 
-struct Shared {
-    store: Arc<DeviceStore>,
+/// A store whose writes become durable with `sync`.
+pub trait Durable: Send + Sync + 'static {
+    fn sync(&self) -> Result<(), StoreError>;
+}
+
+impl Durable for DeviceStore {
+    fn sync(&self) -> Result<(), StoreError> {
+        DeviceStore::sync(self)
+    }
+}
+
+impl Durable for LogStore {
+    fn sync(&self) -> Result<(), StoreError> {
+        LogStore::sync(self)
+    }
+}
+
+struct Shared<S> {
+    store: Arc<S>,
     state: Mutex<State>,
     cv: Condvar,
     syncs: AtomicU64,
@@ -34,13 +51,20 @@ struct Shared {
 /// Batches durability requests of one device. Writes completed before
 /// [`commit`](Self::commit) (or [`commit_blocking`](Self::commit_blocking))
 /// was called are durable when it returns.
-#[derive(Clone)]
-pub struct GroupCommit {
-    shared: Arc<Shared>,
+pub struct GroupCommit<S: Durable = DeviceStore> {
+    shared: Arc<Shared<S>>,
 }
 
-impl GroupCommit {
-    pub fn new(store: Arc<DeviceStore>) -> GroupCommit {
+impl<S: Durable> Clone for GroupCommit<S> {
+    fn clone(&self) -> Self {
+        GroupCommit {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S: Durable> GroupCommit<S> {
+    pub fn new(store: Arc<S>) -> GroupCommit<S> {
         GroupCommit {
             shared: Arc::new(Shared {
                 store,

@@ -1,0 +1,341 @@
+//! Checkpoints: the components, the index, the used segments (live count
+//! and header map) and the log position, written to the inactive slot of
+//! two. Order: body, flush, header copy 0, flush, header copy 1, flush; so
+//! a valid header copy always names a durable body, and the slot written
+//! last is the one with the highest seq among valid copies.
+
+use super::format::{CkptHeader, BLOCK, BLOCK_U64};
+use super::index::BlockIndex;
+use super::segment::SegState;
+use super::{byte_off, lock, BlockDevice, Comp, LogStore, Result, State};
+use crate::direct::AlignedBuf;
+use crate::{StoreError, MAX_SIZE};
+use std::collections::BTreeMap;
+use std::io;
+
+/// Bytes a checkpoint body is written and read in.
+const CHUNK: usize = 1 << 20;
+
+/// Buffer size for a body of `len` bytes.
+fn chunk_for(len: u64) -> usize {
+    (len.div_ceil(BLOCK_U64).max(1) * BLOCK_U64).min(CHUNK as u64) as usize
+}
+
+/// Streams a body to the device in aligned chunks, with its CRC.
+struct BodyWriter<'a> {
+    dev: &'a dyn BlockDevice,
+    at: u64,
+    buf: AlignedBuf,
+    fill: usize,
+    len: u64,
+    crc: u32,
+    cap: u64,
+}
+
+impl<'a> BodyWriter<'a> {
+    fn new(dev: &'a dyn BlockDevice, at: u64, cap: u64) -> BodyWriter<'a> {
+        BodyWriter {
+            dev,
+            at,
+            buf: AlignedBuf::zeroed(chunk_for(cap)),
+            fill: 0,
+            len: 0,
+            crc: 0,
+            cap,
+        }
+    }
+
+    fn put(&mut self, mut b: &[u8]) -> io::Result<()> {
+        self.len += b.len() as u64;
+        if self.len > self.cap {
+            return Err(io::Error::other("checkpoint larger than its slot"));
+        }
+        self.crc = crc32c::crc32c_append(self.crc, b);
+        while !b.is_empty() {
+            let size = self.buf.as_slice().len();
+            let n = (size - self.fill).min(b.len());
+            self.buf.as_mut_slice()[self.fill..self.fill + n].copy_from_slice(&b[..n]);
+            self.fill += n;
+            b = &b[n..];
+            if self.fill == size {
+                self.dev.write_at(self.buf.as_slice(), self.at)?;
+                self.at += size as u64;
+                self.fill = 0;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes what is left; returns (length, CRC).
+    fn finish(mut self) -> io::Result<(u64, u32)> {
+        if self.fill > 0 {
+            let n = self.fill.div_ceil(BLOCK) * BLOCK;
+            self.buf.as_mut_slice()[self.fill..n].fill(0);
+            self.dev.write_at(&self.buf.as_slice()[..n], self.at)?;
+        }
+        Ok((self.len, self.crc))
+    }
+}
+
+/// Streams a body back, checking its length and CRC at the end.
+struct BodyReader<'a> {
+    dev: &'a dyn BlockDevice,
+    at: u64,
+    left: u64,
+    buf: AlignedBuf,
+    pos: usize,
+    filled: usize,
+    crc: u32,
+}
+
+impl<'a> BodyReader<'a> {
+    fn read(&mut self, out: &mut [u8]) -> Result<()> {
+        let mut o = 0;
+        while o < out.len() {
+            if self.pos == self.filled {
+                if self.left == 0 {
+                    return Err(StoreError::Corrupt("checkpoint body truncated".into()));
+                }
+                let valid = self.left.min(self.buf.as_slice().len() as u64) as usize;
+                let n = valid.div_ceil(BLOCK) * BLOCK;
+                self.dev
+                    .read_at(&mut self.buf.as_mut_slice()[..n], self.at)?;
+                self.crc = crc32c::crc32c_append(self.crc, &self.buf.as_slice()[..valid]);
+                self.at += n as u64;
+                self.left -= valid as u64;
+                self.pos = 0;
+                self.filled = valid;
+            }
+            let n = (self.filled - self.pos).min(out.len() - o);
+            out[o..o + n].copy_from_slice(&self.buf.as_slice()[self.pos..self.pos + n]);
+            self.pos += n;
+            o += n;
+        }
+        Ok(())
+    }
+
+    fn u64(&mut self) -> Result<u64> {
+        let mut b = [0u8; 8];
+        self.read(&mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+
+    fn u32(&mut self) -> Result<u32> {
+        let mut b = [0u8; 4];
+        self.read(&mut b)?;
+        Ok(u32::from_le_bytes(b))
+    }
+}
+
+/// A checkpoint as read back.
+pub(super) struct Loaded {
+    pub hdr: CkptHeader,
+    pub slot: usize,
+    pub comps: BTreeMap<u64, Comp>,
+    /// (segment, live blocks, header bitmap) of the used segments.
+    pub segs: Vec<(u32, u32, Vec<u64>)>,
+}
+
+impl LogStore {
+    /// Writes a checkpoint of `st` to the inactive slot, then frees the
+    /// segments that hold no live block.
+    pub(super) fn checkpoint_locked(&self, st: &mut State) -> Result<()> {
+        self.seal(st)?;
+        self.flush_written()?;
+        let slot = 1 - st.active_slot;
+        let seq = st.ckpt_seq + 1;
+        let base = self.sb.slot_block(slot) * BLOCK_U64;
+        let io = |e| self.poison(e);
+        let mut w = BodyWriter::new(&*self.dev, base + 2 * BLOCK_U64, self.sb.body_capacity());
+        Self::encode_body(st, &mut w).map_err(io)?;
+        let (len, crc) = w.finish().map_err(io)?;
+        self.dev.flush().map_err(io)?;
+        let hdr = CkptHeader {
+            uuid: self.sb.uuid,
+            seq,
+            epoch: st.epoch,
+            next_batch: st.seq,
+            head_seg: st.batch.seg,
+            head_off: st.batch.off,
+            next_seg: st.next_seg,
+            body_len: len,
+            body_crc: crc,
+        };
+        for copy in 0..2u32 {
+            self.dev
+                .write_at(&hdr.encode(copy), base + copy as u64 * BLOCK_U64)
+                .map_err(io)?;
+            self.dev.flush().map_err(io)?;
+        }
+        let blocks = 2 + len.div_ceil(BLOCK_U64);
+        st.ckpt_seq = seq;
+        st.active_slot = slot;
+        st.log_since_ckpt = 0;
+        st.last_ckpt_blocks = blocks;
+        st.ckpt_due = false;
+        st.stats.checkpoints += 1;
+        st.stats.checkpoint_blocks += blocks;
+        // Segments no longer needed by this checkpoint (nor by replay from
+        // it) may be written again.
+        let rec = st.segs.reclaimable();
+        if !rec.is_empty() {
+            let _g = self.reuse.write().unwrap_or_else(|e| e.into_inner());
+            let mut cache = lock(&self.cache);
+            for s in rec {
+                for off in st.segs.headers(s) {
+                    cache.remove(st.segs.block(s, off));
+                }
+                st.segs.clear_headers(s);
+                st.segs.set_state(s, SegState::Free);
+                let at = byte_off(st.segs.block(s, 0));
+                if let Err(e) = self.dev.discard(at, self.geo.seg_blocks as u64 * BLOCK_U64) {
+                    tracing::debug!(segment = s, error = %e, "discard failed");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Body: component count (u64); per component id, volume, size,
+    /// generation (u64 each) and its index; count of segment records
+    /// (u64); per record segment (u32), live blocks (u32), header bitmap.
+    fn encode_body(st: &State, w: &mut BodyWriter<'_>) -> io::Result<()> {
+        w.put(&(st.comps.len() as u64).to_le_bytes())?;
+        for (&id, c) in &st.comps {
+            for v in [id, c.volume, c.size, c.generation] {
+                w.put(&v.to_le_bytes())?;
+            }
+            c.index.encode(|b| w.put(b))?;
+        }
+        let recs: Vec<u32> = (0..st.segs.count())
+            .filter(|&s| match st.segs.state(s) {
+                SegState::Head => true,
+                SegState::Used => st.segs.live(s) > 0,
+                _ => false,
+            })
+            .collect();
+        w.put(&(recs.len() as u64).to_le_bytes())?;
+        for s in recs {
+            w.put(&s.to_le_bytes())?;
+            w.put(&st.segs.live(s).to_le_bytes())?;
+            for word in st.segs.bitmap(s) {
+                w.put(&word.to_le_bytes())?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads the newest checkpoint: the highest seq among the valid header
+/// copies of both slots. Its body must match, or the device is corrupt
+/// (an older checkpoint may need segments reused since).
+pub(super) fn load(dev: &dyn BlockDevice, sb: &super::LogSuper) -> Result<Loaded> {
+    let mut best: Option<(usize, CkptHeader)> = None;
+    for slot in 0..2 {
+        let mut b = AlignedBuf::zeroed(2 * BLOCK);
+        dev.read_at(b.as_mut_slice(), sb.slot_block(slot) * BLOCK_U64)?;
+        for copy in 0..2 {
+            let Some(h) = CkptHeader::decode(&b.as_slice()[copy * BLOCK..(copy + 1) * BLOCK])
+            else {
+                continue;
+            };
+            if h.uuid != sb.uuid {
+                continue;
+            }
+            if best.as_ref().is_none_or(|(_, b)| h.seq > b.seq) {
+                best = Some((slot, h));
+            }
+        }
+    }
+    let Some((slot, hdr)) = best else {
+        return Err(StoreError::Corrupt(
+            "no valid checkpoint on the device".into(),
+        ));
+    };
+    let bad = |m: &str| {
+        StoreError::Corrupt(format!(
+            "the newest checkpoint (seq {}, slot {slot}) is damaged: {m}",
+            hdr.seq
+        ))
+    };
+    if hdr.body_len > sb.body_capacity()
+        || hdr.head_seg >= sb.nsegs
+        || hdr.next_seg >= sb.nsegs
+        || hdr.head_seg == hdr.next_seg
+        || sb.seg_blocks - hdr.head_off.min(sb.seg_blocks) < 2
+    {
+        return Err(bad("impossible header fields"));
+    }
+    let mut r = BodyReader {
+        dev,
+        at: (sb.slot_block(slot) + 2) * BLOCK_U64,
+        left: hdr.body_len,
+        buf: AlignedBuf::zeroed(chunk_for(hdr.body_len)),
+        pos: 0,
+        filled: 0,
+        crc: 0,
+    };
+    let parsed = parse_body(&mut r, sb);
+    let complete = r.left == 0 && r.pos == r.filled && r.crc == hdr.body_crc;
+    match parsed {
+        Ok((comps, segs)) if complete => Ok(Loaded {
+            hdr,
+            slot,
+            comps,
+            segs,
+        }),
+        Ok(_) => Err(bad("body checksum or length mismatch")),
+        Err(StoreError::Io(e)) => Err(StoreError::Io(e)),
+        Err(e) => Err(bad(&e.to_string())),
+    }
+}
+
+type Parsed = (BTreeMap<u64, Comp>, Vec<(u32, u32, Vec<u64>)>);
+
+fn parse_body(r: &mut BodyReader<'_>, sb: &super::LogSuper) -> Result<Parsed> {
+    let bad = |m: String| StoreError::Corrupt(m);
+    let n = r.u64()?;
+    if n > sb.max_components as u64 {
+        return Err(bad(format!("{n} components")));
+    }
+    let mut comps = BTreeMap::new();
+    let mut prev = 0u64;
+    for _ in 0..n {
+        let (id, volume, size, generation) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+        if id <= prev || size > MAX_SIZE {
+            return Err(bad(format!("component {id} of size {size}")));
+        }
+        prev = id;
+        let index = BlockIndex::decode(|b| r.read(b))?;
+        comps.insert(
+            id,
+            Comp {
+                volume,
+                size,
+                generation,
+                index,
+            },
+        );
+    }
+    let nrec = r.u64()?;
+    if nrec > sb.nsegs as u64 {
+        return Err(bad(format!("{nrec} segment records")));
+    }
+    let words = (sb.seg_blocks as usize).div_ceil(64);
+    let mut segs = Vec::with_capacity(nrec as usize);
+    let mut last: Option<u32> = None;
+    for _ in 0..nrec {
+        let s = r.u32()?;
+        let live = r.u32()?;
+        if s >= sb.nsegs || last.is_some_and(|l| l >= s) || live >= sb.seg_blocks {
+            return Err(bad(format!("segment record {s}")));
+        }
+        last = Some(s);
+        let mut bits = vec![0u64; words];
+        for w in bits.iter_mut() {
+            *w = r.u64()?;
+        }
+        segs.push((s, live, bits));
+    }
+    Ok((comps, segs))
+}

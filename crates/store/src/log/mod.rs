@@ -1,0 +1,1430 @@
+//! # The log-structured component store (format version 2)
+//!
+//! One store per device, holding many components. Every change is a
+//! sequential append to the log: a *batch* is one header block (what
+//! follows: data blocks with their CRC-32C, trims, component changes)
+//! and its data blocks, written with one write call. Writes land in the
+//! open batch in memory; [`LogStore::sync`] (the group commit) writes it
+//! and flushes the device. The index ((component, block) → device block)
+//! lives in memory; checkpoints of it go to two alternating slots, and
+//! opening replays the batches written after the newest checkpoint.
+//! A cleaner moves the live blocks of mostly-dead segments so they can be
+//! reused. Layout, invariants and crash handling: `docs/store-log-format.md`.
+//!
+//! Same API and semantics as [`DeviceStore`](crate::DeviceStore), plus
+//! [`StoreError::Checksum`] on a block whose data and checksum disagree.
+
+mod batch;
+mod checkpoint;
+mod cleaner;
+pub mod device;
+pub mod format;
+pub mod index;
+mod replay;
+mod segment;
+#[cfg(test)]
+mod tests;
+
+pub use device::{BlockDevice, FaultyDevice, FileDevice, SimRng};
+
+use crate::{lock_file, random_u64, ComponentMeta, StoreError, MAX_SIZE, MIN_CAPACITY};
+use batch::{data_refs, DataRef, HeaderCache, OpenBatch};
+use format::{
+    dense_per_segment, BatchHeader, Entry, LogSuper, BLOCK, BLOCK_U64, MAX_CLUSTER_ID, MAX_ENTRIES,
+};
+use index::BlockIndex;
+use segment::{SegState, Segments};
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// Format parameters of a new log device.
+#[derive(Debug, Clone)]
+pub struct LogConfig {
+    /// Blocks per segment; 0 chooses by size (64 to 1024, i.e. 256 KiB to
+    /// 4 MiB, aiming at ≥ 256 segments).
+    pub seg_blocks: u32,
+    /// Most components the device holds ([`StoreError::TableFull`] past it).
+    pub max_components: u32,
+    /// Live data may fill this share (‰) of the segments outside the
+    /// cleaner's reserve: the rest bounds the cleaner's write amplification.
+    pub fill_permille: u32,
+    /// Devices smaller than this are refused.
+    pub min_capacity: u64,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            seg_blocks: 0,
+            max_components: crate::format::SLOTS,
+            fill_permille: 900,
+            min_capacity: MIN_CAPACITY,
+        }
+    }
+}
+
+impl LogConfig {
+    fn seg_blocks_for(&self, bytes: u64) -> u32 {
+        if self.seg_blocks != 0 {
+            return self.seg_blocks;
+        }
+        let per = (bytes / BLOCK_U64 / 256).max(1);
+        let p = 1u64 << (63 - per.leading_zeros());
+        p.clamp(64, 1024) as u32
+    }
+}
+
+/// Counters of the log (since open).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LogStats {
+    /// Bytes passed to `write`.
+    pub client_bytes: u64,
+    /// Data blocks written to the device (clients and cleaner).
+    pub data_blocks: u64,
+    /// Data blocks the cleaner moved.
+    pub cleaner_blocks: u64,
+    pub header_blocks: u64,
+    pub checkpoint_blocks: u64,
+    pub batches: u64,
+    pub checkpoints: u64,
+    /// Segments the cleaner emptied.
+    pub cleaned_segments: u64,
+    pub flushes: u64,
+}
+
+impl LogStats {
+    /// Device bytes written per client byte (data, headers, cleaner,
+    /// checkpoints).
+    pub fn write_amplification(&self) -> f64 {
+        if self.client_bytes == 0 {
+            return 0.0;
+        }
+        let dev = self.data_blocks + self.header_blocks + self.checkpoint_blocks;
+        dev as f64 * BLOCK as f64 / self.client_bytes as f64
+    }
+
+    /// Data blocks written per data block clients wrote (the cleaner's
+    /// share alone).
+    pub fn cleaner_amplification(&self) -> f64 {
+        let client = self.data_blocks.saturating_sub(self.cleaner_blocks);
+        if client == 0 {
+            return 1.0;
+        }
+        self.data_blocks as f64 / client as f64
+    }
+}
+
+/// Derived constants of a device's geometry.
+#[derive(Debug, Clone)]
+struct Geo {
+    seg_blocks: u32,
+    nsegs: u32,
+    /// Data blocks per segment at worst in space estimates.
+    usable: u64,
+    /// Data blocks of a segment written in full batches.
+    dense: u64,
+    clean_low: usize,
+    clean_high: usize,
+    /// Most live blocks (the capacity).
+    max_live: u64,
+    /// Most data blocks one step of an operation appends.
+    piece: u64,
+    /// Log blocks between checkpoints, at least.
+    ckpt_min: u64,
+}
+
+impl Geo {
+    fn new(sb: &LogSuper) -> Geo {
+        let seg = sb.seg_blocks as u64;
+        let usable = (seg - 2 - seg.div_ceil(MAX_ENTRIES as u64)).max(1);
+        let clean_low = (sb.nsegs as usize / 64).max(4);
+        let piece = usable.min(256);
+        let mut g = Geo {
+            seg_blocks: sb.seg_blocks,
+            nsegs: sb.nsegs,
+            usable,
+            dense: dense_per_segment(sb.seg_blocks),
+            clean_low,
+            clean_high: clean_low + (sb.nsegs as usize / 64).max(2),
+            max_live: 0,
+            piece,
+            ckpt_min: (16384u64).min(sb.nsegs as u64 * seg / 4),
+        };
+        let reserve = (clean_low + 2 + g.rotations(piece, 0)) as u64;
+        g.max_live =
+            (sb.nsegs as u64).saturating_sub(reserve) * g.dense * sb.fill_permille as u64 / 1000;
+        g
+    }
+
+    /// Segments the log may move into while appending `data` blocks and
+    /// `slots` other entries (an upper bound).
+    fn rotations(&self, data: u64, slots: u64) -> usize {
+        ((data + slots.div_ceil(MAX_ENTRIES as u64) + 1).div_ceil(self.usable) + 1) as usize
+    }
+}
+
+/// What the store keeps of one component.
+struct Comp {
+    volume: u64,
+    size: u64,
+    generation: u64,
+    index: BlockIndex,
+}
+
+impl Comp {
+    fn blocks(&self) -> u64 {
+        self.size.div_ceil(BLOCK_U64)
+    }
+}
+
+/// Everything behind the store's lock.
+struct State {
+    comps: BTreeMap<u64, Comp>,
+    segs: Segments,
+    batch: OpenBatch,
+    /// The head segment's successor.
+    next_seg: u32,
+    /// Seq of the open batch.
+    seq: u64,
+    epoch: u64,
+    /// Seq of the newest durable checkpoint, and its slot.
+    ckpt_seq: u64,
+    active_slot: usize,
+    /// Mapped blocks of all components.
+    live: u64,
+    /// Log blocks written since the last checkpoint.
+    log_since_ckpt: u64,
+    last_ckpt_blocks: u64,
+    ckpt_due: bool,
+    stats: LogStats,
+}
+
+/// Who wants space: clients keep the cleaner's reserve.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Need {
+    Client,
+    Freeing,
+}
+
+/// The log-structured component store of one device.
+pub struct LogStore {
+    dev: Arc<dyn BlockDevice>,
+    sb: LogSuper,
+    geo: Geo,
+    state: Mutex<State>,
+    /// Held shared by reads between the index lookup and the device read;
+    /// exclusively while segments are made reusable.
+    reuse: RwLock<()>,
+    flush_lock: Mutex<()>,
+    /// Highest batch seq written, and flushed.
+    written: AtomicU64,
+    flushed: AtomicU64,
+    flushes: AtomicU64,
+    /// Set after a failed device write or flush: the store refuses
+    /// everything until reopened.
+    failed: Mutex<Option<String>>,
+    cache: Mutex<HeaderCache>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn byte_off(block: u32) -> u64 {
+    block as u64 * BLOCK_U64
+}
+
+fn check_range(id: u64, offset: u64, len: u64, size: u64) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(StoreError::OutOfRange {
+            id,
+            offset,
+            len,
+            size,
+        }),
+    }
+}
+
+/// The blocks a component range touches: (block, byte offset in the
+/// block, length, offset in the caller's buffer).
+fn blocks_of(offset: u64, len: u64) -> impl Iterator<Item = (u64, usize, usize, usize)> {
+    let end = offset + len;
+    let mut pos = offset;
+    std::iter::from_fn(move || {
+        if pos >= end {
+            return None;
+        }
+        let b = pos / BLOCK_U64;
+        let within = (pos % BLOCK_U64) as usize;
+        let n = (BLOCK - within).min((end - pos) as usize);
+        let r = (b, within, n, (pos - offset) as usize);
+        pos += n as u64;
+        Some(r)
+    })
+}
+
+impl LogStore {
+    // ---------------------------------------------------------------
+    // Opening and formatting
+    // ---------------------------------------------------------------
+
+    /// Formats `path` as a log device of `capacity` bytes for `cluster_id`
+    /// (same rules as [`DeviceStore::create`](crate::DeviceStore::create):
+    /// an existing device of the same cluster is opened, never wiped; of
+    /// another cluster, or damaged, it is refused).
+    pub fn create(path: &Path, capacity: u64, cluster_id: &str) -> Result<LogStore> {
+        Self::create_with(path, capacity, cluster_id, &LogConfig::default())
+    }
+
+    pub fn create_with(
+        path: &Path,
+        capacity: u64,
+        cluster_id: &str,
+        cfg: &LogConfig,
+    ) -> Result<LogStore> {
+        if cluster_id.len() > MAX_CLUSTER_ID {
+            return Err(StoreError::BadFormat(format!(
+                "cluster id {cluster_id:?} is longer than {MAX_CLUSTER_ID} bytes"
+            )));
+        }
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)?;
+        lock_file(&file, path)?;
+        let (len, block) = crate::device_len(&mut file)?;
+        let capacity = if block && (capacity == 0 || capacity > len) {
+            len
+        } else {
+            capacity
+        };
+        if capacity < cfg.min_capacity {
+            return Err(StoreError::TooSmall {
+                path: path.to_path_buf(),
+                capacity,
+                min: cfg.min_capacity,
+            });
+        }
+        if len >= BLOCK_U64 {
+            let mut b = vec![
+                0u8;
+                if len >= 2 * BLOCK_U64 {
+                    2 * BLOCK
+                } else {
+                    BLOCK
+                }
+            ];
+            use std::os::unix::fs::FileExt;
+            file.read_exact_at(&mut b, 0)?;
+            if LogSuper::has_magic(&b) {
+                let sb = Self::decode_super(&b)?;
+                if sb.cluster_id != cluster_id {
+                    return Err(StoreError::ForeignCluster {
+                        path: path.to_path_buf(),
+                        found: sb.cluster_id,
+                        expected: cluster_id.to_string(),
+                    });
+                }
+                tracing::info!(path = %path.display(), "device already formatted for this cluster; opening it");
+                let dev = FileDevice::new(file, path, len, block)?;
+                return Self::open_device(Arc::new(dev));
+            }
+        }
+        if !block && len < capacity {
+            file.set_len(capacity)?;
+        }
+        if len > 0 && !block {
+            // Old contents are ignored (new uuid), but give the space back.
+            let _ = crate::punch_hole(&file, 0, capacity);
+        }
+        let dev = FileDevice::new(file, path, capacity, block)?;
+        let s = Self::format_device(Arc::new(dev), cluster_id, cfg)?;
+        if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            if let Ok(d) = File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
+        Ok(s)
+    }
+
+    /// Opens a formatted log device: validates the superblock, loads the
+    /// newest checkpoint and replays the log after it.
+    pub fn open(path: &Path) -> Result<LogStore> {
+        let mut file = OpenOptions::new().read(true).write(true).open(path)?;
+        lock_file(&file, path)?;
+        let (len, block) = crate::device_len(&mut file)?;
+        let dev = FileDevice::new(file, path, len, block)?;
+        Self::open_device(Arc::new(dev))
+    }
+
+    /// Opens the device if it is formatted (and belongs to `cluster_id`),
+    /// formats it otherwise.
+    pub fn open_or_create(path: &Path, capacity: u64, cluster_id: &str) -> Result<LogStore> {
+        match Self::open(path) {
+            Ok(s) if s.sb.cluster_id == cluster_id => Ok(s),
+            Ok(s) => Err(StoreError::ForeignCluster {
+                path: path.to_path_buf(),
+                found: s.sb.cluster_id.clone(),
+                expected: cluster_id.to_string(),
+            }),
+            Err(StoreError::BadFormat(_)) => Self::create(path, capacity, cluster_id),
+            Err(StoreError::Io(e)) if e.kind() == io::ErrorKind::NotFound => {
+                Self::create(path, capacity, cluster_id)
+            }
+            Err(StoreError::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                Self::create(path, capacity, cluster_id)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Superblock from blocks 0 and 1: copy 0 unless it is damaged.
+    fn decode_super(b: &[u8]) -> Result<LogSuper> {
+        match LogSuper::decode(&b[..BLOCK]) {
+            Ok(sb) => Ok(sb),
+            Err(StoreError::Corrupt(m)) if b.len() < 2 * BLOCK => Err(StoreError::Corrupt(m)),
+            Err(StoreError::Corrupt(m)) => match LogSuper::decode(&b[BLOCK..2 * BLOCK]) {
+                Ok(sb) => {
+                    tracing::warn!("superblock copy 0 is damaged ({m}); using copy 1");
+                    Ok(sb)
+                }
+                Err(_) => Err(StoreError::Corrupt(m)),
+            },
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Formats `dev` (its whole length) as an empty log device.
+    pub fn format_device(
+        dev: Arc<dyn BlockDevice>,
+        cluster_id: &str,
+        cfg: &LogConfig,
+    ) -> Result<LogStore> {
+        let size = dev.len();
+        let too_small = || StoreError::TooSmall {
+            path: dev.name().to_path_buf(),
+            capacity: size,
+            min: cfg.min_capacity,
+        };
+        if size < cfg.min_capacity {
+            return Err(too_small());
+        }
+        let sb = LogSuper::new(
+            size,
+            random_u64(),
+            cluster_id,
+            cfg.seg_blocks_for(size),
+            cfg.max_components,
+            cfg.fill_permille,
+        )
+        .ok_or_else(too_small)?;
+        let mut segs = Segments::new(sb.nsegs, sb.seg_blocks, sb.seg_off as u32);
+        let head = segs.pop_free().expect("segments");
+        segs.set_state(head, SegState::Head);
+        let next = segs.pop_free().expect("segments");
+        let batch = OpenBatch::new(head, 0, segs.block(head, 0), sb.seg_blocks);
+        let st = State {
+            comps: BTreeMap::new(),
+            segs,
+            batch,
+            next_seg: next,
+            seq: 1,
+            epoch: 1,
+            ckpt_seq: 0,
+            active_slot: 1,
+            live: 0,
+            log_since_ckpt: 0,
+            last_ckpt_blocks: 0,
+            ckpt_due: false,
+            stats: LogStats::default(),
+        };
+        let s = Self::assemble(dev, sb, st, 0);
+        {
+            let mut st = s.lock_state();
+            s.checkpoint_locked(&mut st)?;
+        }
+        let io = |e| s.poison(e);
+        s.dev.write_at(&s.sb.encode(1), BLOCK_U64).map_err(io)?;
+        s.dev.flush().map_err(io)?;
+        s.dev.write_at(&s.sb.encode(0), 0).map_err(io)?;
+        s.dev.flush().map_err(io)?;
+        tracing::info!(
+            device = %s.dev.name().display(),
+            segments = s.sb.nsegs,
+            segment_kib = s.sb.seg_blocks * 4,
+            capacity = s.geo.max_live * BLOCK_U64,
+            cluster = cluster_id,
+            "formatted log device"
+        );
+        Ok(s)
+    }
+
+    /// Opens a formatted log device.
+    pub fn open_device(dev: Arc<dyn BlockDevice>) -> Result<LogStore> {
+        if dev.len() < 2 * BLOCK_U64 {
+            return Err(StoreError::BadFormat(format!(
+                "{} is not a Shoal device: shorter than a superblock",
+                dev.name().display()
+            )));
+        }
+        let mut b = vec![0u8; 2 * BLOCK];
+        dev.read_at(&mut b, 0)?;
+        if !LogSuper::has_magic(&b) {
+            return Err(StoreError::BadFormat(format!(
+                "{} is not a Shoal device: no SHOALDEV superblock at offset 0",
+                dev.name().display()
+            )));
+        }
+        let sb = Self::decode_super(&b)?;
+        if sb.device_size > dev.len() {
+            return Err(StoreError::Corrupt(format!(
+                "device is {} bytes but its superblock needs {}",
+                dev.len(),
+                sb.device_size
+            )));
+        }
+        if LogSuper::decode(&b[..BLOCK]).is_err() {
+            // Repair copy 0 from copy 1.
+            dev.write_at(&sb.encode(0), 0)?;
+            dev.flush()?;
+        }
+        let (st, flushed) = replay::recover(&*dev, &sb)?;
+        let s = Self::assemble(dev, sb, st, flushed);
+        {
+            let mut st = s.lock_state();
+            st.epoch += 1;
+            s.checkpoint_locked(&mut st)?;
+        }
+        Ok(s)
+    }
+
+    fn assemble(dev: Arc<dyn BlockDevice>, sb: LogSuper, st: State, flushed: u64) -> LogStore {
+        LogStore {
+            geo: Geo::new(&sb),
+            dev,
+            sb,
+            state: Mutex::new(st),
+            reuse: RwLock::new(()),
+            flush_lock: Mutex::new(()),
+            written: AtomicU64::new(flushed),
+            flushed: AtomicU64::new(flushed),
+            flushes: AtomicU64::new(0),
+            failed: Mutex::new(None),
+            cache: Mutex::new(HeaderCache::new(1024)),
+        }
+    }
+
+    // ---------------------------------------------------------------
+    // Small accessors
+    // ---------------------------------------------------------------
+
+    /// The cluster this device belongs to.
+    pub fn cluster_id(&self) -> String {
+        self.sb.cluster_id.clone()
+    }
+
+    /// Random id given to the device when it was formatted.
+    pub fn uuid(&self) -> u64 {
+        self.sb.uuid
+    }
+
+    /// True when data goes around the page cache (`O_DIRECT`).
+    pub fn direct_io(&self) -> bool {
+        self.dev.is_direct()
+    }
+
+    /// Bytes of live data the device may hold.
+    pub fn capacity(&self) -> u64 {
+        self.geo.max_live * BLOCK_U64
+    }
+
+    /// Bytes of live (mapped) blocks.
+    pub fn used(&self) -> u64 {
+        self.lock_state().live * BLOCK_U64
+    }
+
+    /// Counters since open.
+    pub fn stats(&self) -> LogStats {
+        let mut s = self.lock_state().stats.clone();
+        s.flushes = self.flushes.load(Ordering::Relaxed);
+        s
+    }
+
+    /// Device bytes written per client byte since open.
+    pub fn write_amplification(&self) -> f64 {
+        self.stats().write_amplification()
+    }
+
+    /// Heap bytes of the index of all components (an estimate) and of the
+    /// segment table.
+    pub fn index_memory(&self) -> (usize, usize) {
+        let st = self.lock_state();
+        let ix = st.comps.values().map(|c| c.index.heap_estimate()).sum();
+        (ix, st.segs.heap_bytes())
+    }
+
+    fn lock_state(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
+    }
+
+    fn fail_check(&self) -> Result<()> {
+        match &*lock(&self.failed) {
+            None => Ok(()),
+            Some(m) => Err(StoreError::Io(io::Error::other(format!(
+                "the store failed after an I/O error ({m}); reopen it"
+            )))),
+        }
+    }
+
+    /// Records a failed device write or flush: from now on the store
+    /// refuses everything (what is durable is unknown until reopened).
+    fn poison(&self, e: io::Error) -> StoreError {
+        let mut f = lock(&self.failed);
+        if f.is_none() {
+            tracing::error!(device = %self.dev.name().display(), error = %e, "device write failed; the store stops until reopened");
+            *f = Some(e.to_string());
+        }
+        StoreError::Io(e)
+    }
+
+    // ---------------------------------------------------------------
+    // The log: appending, sealing, moving between segments
+    // ---------------------------------------------------------------
+
+    /// Writes the open batch (not flushed). No-op when empty.
+    fn seal(&self, st: &mut State) -> Result<()> {
+        if st.batch.is_empty() {
+            return Ok(());
+        }
+        let h = BatchHeader {
+            uuid: self.sb.uuid,
+            seq: st.seq,
+            epoch: st.epoch,
+            durable_seq: self.flushed.load(Ordering::Acquire),
+            ckpt_seq: st.ckpt_seq,
+            seg: st.batch.seg,
+            off: st.batch.off,
+            next_seg: st.next_seg,
+            entries: st.batch.entries.clone(),
+        };
+        let base = st.batch.base;
+        let bytes = st.batch.seal(&h);
+        let n = bytes.len() as u64 / BLOCK_U64;
+        self.dev
+            .write_at(bytes, byte_off(base))
+            .map_err(|e| self.poison(e))?;
+        st.segs.set_header(st.batch.seg, st.batch.off);
+        lock(&self.cache).insert(base, data_refs(&h.entries));
+        self.written.store(st.seq, Ordering::Release);
+        st.seq += 1;
+        st.stats.batches += 1;
+        st.stats.header_blocks += 1;
+        st.stats.data_blocks += n - 1;
+        st.log_since_ckpt += n;
+        let next_off = st.batch.off + n as u32;
+        if self.geo.seg_blocks - next_off < 2 {
+            self.rotate(st)?;
+        } else {
+            let (seg, sb) = (st.batch.seg, self.geo.seg_blocks);
+            let base = st.segs.block(seg, next_off);
+            st.batch.reset(seg, next_off, base, sb);
+        }
+        Ok(())
+    }
+
+    /// Moves the log into the next segment.
+    fn rotate(&self, st: &mut State) -> Result<()> {
+        let old = st.batch.seg;
+        st.segs.set_state(old, SegState::Used);
+        let head = st.next_seg;
+        st.segs.set_state(head, SegState::Head);
+        let Some(next) = st.segs.pop_free() else {
+            // The space checks make this unreachable; refuse rather than
+            // overwrite anything.
+            return Err(self.poison(io::Error::other(
+                "log out of free segments (space accounting error)",
+            )));
+        };
+        st.next_seg = next;
+        let base = st.segs.block(head, 0);
+        st.batch.reset(head, 0, base, self.geo.seg_blocks);
+        if st.log_since_ckpt >= self.geo.ckpt_min.max(8 * st.last_ckpt_blocks) {
+            st.ckpt_due = true;
+        }
+        Ok(())
+    }
+
+    /// Appends an entry (and its data block), sealing the open batch first
+    /// if it is full. Returns the device block of the data.
+    fn append(&self, st: &mut State, e: Entry, data: Option<&[u8]>) -> Result<Option<u32>> {
+        let nd = data.is_some() as u32;
+        if !st.batch.fits(e.slots(), nd) {
+            self.seal(st)?;
+            if !st.batch.fits(e.slots(), nd) {
+                // An empty batch at the end of a segment with no room left.
+                self.rotate(st)?;
+            }
+        }
+        let i = st.batch.push(e, data);
+        Ok(i.map(|i| st.batch.base + 1 + i as u32))
+    }
+
+    /// Maps block `block` of `id` to new contents `data` (whose CRC is
+    /// `crc`; `bad`: it is known corrupt).
+    fn put_block(
+        &self,
+        st: &mut State,
+        id: u64,
+        block: u64,
+        data: &[u8],
+        crc: u32,
+        bad: bool,
+    ) -> Result<()> {
+        let cur = st.comps.get(&id).and_then(|c| c.index.get(block));
+        if let Some(i) = cur.and_then(|d| st.batch.slot_of(d)) {
+            if !bad {
+                st.batch.overwrite(i, data, crc);
+                return Ok(());
+            }
+        }
+        let entry = Entry::Data {
+            comp: id,
+            block,
+            crc,
+            bad,
+        };
+        let d = self.append(st, entry, Some(data))?.expect("data block");
+        let State {
+            comps, segs, live, ..
+        } = st;
+        let c = comps.get_mut(&id).expect("component");
+        match c.index.set(block, d) {
+            Some(old) => segs.dec(old),
+            None => *live += 1,
+        }
+        segs.inc(d);
+        Ok(())
+    }
+
+    /// Unmaps blocks `first..end` of `id` in memory (the caller logs it).
+    fn unmap(st: &mut State, id: u64, first: u64, end: u64) {
+        let State {
+            comps, segs, live, ..
+        } = st;
+        if let Some(c) = comps.get_mut(&id) {
+            c.index.remove_range(first, end, |_, d| {
+                segs.dec(d);
+                *live -= 1;
+            });
+        }
+    }
+
+    /// Logs and applies a trim of the mapped blocks of `id` in
+    /// `first..end`.
+    fn trim_blocks(&self, st: &mut State, id: u64, first: u64, end: u64) -> Result<()> {
+        let Some(c) = st.comps.get(&id) else {
+            return Ok(());
+        };
+        let (mut lo, mut hi) = (u64::MAX, 0);
+        c.index.for_each_in(first, end, |b, _| {
+            lo = lo.min(b);
+            hi = hi.max(b + 1);
+        });
+        if lo >= hi {
+            return Ok(());
+        }
+        let mut at = lo;
+        while at < hi {
+            let n = (hi - at).min(u32::MAX as u64);
+            self.append(
+                st,
+                Entry::Trim {
+                    comp: id,
+                    first: at,
+                    count: n as u32,
+                },
+                None,
+            )?;
+            at += n;
+        }
+        Self::unmap(st, id, lo, hi);
+        Ok(())
+    }
+
+    /// Runs a due checkpoint at the end of an operation.
+    fn after_op(&self, st: &mut State) -> Result<()> {
+        if st.ckpt_due {
+            self.checkpoint_locked(st)?;
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------
+    // Reading blocks
+    // ---------------------------------------------------------------
+
+    /// The decoded header at device block `h` (cached), if it is valid.
+    fn header_refs(&self, h: u32) -> Result<Option<Arc<[DataRef]>>> {
+        if let Some(r) = lock(&self.cache).get(h) {
+            return Ok(Some(r));
+        }
+        let mut b = crate::direct::AlignedBuf::zeroed(BLOCK);
+        self.dev.read_at(b.as_mut_slice(), byte_off(h))?;
+        let Some(hdr) = BatchHeader::decode(b.as_slice()) else {
+            return Ok(None);
+        };
+        let Some((seg, off)) = self_locate(&self.sb, h) else {
+            return Ok(None);
+        };
+        if hdr.uuid != self.sb.uuid || hdr.seg != seg || hdr.off != off {
+            return Ok(None);
+        }
+        let refs = data_refs(&hdr.entries);
+        lock(&self.cache).insert(h, refs.clone());
+        Ok(Some(refs))
+    }
+
+    /// Checks `data`, read from device block `d` (header at `h`), is block
+    /// `block` of `id` with a matching checksum.
+    fn verify(&self, id: u64, block: u64, d: u32, h: Option<u32>, data: &[u8]) -> Result<()> {
+        let bad = || StoreError::Checksum {
+            component: id,
+            offset: block * BLOCK_U64,
+        };
+        let Some(h) = h.filter(|&h| h < d) else {
+            return Err(bad());
+        };
+        let Some(refs) = self.header_refs(h)? else {
+            tracing::warn!(component = id, block, header = h, "batch header damaged");
+            return Err(bad());
+        };
+        match refs.get((d - h - 1) as usize) {
+            Some(r) if r.comp == id && r.block == block && !r.bad => {
+                if crc32c::crc32c(data) == r.crc {
+                    Ok(())
+                } else {
+                    tracing::warn!(component = id, block, device_block = d, "checksum mismatch");
+                    Err(bad())
+                }
+            }
+            _ => {
+                tracing::warn!(
+                    component = id,
+                    block,
+                    device_block = d,
+                    "block identity mismatch"
+                );
+                Err(bad())
+            }
+        }
+    }
+
+    /// Current contents of one block (for read-modify-write), with the
+    /// lock held.
+    fn read_block_locked(&self, st: &State, id: u64, block: u64, out: &mut [u8]) -> Result<()> {
+        let d = st.comps.get(&id).and_then(|c| c.index.get(block));
+        match d {
+            None => out.fill(0),
+            Some(d) => match st.batch.slot_of(d) {
+                Some(i) => out.copy_from_slice(st.batch.data(i)),
+                None => {
+                    let mut b = crate::direct::AlignedBuf::zeroed(BLOCK);
+                    self.dev.read_at(b.as_mut_slice(), byte_off(d))?;
+                    self.verify(id, block, d, st.segs.header_of(d), b.as_slice())?;
+                    out.copy_from_slice(b.as_slice());
+                }
+            },
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------
+    // Components
+    // ---------------------------------------------------------------
+
+    /// Creates an empty (thin) component of `size` bytes. If it exists
+    /// already (same volume), it is grown to `size` if smaller.
+    pub fn create_component(&self, id: u64, volume: u64, size: u64) -> Result<()> {
+        if id == 0 {
+            return Err(StoreError::ReservedId);
+        }
+        if size > MAX_SIZE {
+            return Err(StoreError::OutOfRange {
+                id,
+                offset: 0,
+                len: size,
+                size: MAX_SIZE,
+            });
+        }
+        self.fail_check()?;
+        {
+            let mut st = self.lock_state();
+            if let Some(c) = st.comps.get(&id) {
+                if c.volume != volume {
+                    return Err(StoreError::VolumeMismatch {
+                        id,
+                        have: c.volume,
+                        got: volume,
+                    });
+                }
+                let cur = c.size;
+                drop(st);
+                if size > cur {
+                    return self.resize_component(id, size);
+                }
+                return Ok(());
+            }
+            if st.comps.len() >= self.sb.max_components as usize {
+                return Err(StoreError::TableFull);
+            }
+            self.ensure_space(&mut st, 0, 2, Need::Freeing)?;
+            self.append(
+                &mut st,
+                Entry::Put {
+                    comp: id,
+                    volume,
+                    size,
+                    generation: 0,
+                },
+                None,
+            )?;
+            st.comps.insert(
+                id,
+                Comp {
+                    volume,
+                    size,
+                    generation: 0,
+                    index: BlockIndex::new(),
+                },
+            );
+        }
+        self.sync()
+    }
+
+    /// Changes the logical size. Shrinking frees the blocks past the new
+    /// end and zeroes the tail of the last one, so growing again reads
+    /// zeros.
+    pub fn resize_component(&self, id: u64, size: u64) -> Result<()> {
+        if size > MAX_SIZE {
+            return Err(StoreError::OutOfRange {
+                id,
+                offset: 0,
+                len: size,
+                size: MAX_SIZE,
+            });
+        }
+        self.fail_check()?;
+        {
+            let mut st = self.lock_state();
+            let c = st.comps.get(&id).ok_or(StoreError::NoSuchComponent(id))?;
+            let (old, volume, generation) = (c.size, c.volume, c.generation);
+            self.ensure_space(&mut st, 1, 3, Need::Freeing)?;
+            if size < old {
+                let keep = size.div_ceil(BLOCK_U64);
+                let tail = (size % BLOCK_U64) as usize;
+                if tail != 0 {
+                    let b = size / BLOCK_U64;
+                    self.zero_part(&mut st, id, b, tail, BLOCK)?;
+                }
+                self.trim_blocks(&mut st, id, keep, old.div_ceil(BLOCK_U64))?;
+            }
+            self.append(
+                &mut st,
+                Entry::Put {
+                    comp: id,
+                    volume,
+                    size,
+                    generation,
+                },
+                None,
+            )?;
+            if let Some(c) = st.comps.get_mut(&id) {
+                c.size = size;
+            }
+        }
+        self.sync()
+    }
+
+    /// Zeroes bytes `from..to` of block `b` (if mapped): rewrites it, or
+    /// unmaps it when it becomes all zeros.
+    fn zero_part(&self, st: &mut State, id: u64, b: u64, from: usize, to: usize) -> Result<()> {
+        if st.comps.get(&id).and_then(|c| c.index.get(b)).is_none() {
+            return Ok(());
+        }
+        let mut buf = vec![0u8; BLOCK];
+        self.read_block_locked(st, id, b, &mut buf)?;
+        buf[from..to].fill(0);
+        if buf.iter().all(|&x| x == 0) {
+            self.trim_blocks(st, id, b, b + 1)
+        } else {
+            let crc = crc32c::crc32c(&buf);
+            self.put_block(st, id, b, &buf, crc, false)
+        }
+    }
+
+    /// Deletes a component and frees its blocks.
+    pub fn delete_component(&self, id: u64) -> Result<()> {
+        self.fail_check()?;
+        {
+            let mut st = self.lock_state();
+            if !st.comps.contains_key(&id) {
+                return Err(StoreError::NoSuchComponent(id));
+            }
+            self.ensure_space(&mut st, 0, 1, Need::Freeing)?;
+            self.append(&mut st, Entry::Delete { comp: id }, None)?;
+            Self::unmap(&mut st, id, 0, u64::MAX);
+            st.comps.remove(&id);
+        }
+        self.sync()
+    }
+
+    fn meta_of(id: u64, c: &Comp) -> ComponentMeta {
+        ComponentMeta {
+            id,
+            volume: c.volume,
+            size: c.size,
+            generation: c.generation,
+            allocated: c.index.mapped() * BLOCK_U64,
+        }
+    }
+
+    /// All components, by id.
+    pub fn components(&self) -> Vec<ComponentMeta> {
+        let st = self.lock_state();
+        st.comps
+            .iter()
+            .map(|(&id, c)| Self::meta_of(id, c))
+            .collect()
+    }
+
+    pub fn component(&self, id: u64) -> Option<ComponentMeta> {
+        let st = self.lock_state();
+        st.comps.get(&id).map(|c| Self::meta_of(id, c))
+    }
+
+    /// Raises the component's fence to `generation` (durable on return).
+    /// A generation below the stored one is refused.
+    pub fn fence(&self, id: u64, generation: u64) -> Result<()> {
+        {
+            let mut st = self.lock_state();
+            let c = st.comps.get(&id).ok_or(StoreError::NoSuchComponent(id))?;
+            if generation < c.generation {
+                return Err(StoreError::StaleGeneration {
+                    have: c.generation,
+                    got: generation,
+                });
+            }
+            if generation == c.generation {
+                return Ok(());
+            }
+            self.fail_check()?;
+            let (volume, size) = (c.volume, c.size);
+            self.ensure_space(&mut st, 0, 2, Need::Freeing)?;
+            self.append(
+                &mut st,
+                Entry::Put {
+                    comp: id,
+                    volume,
+                    size,
+                    generation,
+                },
+                None,
+            )?;
+            if let Some(c) = st.comps.get_mut(&id) {
+                c.generation = generation;
+            }
+        }
+        self.sync()
+    }
+
+    /// The component's fence generation.
+    pub fn generation(&self, id: u64) -> Option<u64> {
+        self.lock_state().comps.get(&id).map(|c| c.generation)
+    }
+
+    // ---------------------------------------------------------------
+    // Data
+    // ---------------------------------------------------------------
+
+    /// Writes `data` at `offset` of component `id` (any offset and length;
+    /// partial blocks are read, merged and rewritten). Durable after the
+    /// next [`sync`](Self::sync). A write that needs more space than is
+    /// left fails whole with [`StoreError::NoSpace`].
+    pub fn write(&self, id: u64, offset: u64, data: &[u8]) -> Result<()> {
+        self.fail_check()?;
+        let len = data.len() as u64;
+        // Checksums of whole blocks, outside the lock (a range that
+        // overflows is refused below).
+        let crcs: Vec<Option<u32>> = match offset.checked_add(len) {
+            Some(_) => blocks_of(offset, len)
+                .map(|(_, _, n, at)| (n == BLOCK).then(|| crc32c::crc32c(&data[at..at + n])))
+                .collect(),
+            None => Vec::new(),
+        };
+        let mut st = self.lock_state();
+        let c = st.comps.get(&id).ok_or(StoreError::NoSuchComponent(id))?;
+        check_range(id, offset, len, c.size)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let (first, last) = (offset / BLOCK_U64, (offset + len - 1) / BLOCK_U64);
+        let mut fresh = 0;
+        for b in first..=last {
+            if c.index.get(b).is_none() {
+                fresh += 1;
+            }
+        }
+        if st.live + fresh > self.geo.max_live {
+            return Err(StoreError::NoSpace);
+        }
+        // Partial edge blocks: read them before changing anything.
+        let mut edges: Vec<(u64, Vec<u8>)> = Vec::new();
+        for (b, _, n, _) in [blocks_of(offset, len).next(), blocks_of(offset, len).last()]
+            .into_iter()
+            .flatten()
+        {
+            if n < BLOCK && !edges.iter().any(|(e, _)| *e == b) {
+                let mut buf = vec![0u8; BLOCK];
+                self.read_block_locked(&st, id, b, &mut buf)?;
+                edges.push((b, buf));
+            }
+        }
+        let pieces: Vec<_> = blocks_of(offset, len).zip(crcs).collect();
+        for chunk in pieces.chunks(self.geo.piece as usize) {
+            self.ensure_space(&mut st, chunk.len() as u64, 0, Need::Client)?;
+            for &((b, within, n, at), crc) in chunk {
+                let part = &data[at..at + n];
+                match crc {
+                    Some(crc) => self.put_block(&mut st, id, b, part, crc, false)?,
+                    None => {
+                        let e = edges
+                            .iter_mut()
+                            .find(|(e, _)| *e == b)
+                            .map(|(_, buf)| buf)
+                            .expect("edge block read");
+                        e[within..within + n].copy_from_slice(part);
+                        let crc = crc32c::crc32c(e);
+                        let e = e.clone();
+                        self.put_block(&mut st, id, b, &e, crc, false)?;
+                    }
+                }
+            }
+        }
+        st.stats.client_bytes += len;
+        self.after_op(&mut st)
+    }
+
+    /// Reads `buf.len()` bytes at `offset`; unwritten blocks read as zeros.
+    /// Every block read from the device is checked against its checksum.
+    pub fn read(&self, id: u64, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.fail_check()?;
+        let len = buf.len() as u64;
+        // (block, within, n, at, device block, header)
+        let mut todo: Vec<(u64, usize, usize, usize, u32, Option<u32>)> = Vec::new();
+        let st = self.lock_state();
+        let c = st.comps.get(&id).ok_or(StoreError::NoSuchComponent(id))?;
+        check_range(id, offset, len, c.size)?;
+        for (b, within, n, at) in blocks_of(offset, len) {
+            let out = &mut buf[at..at + n];
+            match c.index.get(b) {
+                None => out.fill(0),
+                Some(d) => match st.batch.slot_of(d) {
+                    Some(i) => out.copy_from_slice(&st.batch.data(i)[within..within + n]),
+                    None => todo.push((b, within, n, at, d, st.segs.header_of(d))),
+                },
+            }
+        }
+        if todo.is_empty() {
+            return Ok(());
+        }
+        // Keep the located blocks from being reused until they are read.
+        let gate = self.reuse.read().unwrap_or_else(|e| e.into_inner());
+        drop(st);
+        let mut k = 0;
+        let mut io = crate::direct::AlignedBuf::zeroed(todo.len().min(64) * BLOCK);
+        while k < todo.len() {
+            // A run of consecutive device blocks, up to 64.
+            let mut e = k + 1;
+            while e < todo.len() && e - k < 64 && todo[e].4 == todo[e - 1].4 + 1 {
+                e += 1;
+            }
+            let n = e - k;
+            let bytes = &mut io.as_mut_slice()[..n * BLOCK];
+            self.dev.read_at(bytes, byte_off(todo[k].4))?;
+            for (j, &(b, within, len, at, d, h)) in todo[k..e].iter().enumerate() {
+                let data = &bytes[j * BLOCK..(j + 1) * BLOCK];
+                self.verify(id, b, d, h, data)?;
+                buf[at..at + len].copy_from_slice(&data[within..within + len]);
+            }
+            k = e;
+        }
+        drop(gate);
+        Ok(())
+    }
+
+    /// Zeroes a range: whole blocks are unmapped (free space), partial ones
+    /// rewritten.
+    pub fn write_zeroes(&self, id: u64, offset: u64, len: u64) -> Result<()> {
+        self.fail_check()?;
+        let mut st = self.lock_state();
+        let c = st.comps.get(&id).ok_or(StoreError::NoSuchComponent(id))?;
+        let size = c.size;
+        check_range(id, offset, len, size)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let end = offset + len;
+        self.ensure_space(&mut st, 2, 4, Need::Freeing)?;
+        let (mut wf, mut we) = (u64::MAX, 0);
+        for (b, within, n, _) in blocks_of(offset, len) {
+            // Bytes past the size are always zero, so a piece reaching the
+            // end of the component covers the block.
+            let whole = within == 0 && (n == BLOCK || end == size);
+            if whole {
+                wf = wf.min(b);
+                we = we.max(b + 1);
+            } else {
+                self.zero_part(&mut st, id, b, within, within + n)?;
+            }
+        }
+        if wf < we {
+            self.trim_blocks(&mut st, id, wf, we)?;
+        }
+        self.after_op(&mut st)
+    }
+
+    /// Discards a range; it then reads as zeros (same as `write_zeroes`).
+    pub fn trim(&self, id: u64, offset: u64, len: u64) -> Result<()> {
+        self.write_zeroes(id, offset, len)
+    }
+
+    /// `(offset, len)` of the allocated parts of a component, in order and
+    /// coalesced, clipped to its size. Empty for an unknown component.
+    pub fn allocated_ranges(&self, id: u64) -> Vec<(u64, u64)> {
+        let st = self.lock_state();
+        let Some(c) = st.comps.get(&id) else {
+            return Vec::new();
+        };
+        c.index
+            .ranges()
+            .into_iter()
+            .filter_map(|(f, n)| {
+                let start = f * BLOCK_U64;
+                let end = ((f + n) * BLOCK_U64).min(c.size);
+                (start < end).then(|| (start, end - start))
+            })
+            .collect()
+    }
+
+    /// Makes every completed write and metadata change durable: writes the
+    /// open batch and flushes the device (one flush for everything written
+    /// before it: callers share it through [`GroupCommit`](crate::GroupCommit)).
+    pub fn sync(&self) -> Result<()> {
+        self.fail_check()?;
+        {
+            let mut st = self.lock_state();
+            self.seal(&mut st)?;
+            if st.ckpt_due {
+                return self.checkpoint_locked(&mut st);
+            }
+        }
+        self.flush_written()
+    }
+
+    /// Flushes the device if batches were written since the last flush.
+    fn flush_written(&self) -> Result<()> {
+        let target = self.written.load(Ordering::Acquire);
+        if self.flushed.load(Ordering::Acquire) >= target {
+            return Ok(());
+        }
+        let _g = lock(&self.flush_lock);
+        if self.flushed.load(Ordering::Acquire) >= target {
+            return Ok(());
+        }
+        let w = self.written.load(Ordering::Acquire);
+        self.dev.flush().map_err(|e| self.poison(e))?;
+        self.flushes.fetch_add(1, Ordering::Relaxed);
+        self.flushed.fetch_max(w, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Writes a checkpoint now (and frees the segments without live data).
+    pub fn checkpoint(&self) -> Result<()> {
+        self.fail_check()?;
+        let mut st = self.lock_state();
+        self.checkpoint_locked(&mut st)
+    }
+
+    /// Syncs and checkpoints, so the next open replays nothing.
+    pub fn close(self) -> Result<()> {
+        self.close_inner()
+    }
+
+    fn close_inner(&self) -> Result<()> {
+        self.fail_check()?;
+        let mut st = self.lock_state();
+        if !st.batch.is_empty() || st.log_since_ckpt > 0 {
+            self.checkpoint_locked(&mut st)?;
+        }
+        Ok(())
+    }
+
+    /// Checks the in-memory state against its invariants and the batch
+    /// headers on the device: every mapped block lies in a written (or
+    /// open) part of a used segment, no two blocks share a device block,
+    /// no block is a header, live counts add up, every header names the
+    /// block the index says it holds. `Err` describes the first problem.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let st = self.lock_state();
+        let n = st.segs.count();
+        let mut seen = vec![0u64; (n as usize * self.geo.seg_blocks as usize).div_ceil(64)];
+        let mut live = vec![0u32; n as usize];
+        let mut total = 0u64;
+        let mut err: Option<String> = None;
+        for (&id, c) in &st.comps {
+            let blocks = c.blocks();
+            let mut count = 0;
+            c.index.for_each(|b, d| {
+                count += 1;
+                if err.is_some() {
+                    return;
+                }
+                let Some((s, off)) = st.segs.locate(d) else {
+                    err = Some(format!("{id}/{b}: device block {d} outside the segments"));
+                    return;
+                };
+                let rel = (s * self.geo.seg_blocks + off) as usize;
+                if seen[rel / 64] & (1 << (rel % 64)) != 0 {
+                    err = Some(format!("{id}/{b}: device block {d} mapped twice"));
+                    return;
+                }
+                seen[rel / 64] |= 1 << (rel % 64);
+                live[s as usize] += 1;
+                if b >= blocks {
+                    err = Some(format!("{id}/{b}: past the size {}", c.size));
+                    return;
+                }
+                match st.segs.state(s) {
+                    SegState::Used | SegState::Head => {}
+                    other => {
+                        err = Some(format!("{id}/{b}: in a {other:?} segment"));
+                        return;
+                    }
+                }
+                if st.batch.slot_of(d).is_some() {
+                    return;
+                }
+                if s == st.batch.seg && off >= st.batch.off {
+                    err = Some(format!("{id}/{b}: past the head of the log"));
+                    return;
+                }
+                if st.segs.is_header(d) {
+                    err = Some(format!("{id}/{b}: device block {d} is a batch header"));
+                    return;
+                }
+                let h = st.segs.header_of(d);
+                match h.map(|h| (h, self.header_refs(h))) {
+                    Some((h, Ok(Some(refs)))) => match refs.get((d - h - 1) as usize) {
+                        Some(r) if r.comp == id && r.block == b => {}
+                        other => err = Some(format!("{id}/{b}: header at {h} says {other:?}")),
+                    },
+                    Some((_, Ok(None))) => {} // damaged header: reads report it
+                    Some((h, Err(e))) => err = Some(format!("reading header {h}: {e}")),
+                    None => err = Some(format!("{id}/{b}: no header before {d}")),
+                }
+            });
+            if count != c.index.mapped() {
+                err.get_or_insert(format!("{id}: mapped count {}", c.index.mapped()));
+            }
+            total += count;
+        }
+        if let Some(e) = err {
+            return Err(e);
+        }
+        if total != st.live {
+            return Err(format!("live {} but {total} blocks mapped", st.live));
+        }
+        for s in 0..n {
+            if live[s as usize] != st.segs.live(s) {
+                return Err(format!(
+                    "segment {s}: live {} but {} blocks",
+                    st.segs.live(s),
+                    live[s as usize]
+                ));
+            }
+        }
+        if st.segs.state(st.batch.seg) != SegState::Head
+            || st.segs.state(st.next_seg) != SegState::Next
+        {
+            return Err("head or next segment in the wrong state".into());
+        }
+        if st.live > self.geo.max_live {
+            return Err(format!("live {} > capacity {}", st.live, self.geo.max_live));
+        }
+        Ok(())
+    }
+}
+
+/// (segment, offset) of device block `d` from the superblock alone.
+#[cfg(test)]
+impl LogStore {
+    /// Device block holding block `block` of `id` (tests).
+    fn locate(&self, id: u64, block: u64) -> Option<u32> {
+        self.lock_state().comps.get(&id)?.index.get(block)
+    }
+
+    fn geometry(&self) -> (&LogSuper, &Geo) {
+        (&self.sb, &self.geo)
+    }
+
+    /// Runs the cleaner on the segment holding block `block` of `id`.
+    fn relocate_segment_of(&self, id: u64, block: u64) -> Result<()> {
+        let mut st = self.lock_state();
+        let d = st.comps[&id].index.get(block).expect("mapped");
+        let (seg, _) = st.segs.locate(d).expect("in a segment");
+        self.seal(&mut st)?;
+        if st.batch.seg == seg {
+            // Leave the segment (the checkpoint below records where the
+            // log goes on).
+            self.rotate(&mut st)?;
+        }
+        self.relocate(&mut st, seg)?;
+        self.checkpoint_locked(&mut st)
+    }
+}
+
+fn self_locate(sb: &LogSuper, d: u32) -> Option<(u32, u32)> {
+    let rel = (d as u64).checked_sub(sb.seg_off)?;
+    let s = rel / sb.seg_blocks as u64;
+    (s < sb.nsegs as u64).then_some((s as u32, (rel % sb.seg_blocks as u64) as u32))
+}
+
+impl Drop for LogStore {
+    fn drop(&mut self) {
+        if lock(&self.failed).is_some() {
+            return;
+        }
+        if let Err(e) = self.close_inner() {
+            tracing::warn!(device = %self.dev.name().display(), error = %e, "closing the log store failed");
+        }
+    }
+}
+
+impl std::fmt::Debug for LogStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LogStore")
+            .field("device", &self.dev.name())
+            .field("cluster_id", &self.sb.cluster_id)
+            .field("segments", &self.sb.nsegs)
+            .finish_non_exhaustive()
+    }
+}
