@@ -8,6 +8,7 @@ use shoal_api::{Client, CreateVolume, StatusReport};
 use shoal_model::{ComponentState, NodeState, VolumeHealth};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -28,10 +29,7 @@ pub async fn ensure_volumes(
         .into_iter()
         .map(|v| (v.volume.name, v.volume.size))
         .collect();
-    let present: Vec<&String> = names
-        .iter()
-        .filter(|n| existing.contains_key(*n))
-        .collect();
+    let present: Vec<&String> = names.iter().filter(|n| existing.contains_key(*n)).collect();
     if !present.is_empty() && !reuse {
         bail!(
             "bench volumes already exist ({}{}), left by an earlier run? Pass --reuse to run on them, or delete them with `shoal volume delete NAME`",
@@ -80,12 +78,10 @@ pub async fn wait_healthy(c: &Client, names: &[String], timeout: Duration) -> Re
             Ok(s) => {
                 let bad: Vec<String> = names
                     .iter()
-                    .filter_map(|n| {
-                        match s.volumes.iter().find(|v| &v.volume.name == n) {
-                            Some(v) if v.health == VolumeHealth::Healthy => None,
-                            Some(v) => Some(format!("{n} is {}", v.health)),
-                            None => Some(format!("{n} is missing")),
-                        }
+                    .filter_map(|n| match s.volumes.iter().find(|v| &v.volume.name == n) {
+                        Some(v) if v.health == VolumeHealth::Healthy => None,
+                        Some(v) => Some(format!("{n} is {}", v.health)),
+                        None => Some(format!("{n} is missing")),
                     })
                     .collect();
                 if bad.is_empty() {
@@ -132,57 +128,167 @@ pub async fn delete_volumes(c: &Client, names: &[String]) -> Vec<(String, String
     failed
 }
 
-/// What in a status report means a measured window was not quiet: nodes
-/// down, volumes not healthy, components not active.
-pub fn issues(s: &StatusReport) -> Vec<String> {
+/// Where the bench volumes' data copies landed: copies per node, and the
+/// devices that cannot hold them once every copy is fully written
+/// (`need` bytes per copy on top of what the device already uses).
+pub fn placement(
+    s: &StatusReport,
+    names: &[String],
+    need: u64,
+) -> (BTreeMap<u64, usize>, Vec<String>) {
+    let mut per_node: BTreeMap<u64, usize> = s.nodes.iter().map(|n| (n.id, 0)).collect();
+    let mut per_dev: BTreeMap<u64, u64> = BTreeMap::new();
+    for v in s.volumes.iter().filter(|v| names.contains(&v.volume.name)) {
+        for c in v.volume.data_components() {
+            *per_node.entry(c.node).or_default() += 1;
+            *per_dev.entry(c.device).or_default() += need;
+        }
+    }
+    let mut over = Vec::new();
+    for d in &s.devices {
+        let want = per_dev.get(&d.id).copied().unwrap_or(0);
+        if want > 0 && d.used.max(d.reserved) + want > d.capacity {
+            over.push(format!(
+                "device {} of node {} would need {} for {} bench copies but has {} free",
+                d.id,
+                d.node,
+                shoal_model::human_size(want),
+                want / need.max(1),
+                shoal_model::human_size(d.capacity.saturating_sub(d.used.max(d.reserved)))
+            ));
+        }
+    }
+    (per_node, over)
+}
+
+/// Something in a status report that means a measured window was not
+/// quiet.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Issue {
+    NodeDown(u64),
+    /// A component of this volume was being resynced.
+    Resyncing(String),
+    /// A component of this volume was absent (its host unreachable).
+    Absent(String),
+    /// A component of this volume was degraded (rebuild needed).
+    Degraded(String),
+    /// The volume was inaccessible.
+    Inaccessible(String),
+}
+
+/// Nodes down, components not active, volumes inaccessible.
+pub fn issues(s: &StatusReport) -> Vec<Issue> {
     let mut v = Vec::new();
     for n in &s.nodes {
         if n.state != NodeState::Up {
-            v.push(format!("node {} is {}", n.id, n.state));
+            v.push(Issue::NodeDown(n.id));
         }
     }
     for vol in &s.volumes {
-        if vol.health != VolumeHealth::Healthy {
-            v.push(format!("volume {} was {}", vol.volume.name, vol.health));
+        let name = &vol.volume.name;
+        if vol.health == VolumeHealth::Inaccessible {
+            v.push(Issue::Inaccessible(name.clone()));
         }
         for c in &vol.volume.components {
-            if matches!(
-                c.state,
-                ComponentState::Resyncing | ComponentState::Absent | ComponentState::Degraded
-            ) {
-                v.push(format!(
-                    "volume {} component {} on node {} was {:?}{}",
-                    vol.volume.name,
-                    c.id,
-                    c.node,
-                    c.state,
-                    if c.state == ComponentState::Resyncing {
-                        " (resync running)"
-                    } else {
-                        ""
-                    }
-                ));
+            match c.state {
+                ComponentState::Resyncing => v.push(Issue::Resyncing(name.clone())),
+                ComponentState::Absent => v.push(Issue::Absent(name.clone())),
+                ComponentState::Degraded => v.push(Issue::Degraded(name.clone())),
+                ComponentState::Active => {}
             }
         }
     }
+    v.sort();
+    v.dedup();
     v
 }
 
-/// Polls `GET /v1/status` every second until stopped; collects issues.
+fn some_names(v: &[&String]) -> String {
+    let mut s: Vec<&str> = v.iter().take(4).map(|x| x.as_str()).collect();
+    if v.len() > 4 {
+        s.push("...");
+    }
+    s.join(", ")
+}
+
+/// Issues seen during a window, in a few lines.
+pub fn describe(seen: &BTreeSet<Issue>) -> Vec<String> {
+    let mut out = Vec::new();
+    let down: Vec<String> = seen
+        .iter()
+        .filter_map(|i| match i {
+            Issue::NodeDown(n) => Some(n.to_string()),
+            _ => None,
+        })
+        .collect();
+    if !down.is_empty() {
+        out.push(format!("node {} went down", down.join(", ")));
+    }
+    let of = |want: fn(&Issue) -> Option<&String>| -> Vec<&String> {
+        seen.iter().filter_map(want).collect()
+    };
+    let groups: [(Vec<&String>, &str); 4] = [
+        (
+            of(|i| match i {
+                Issue::Resyncing(v) => Some(v),
+                _ => None,
+            }),
+            "a resync ran on {n} volume(s) ({names})",
+        ),
+        (
+            of(|i| match i {
+                Issue::Degraded(v) => Some(v),
+                _ => None,
+            }),
+            "{n} volume(s) had a degraded component to rebuild ({names})",
+        ),
+        (
+            of(|i| match i {
+                Issue::Absent(v) => Some(v),
+                _ => None,
+            }),
+            "{n} volume(s) had an absent component ({names})",
+        ),
+        (
+            of(|i| match i {
+                Issue::Inaccessible(v) => Some(v),
+                _ => None,
+            }),
+            "{n} volume(s) were inaccessible ({names})",
+        ),
+    ];
+    for (vols, text) in groups {
+        if !vols.is_empty() {
+            out.push(
+                text.replace("{n}", &vols.len().to_string())
+                    .replace("{names}", &some_names(&vols)),
+            );
+        }
+    }
+    out
+}
+
+/// Polls `GET /v1/status` every second until stopped; collects issues
+/// other than those in `known` (seen before the run), except resyncs,
+/// which always count.
 pub struct Monitor {
     stop: watch::Sender<bool>,
     task: tokio::task::JoinHandle<Vec<String>>,
 }
 
 impl Monitor {
-    pub fn start(c: Client) -> Monitor {
+    pub fn start(c: Client, known: Arc<BTreeSet<Issue>>) -> Monitor {
         let (stop, mut rx) = watch::channel(false);
         let task = tokio::spawn(async move {
             let mut seen = BTreeSet::new();
             let mut failures = 0u32;
             loop {
                 match tokio::time::timeout(Duration::from_secs(2), c.status()).await {
-                    Ok(Ok(s)) => seen.extend(issues(&s)),
+                    Ok(Ok(s)) => seen.extend(
+                        issues(&s)
+                            .into_iter()
+                            .filter(|i| matches!(i, Issue::Resyncing(_)) || !known.contains(i)),
+                    ),
                     _ => failures += 1,
                 }
                 tokio::select! {
@@ -190,7 +296,7 @@ impl Monitor {
                     _ = rx.changed() => break,
                 }
             }
-            let mut v: Vec<String> = seen.into_iter().collect();
+            let mut v = describe(&seen);
             if failures > 0 {
                 v.push(format!(
                     "the cluster's status did not answer {failures} time(s) during the window"
@@ -326,6 +432,112 @@ pub fn node_pids(data: &Path) -> Vec<(String, i32)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use shoal_api::VolumeReport;
+    use shoal_model::{
+        Component, ComponentRole, DeviceInfo, DeviceState, NodeInfo, Policy, Volume,
+    };
+
+    fn status(states: [ComponentState; 3]) -> StatusReport {
+        let nodes = (1..=3)
+            .map(|id| NodeInfo {
+                id,
+                fault_domain: format!("node-{id}"),
+                peer_addr: String::new(),
+                api_addr: String::new(),
+                nbd_addr: String::new(),
+                state: NodeState::Up,
+            })
+            .collect();
+        let devices = (1..=3)
+            .map(|id| DeviceInfo {
+                id,
+                node: id,
+                path: String::new(),
+                capacity: 1 << 30,
+                used: 0,
+                reserved: 0,
+                state: DeviceState::Healthy,
+            })
+            .collect();
+        let comp = |i: usize, role| Component {
+            id: 10 + i as u64,
+            role,
+            node: 1 + i as u64,
+            device: 1 + i as u64,
+            state: states[i],
+            votes: 1,
+        };
+        let volume = Volume {
+            id: 1,
+            name: "bench-w0-d0".into(),
+            size: 1 << 28,
+            policy: Policy::default(),
+            components: vec![
+                comp(0, ComponentRole::Data),
+                comp(1, ComponentRole::Data),
+                comp(2, ComponentRole::Witness),
+            ],
+            owner: Some(1),
+            generation: 3,
+        };
+        let health = if states.iter().all(|s| *s == ComponentState::Active) {
+            VolumeHealth::Healthy
+        } else {
+            VolumeHealth::ReducedAvailability
+        };
+        StatusReport {
+            cluster_id: "c".into(),
+            leader: Some(1),
+            voters: vec![1, 2, 3],
+            nodes,
+            devices,
+            volumes: vec![VolumeReport {
+                volume,
+                health,
+                uris: Vec::new(),
+            }],
+        }
+    }
+
+    #[test]
+    fn a_resync_is_an_issue_and_a_quiet_cluster_is_not() {
+        use ComponentState::*;
+        let vol = || "bench-w0-d0".to_string();
+        assert!(issues(&status([Active, Active, Active])).is_empty());
+        let v = issues(&status([Active, Resyncing, Active]));
+        assert_eq!(v, vec![Issue::Resyncing(vol())]);
+        let mut s = status([Active, Absent, Active]);
+        s.nodes[1].state = NodeState::Down;
+        s.volumes[0].health = VolumeHealth::Inaccessible;
+        let mut seen: BTreeSet<Issue> = issues(&s).into_iter().collect();
+        seen.extend(issues(&status([Active, Resyncing, Active])));
+        let d = describe(&seen);
+        assert_eq!(
+            d,
+            vec![
+                "node 2 went down".to_string(),
+                "a resync ran on 1 volume(s) (bench-w0-d0)".to_string(),
+                "1 volume(s) had an absent component (bench-w0-d0)".to_string(),
+                "1 volume(s) were inaccessible (bench-w0-d0)".to_string(),
+            ]
+        );
+    }
+
+    #[test]
+    fn placement_counts_copies_and_finds_full_devices() {
+        let s = status([ComponentState::Active; 3]);
+        let names = vec!["bench-w0-d0".to_string()];
+        let (per_node, over) = placement(&s, &names, 1 << 28);
+        assert_eq!(
+            per_node.into_iter().collect::<Vec<_>>(),
+            vec![(1, 1), (2, 1), (3, 0)]
+        );
+        assert!(over.is_empty());
+        let (_, over) = placement(&s, &names, 2 << 30);
+        assert_eq!(over.len(), 2, "{over:?}");
+        assert!(over[0].contains("node 1"));
+    }
 
     #[test]
     fn metrics_are_summed_over_labels() {

@@ -54,7 +54,9 @@ async fn handshake(s: &mut TcpStream, name: &str) -> Result<Export> {
     let mut export = None;
     loop {
         let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
-        s.read_exact(&mut h).await.context("reading an option reply")?;
+        s.read_exact(&mut h)
+            .await
+            .context("reading an option reply")?;
         let h = OptionReplyHeader::decode(&h)?;
         if h.len as usize > 1 << 20 {
             bail!("option reply of {} bytes", h.len);

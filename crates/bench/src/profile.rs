@@ -295,7 +295,7 @@ fn no_duplicates(v: &[Profile]) -> Result<(), ProfileError> {
 /// a comma-separated list of names and the groups `easy-run` and `all`.
 pub fn select(list: &str, available: &[Profile]) -> Result<Vec<Profile>, ProfileError> {
     let mut out: Vec<Profile> = Vec::new();
-    let mut add = |p: &Profile, out: &mut Vec<Profile>| {
+    let add = |p: &Profile, out: &mut Vec<Profile>| {
         if !out.iter().any(|q| q.name == p.name) {
             out.push(p.clone());
         }
@@ -404,7 +404,10 @@ mod tests {
             ProfileError::Invalid { why, .. } => assert!(why.contains(word), "{why}"),
             e => panic!("expected Invalid, got {e:?}"),
         };
-        invalid("[[profile]]\nname='a'\nblock_size=1000\n", "multiple of 512");
+        invalid(
+            "[[profile]]\nname='a'\nblock_size=1000\n",
+            "multiple of 512",
+        );
         invalid("[[profile]]\nname='a'\nblock_size='4x'\n", "not understood");
         invalid("[[profile]]\nname='a'\nblock_size=0\n", "multiple of 512");
         invalid(

@@ -25,9 +25,14 @@ pub struct Cpu {
     pub processes: Vec<(String, f64)>,
     pub seconds: f64,
     pub seconds_per_kio: f64,
-    /// The bench process itself (load generation, not the storage).
-    pub bench_seconds: f64,
-    pub bench_seconds_per_kio: f64,
+}
+
+/// CPU time of the load generator: the bench process (native engine) or
+/// fio and its job processes (scaled to the measured window).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ClientCpu {
+    pub seconds: f64,
+    pub seconds_per_kio: f64,
 }
 
 /// Backend writes against client writes during a measured window.
@@ -73,6 +78,7 @@ pub struct Run {
     pub distribution: Vec<(f64, f64)>,
     pub series: Vec<Sample>,
     pub cpu: Option<Cpu>,
+    pub client_cpu: Option<ClientCpu>,
     pub backend: Option<Backend>,
     pub warnings: Vec<String>,
 }
@@ -160,6 +166,8 @@ pub struct Config {
     pub reused_volumes: bool,
     pub fill_seconds: f64,
     pub cpu: String,
+    /// (node, data copies of bench volumes on it).
+    pub placement: Vec<(u64, usize)>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -175,7 +183,7 @@ fn group(n: f64) -> String {
     let s = i.to_string();
     let mut out = String::new();
     for (k, c) in s.chars().enumerate() {
-        if k > 0 && (s.len() - k) % 3 == 0 {
+        if k > 0 && (s.len() - k).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);
@@ -204,7 +212,10 @@ fn mbps(x: f64) -> String {
 }
 
 fn ratio_text(r: &Ratio) -> String {
-    format!("shoal {:.2}x", if r.iops.is_finite() { r.iops } else { 0.0 })
+    format!(
+        "shoal {:.2}x",
+        if r.iops.is_finite() { r.iops } else { 0.0 }
+    )
 }
 
 /// The final table, as printed.
@@ -226,6 +237,17 @@ pub fn table(r: &Report) -> String {
         c.warmup_s,
         if c.quick { " (quick)" } else { "" }
     );
+    if !c.placement.is_empty() {
+        let _ = writeln!(
+            s,
+            "bench data copies per node: {}",
+            c.placement
+                .iter()
+                .map(|(n, k)| format!("node {n}: {k}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     let _ = writeln!(
         s,
         "latencies in ms; QD = outstanding I/Os per volume x volumes; CPU = CPU seconds of the target's processes per 1000 I/Os"
@@ -244,7 +266,11 @@ pub fn table(r: &Report) -> String {
                 .map(ratio_text)
                 .unwrap_or_default();
             rows.push(vec![
-                if i == 0 { p.profile.name.clone() } else { String::new() },
+                if i == 0 {
+                    p.profile.name.clone()
+                } else {
+                    String::new()
+                },
                 run.target.clone(),
                 run.engine.clone(),
                 format!("{}x{}", run.outstanding, run.streams),
@@ -290,13 +316,21 @@ pub fn table(r: &Report) -> String {
             .iter()
             .find(|x| x.target == "shoal" && x.engine == "fio-nbd");
         if let (Some(a), Some(b)) = (nat, fio) {
+            let client = |r: &Run| {
+                r.client_cpu
+                    .as_ref()
+                    .map(|c| format!("{:.3}", c.seconds_per_kio))
+                    .unwrap_or_else(|| "-".into())
+            };
             let _ = writeln!(
                 s,
-                "native vs fio on {}: IOPS {:+.1}%, p50 {:+.1}%, p99 {:+.1}%",
+                "native vs fio on {}: IOPS {:+.1}%, p50 {:+.1}%, p99 {:+.1}% (load generator CPU s/kIO: native {}, fio {})",
                 p.profile.name,
                 pct_diff(a.iops, b.iops),
                 pct_diff(a.lat.p50_us, b.lat.p50_us),
-                pct_diff(a.lat.p99_us, b.lat.p99_us)
+                pct_diff(a.lat.p99_us, b.lat.p99_us),
+                client(a),
+                client(b)
             );
         }
     }
@@ -498,7 +532,7 @@ pub fn chart(
     let mut s = String::new();
     let _ = write!(
         s,
-        r#"<svg class="chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img"><title>{}</title>"#,
+        r#"<svg class="chart" viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img"><title>{}</title>"#,
         esc(title)
     );
     let _ = write!(
@@ -519,11 +553,15 @@ pub fn chart(
     let (mut x0, mut x1) = pts
         .iter()
         .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
-    if let Some(t) = x_ticks {
-        for (x, _) in t {
-            x0 = x0.min(*x);
-            x1 = x1.max(*x);
+    match x_ticks {
+        Some(t) => {
+            for (x, _) in t {
+                x0 = x0.min(*x);
+                x1 = x1.max(*x);
+            }
         }
+        // Linear axes start at 0.
+        None => x0 = x0.min(0.0),
     }
     if x1 <= x0 {
         x1 = x0 + 1.0;
@@ -545,8 +583,7 @@ pub fn chart(
             (a, b, ticks)
         }
         _ => {
-            let top = nice_ceiling(ymax.max(1e-9));
-            let ticks = (0..=5).map(|i| top * i as f64 / 5.0).collect();
+            let (top, ticks) = linear_ticks(ymax);
             (0.0, top, ticks)
         }
     };
@@ -578,14 +615,12 @@ pub fn chart(
     }
     let xt: Vec<(f64, String)> = match x_ticks {
         Some(t) => t.iter().map(|(x, l)| (*x, l.to_string())).collect(),
-        None => {
-            let top = nice_ceiling(x1);
-            (0..=5)
-                .map(|i| x0 + (top - x0) * i as f64 / 5.0)
-                .filter(|x| *x <= x1 + 1e-9)
-                .map(|x| (x, tick_label(x)))
-                .collect()
-        }
+        None => linear_ticks(x1)
+            .1
+            .into_iter()
+            .filter(|x| *x <= x1 + 1e-9)
+            .map(|x| (x, tick_label(x)))
+            .collect(),
     };
     for (x, l) in &xt {
         let xx = px(*x);
@@ -637,6 +672,15 @@ pub fn chart(
     s
 }
 
+/// A round step giving about five intervals up to `max`, and the ticks
+/// from 0 to the first multiple of the step at or above `max`.
+fn linear_ticks(max: f64) -> (f64, Vec<f64>) {
+    let step = nice_ceiling(max.max(1e-9) / 5.0);
+    let n = (max.max(1e-9) / step - 1e-9).ceil().max(1.0) as usize;
+    let ticks: Vec<f64> = (0..=n).map(|i| step * i as f64).collect();
+    (step * n as f64, ticks)
+}
+
 fn nice_ceiling(v: f64) -> f64 {
     if v <= 0.0 {
         return 1.0;
@@ -678,7 +722,7 @@ fn nines(q: f64) -> f64 {
 }
 
 const NINES_TICKS: &[(f64, &str)] = &[
-    (0.0, "0%"),
+    (0.301, "50%"),
     (1.0, "90%"),
     (2.0, "99%"),
     (3.0, "99.9%"),
@@ -697,6 +741,7 @@ pub fn latency_chart(p: &ProfileResult) -> String {
             points: r
                 .distribution
                 .iter()
+                .filter(|&&(q, _)| q >= 0.1)
                 .map(|&(q, us)| (nines(q), us / 1000.0))
                 .collect(),
         })
@@ -742,9 +787,9 @@ pub fn html(r: &Report) -> String {
     s.push_str("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Shoal bench report</title><style>\n");
     s.push_str("body{font-family:system-ui,sans-serif;margin:24px;color:#222}table{border-collapse:collapse;margin:8px 0 16px}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}th{background:#f4f4f4;text-align:left}td.n{text-align:right;font-variant-numeric:tabular-nums}.charts{display:flex;flex-wrap:wrap;gap:12px}.warn{color:#a40000}pre{background:#f8f8f8;padding:8px;font-size:12px;overflow:auto}h2{margin-top:32px}\n");
     s.push_str("</style></head><body>\n<h1>Shoal bench</h1>\n");
-    let _ = write!(
+    let _ = writeln!(
         s,
-        "<p>{} · Shoal {} · {} nodes · policy <b>{}</b> · {} engine</p>\n",
+        "<p>{} · Shoal {} · {} nodes · policy <b>{}</b> · {} engine</p>",
         esc(&c.started),
         esc(&c.shoal_version),
         c.nodes.len(),
@@ -832,12 +877,20 @@ pub fn html(r: &Report) -> String {
                     .collect();
                 let _ = writeln!(
                     s,
-                    "<p>{}: CPU {:.2} s ({:.3} s per 1000 I/Os: {}); bench process {:.2} s</p>",
+                    "<p>{}: CPU {:.2} s ({:.3} s per 1000 I/Os: {})</p>",
                     esc(&run.label()),
                     cpu.seconds,
                     cpu.seconds_per_kio,
-                    esc(&procs.join(", ")),
-                    cpu.bench_seconds
+                    esc(&procs.join(", "))
+                );
+            }
+            if let Some(c) = &run.client_cpu {
+                let _ = writeln!(
+                    s,
+                    "<p>{}: load generator CPU {:.2} s ({:.3} s per 1000 I/Os)</p>",
+                    esc(&run.label()),
+                    c.seconds,
+                    c.seconds_per_kio
                 );
             }
         }
@@ -890,6 +943,15 @@ pub fn html(r: &Report) -> String {
         ),
     );
     kv(&mut s, "checksums", if c.checksums { "on" } else { "off" });
+    kv(
+        &mut s,
+        "placement",
+        &c.placement
+            .iter()
+            .map(|(n, k)| format!("node {n}: {k} data copies"))
+            .collect::<Vec<_>>()
+            .join(", "),
+    );
     kv(&mut s, "store", &c.store);
     kv(&mut s, "engine", &c.engine);
     kv(
@@ -955,7 +1017,7 @@ pub fn html(r: &Report) -> String {
         }
         s.push_str("</ul>\n");
     }
-    let _ = write!(s, "<h2>Table</h2><pre>{}</pre>\n", esc(&table(r)));
+    let _ = writeln!(s, "<h2>Table</h2><pre>{}</pre>", esc(&table(r)));
     s.push_str("</body></html>\n");
     s
 }
@@ -995,7 +1057,6 @@ mod tests {
                 processes: vec![("node1".into(), 1.5)],
                 seconds: 1.5,
                 seconds_per_kio: 0.012,
-                ..Default::default()
             }),
             ..Default::default()
         }
@@ -1043,7 +1104,10 @@ mod tests {
         assert!(t.contains("4k-randread"), "{t}");
         assert!(t.contains("10,000"), "{t}");
         assert!(t.contains("shoal 0.25x"), "{t}");
-        assert!(t.contains("native vs fio on 4k-randread: IOPS +5.3%"), "{t}");
+        assert!(
+            t.contains("native vs fio on 4k-randread: IOPS +5.3%"),
+            "{t}"
+        );
         assert!(t.contains("WARNING: a resync ran"), "{t}");
     }
 
@@ -1072,8 +1136,7 @@ mod tests {
         assert!(!h.contains("<script"));
         assert!(!h.contains("src="));
         assert!(!h.contains("href="));
-        let without_ns = h.replace("http://www.w3.org/2000/svg", "");
-        assert!(!without_ns.contains("http://") && !without_ns.contains("https://"));
+        assert!(!h.contains("http://") && !h.contains("https://"));
         assert!(h.contains("WARNING: a resync ran"));
     }
 
@@ -1104,6 +1167,12 @@ mod tests {
         assert_eq!(ms(250_000.0), "250");
         assert_eq!(nice_ceiling(7.3), 10.0);
         assert_eq!(nice_ceiling(12_001.0), 20_000.0);
+        assert_eq!(
+            linear_ticks(56_000.0),
+            (60_000.0, vec![0.0, 20_000.0, 40_000.0, 60_000.0])
+        );
+        assert_eq!(linear_ticks(3.0).1, vec![0.0, 1.0, 2.0, 3.0]);
+        assert_eq!(linear_ticks(30.0).0, 30.0);
         assert!((nines(0.99) - 2.0).abs() < 1e-9);
         assert_eq!(nines(1.0), 5.5);
     }

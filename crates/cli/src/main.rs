@@ -2,8 +2,8 @@
 //!
 //! `shoal node` runs one node; `shoal up` / `shoal down` run a local cluster
 //! of node processes on loopback; `shoal status` and `shoal volume ...`
-//! manage a cluster through any node's REST API. Owns argument parsing and
-//! presentation only.
+//! manage a cluster through any node's REST API; `shoal bench` measures it
+//! (`shoal-bench`). Owns argument parsing and presentation only.
 
 mod local;
 mod show;
@@ -55,6 +55,14 @@ enum Cmd {
     /// Create, list, show, resize and delete volumes.
     #[command(subcommand)]
     Volume(VolumeCmd),
+    /// Benchmark the cluster: workload profiles over NBD, latency
+    /// percentiles, CPU per I/O, and baselines (raw file, nbdkit).
+    Bench {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        args: shoal_bench::BenchArgs,
+    },
 }
 
 #[derive(Subcommand)]
@@ -258,6 +266,12 @@ async fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::Volume(v) => volume(v).await,
+        Cmd::Bench { target, args } => {
+            let c = local::client(&target)?;
+            // Node pids (for CPU time) are known for a local cluster only.
+            let data = target.api.is_none().then(|| target.data.clone());
+            shoal_bench::run(args, c, data).await
+        }
     }
 }
 

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use shoal_directory::{Command, Directory, DirectoryConfig, Response};
 use shoal_model::{DeviceId, NodeId, NodeInfo, NodeState};
 use shoal_owner::OwnerConfig;
-use shoal_store::{DeviceStore, GroupCommit};
+use shoal_store::GroupCommit;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -147,7 +147,7 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
     }
     let mut stores = Vec::new();
     for d in &cfg.devices {
-        let s = DeviceStore::open_or_create(&d.path, d.size, &cluster_id)
+        let s = replica::Store::open_or_create(&d.path, d.size, &cluster_id)
             .with_context(|| format!("device {}", d.path.display()))?;
         stores.push((d.path.display().to_string(), Arc::new(s)));
     }

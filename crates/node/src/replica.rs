@@ -10,7 +10,11 @@ use crate::router::Router;
 use bytes::Bytes;
 use shoal_model::{ComponentId, DeviceId, Generation};
 use shoal_rpc::{Handler, RemoteError, Reply, Request, Response};
-use shoal_store::{DeviceStore, GroupCommit, StoreError};
+use shoal_store::{GroupCommit, StoreError};
+
+/// The component store the node runs on: the log-structured store
+/// (`docs/store-log-format.md`).
+pub type Store = shoal_store::LogStore;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
 use tokio::sync::watch;
@@ -24,8 +28,8 @@ type DirtyMap = HashMap<ComponentId, BTreeMap<u64, (Generation, u64)>>;
 pub struct Device {
     pub id: DeviceId,
     pub path: String,
-    pub store: Arc<DeviceStore>,
-    pub commit: GroupCommit,
+    pub store: Arc<Store>,
+    pub commit: GroupCommit<Store>,
 }
 
 /// Keeps the owner's order between overlapping requests of a component
@@ -138,6 +142,9 @@ fn remote(e: StoreError) -> RemoteError {
         StoreError::NoSuchComponent(c) => RemoteError::NoSuchComponent(c),
         StoreError::StaleGeneration { have, got } => RemoteError::StaleGeneration { have, got },
         StoreError::Io(e) => RemoteError::Io(e.to_string()),
+        // A block whose checksum disagrees: this copy is damaged; the owner
+        // marks it degraded and rebuilds it from a good copy.
+        e @ StoreError::Checksum { .. } => RemoteError::Io(e.to_string()),
         other => RemoteError::Io(other.to_string()),
     }
 }
@@ -385,7 +392,10 @@ impl Replicas {
                 let (deps, _) = self.seq.enter(component, 0, u64::MAX, false);
                 Box::pin(async move {
                     wait_all(deps).await;
-                    (Response::Ranges(d.store.allocated_ranges(component)), Bytes::new())
+                    (
+                        Response::Ranges(d.store.allocated_ranges(component)),
+                        Bytes::new(),
+                    )
                 })
             }
             Request::Barrier {

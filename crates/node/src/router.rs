@@ -237,7 +237,10 @@ impl Router {
             return Err("volume deleted".into());
         };
         if v.generation != expected {
-            return Err(format!("generation moved to {} while waiting", v.generation));
+            return Err(format!(
+                "generation moved to {} while waiting",
+                v.generation
+            ));
         }
         let gen = match self
             .dir
