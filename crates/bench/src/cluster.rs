@@ -458,6 +458,7 @@ mod tests {
                 used: 0,
                 reserved: 0,
                 state: DeviceState::Healthy,
+                provisioned: 0,
             })
             .collect();
         let comp = |i: usize, role| Component {

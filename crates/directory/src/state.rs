@@ -196,6 +196,36 @@ impl ClusterState {
 
     /// Applies one command. On error nothing has changed.
     pub fn apply(&mut self, cmd: &Command) -> Result<Response, StateError> {
+        let r = self.apply_inner(cmd);
+        if r.is_ok()
+            && matches!(
+                cmd,
+                Command::CreateVolume { .. }
+                    | Command::DeleteVolume { .. }
+                    | Command::ResizeVolume { .. }
+                    | Command::RegisterDevice { .. }
+            )
+        {
+            self.recount_provisioned();
+        }
+        r
+    }
+
+    /// `provisioned` of every device: the sizes of the data components on it.
+    fn recount_provisioned(&mut self) {
+        for d in self.devices.values_mut() {
+            d.provisioned = 0;
+        }
+        for v in self.volumes.values() {
+            for c in v.data_components() {
+                if let Some(d) = self.devices.get_mut(&c.device) {
+                    d.provisioned = d.provisioned.saturating_add(v.size);
+                }
+            }
+        }
+    }
+
+    fn apply_inner(&mut self, cmd: &Command) -> Result<Response, StateError> {
         match cmd {
             Command::SetClusterId { cluster_id } => {
                 if cluster_id.is_empty() {
@@ -216,25 +246,15 @@ impl ClusterState {
                 Ok(Response::Ok)
             }
             Command::SetNodeState { node, state } => {
+                // Liveness only: component states are the owner's to change,
+                // because only the owner knows whether a copy missed writes.
+                // (Marking the copies of a node absent here made a paused
+                // owner's node lose its own, up-to-date copy.)
                 let n = self
                     .nodes
                     .get_mut(node)
                     .ok_or(StateError::NoSuchNode(*node))?;
                 n.state = *state;
-                if *state == NodeState::Down {
-                    for v in self.volumes.values_mut() {
-                        for c in v.components.iter_mut() {
-                            if c.node == *node
-                                && matches!(
-                                    c.state,
-                                    ComponentState::Active | ComponentState::Resyncing
-                                )
-                            {
-                                c.state = ComponentState::Absent;
-                            }
-                        }
-                    }
-                }
                 Ok(Response::Ok)
             }
             Command::RegisterDevice {
@@ -267,6 +287,7 @@ impl ClusterState {
                         used: 0,
                         reserved: 0,
                         state: DeviceState::Healthy,
+                        provisioned: 0,
                     },
                 );
                 Ok(Response::Id(id))
@@ -720,37 +741,22 @@ mod tests {
     }
 
     #[test]
-    fn node_down_makes_its_components_absent() {
+    fn node_down_leaves_component_states_to_the_owner() {
         let (mut s, devs) = cluster();
         let id = create(&mut s, &devs, "vol", "ftt=1");
-        let g = 0;
-        let c1 = s.volumes[&id].components[1].id;
-        s.apply(&Command::SetComponentState {
-            volume: id,
-            component: c1,
-            state: ComponentState::Degraded,
-            generation: g,
-        })
-        .unwrap();
         s.apply(&Command::SetNodeState {
             node: 1,
             state: NodeState::Down,
         })
         .unwrap();
-        s.apply(&Command::SetNodeState {
-            node: 2,
-            state: NodeState::Down,
-        })
-        .unwrap();
         let v = &s.volumes[&id];
-        assert_eq!(v.components[0].state, ComponentState::Absent);
-        assert_eq!(
-            v.components[1].state,
-            ComponentState::Degraded,
-            "degraded stays degraded"
-        );
-        assert_eq!(v.components[2].state, ComponentState::Active);
+        assert!(v
+            .components
+            .iter()
+            .all(|c| c.state == ComponentState::Active));
         assert_eq!(s.nodes[&1].state, NodeState::Down);
+        // Health sees the node down all the same.
+        assert_ne!(v.health(&s.nodes), shoal_model::VolumeHealth::Healthy);
     }
 
     // ---- property tests ----

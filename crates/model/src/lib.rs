@@ -86,9 +86,22 @@ pub struct DeviceInfo {
     /// written; counted against free space by placement.
     pub reserved: u64,
     pub state: DeviceState,
+    /// Logical bytes of the data components placed on this device (thin
+    /// volumes included): what it would hold if every volume were full.
+    /// Placement balances on it, so that new thin volumes spread out
+    /// before any data is written.
+    #[serde(default)]
+    pub provisioned: u64,
 }
 
 impl DeviceInfo {
+    /// Space left if every volume on the device filled up (negative when
+    /// thin volumes overcommit it): the placement balance key.
+    pub fn headroom(&self) -> i128 {
+        self.capacity as i128
+            - (self.used.saturating_add(self.reserved)).max(self.provisioned) as i128
+    }
+
     /// Bytes placement may still promise on this device.
     pub fn free(&self) -> u64 {
         self.capacity

@@ -62,6 +62,10 @@ pub(crate) enum Internal {
         idx: usize,
         result: Result<(), ControlError>,
     },
+    Reconnected {
+        idx: usize,
+        peer: Result<Arc<Peer>, String>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,6 +92,8 @@ struct Replica {
     mode: Mode,
     /// Witnesses only: answered the last ping under our generation.
     witness_ok: bool,
+    /// A reconnection of this in-sync copy is under way.
+    reconnecting: bool,
 }
 
 struct Parked {
@@ -206,6 +212,7 @@ pub(crate) async fn start<C: Control>(
             peer: None,
             mode: Mode::Out,
             witness_ok: false,
+            reconnecting: false,
         })
         .collect();
     assert!(!replicas.is_empty(), "a volume has at least one component");
@@ -623,8 +630,25 @@ impl<C: Control> Loop<C> {
     /// Takes a replica out of service and has the directory record it
     /// absent (or degraded). Writes that skipped it wait for that record.
     fn fail(&mut self, idx: usize, state: ComponentState) {
+        let others_in_sync = self
+            .replicas
+            .iter()
+            .enumerate()
+            .any(|(i, r)| i != idx && r.mode == Mode::InSync);
         let r = &mut self.replicas[idx];
         if !matches!(r.mode, Mode::InSync | Mode::Resyncing) {
+            return;
+        }
+        if r.mode == Mode::InSync && !others_in_sync {
+            // The last up-to-date copy is never recorded absent: that would
+            // leave no source to rebuild from. Keep it in sync, drop the
+            // connection, and let the tick reconnect; I/O waits meanwhile.
+            tracing::warn!(
+                volume = self.volume,
+                component = r.component,
+                "last in-sync copy unreachable; reconnecting"
+            );
+            r.peer = None;
             return;
         }
         tracing::warn!(volume = self.volume, component = r.component, %state, "replica failed");
@@ -823,6 +847,27 @@ impl<C: Control> Loop<C> {
                     }
                 }
             },
+            Internal::Reconnected { idx, peer } => {
+                let r = &mut self.replicas[idx];
+                r.reconnecting = false;
+                match peer {
+                    Ok(p) if r.mode == Mode::InSync && r.peer.is_none() => {
+                        tracing::info!(
+                            volume = self.volume,
+                            component = r.component,
+                            "reconnected"
+                        );
+                        r.peer = Some(p);
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        if e.contains("stale generation") {
+                            return false;
+                        }
+                        tracing::debug!(volume = self.volume, "reconnect failed: {e}");
+                    }
+                }
+            }
             Internal::ResyncDone { idx, result } => {
                 self.resync = None;
                 match result {
@@ -859,12 +904,12 @@ impl<C: Control> Loop<C> {
                 .iter()
                 .position(|r| r.component == t.component.id)
             {
+                // Liveness is a hint for resync only: a copy leaves service
+                // when I/O to it fails, never because of the directory's
+                // view (which may be this very node, just resumed).
                 let r = &mut self.replicas[i];
                 r.node_up = t.node_up;
                 r.addr = t.addr.clone();
-                if !t.node_up && matches!(r.mode, Mode::InSync | Mode::Resyncing) {
-                    self.fail(i, ComponentState::Absent);
-                }
             }
         }
         if v.volume.size > self.size {
@@ -977,6 +1022,35 @@ impl<C: Control> Loop<C> {
                 );
             });
         }
+        // Reconnect in-sync copies that lost their connection.
+        for (i, r) in self.replicas.iter_mut().enumerate() {
+            if r.mode != Mode::InSync || r.peer.is_some() || r.reconnecting {
+                continue;
+            }
+            r.reconnecting = true;
+            let tmp = Replica {
+                role: r.role,
+                component: r.component,
+                node: r.node,
+                votes: r.votes,
+                device: r.device,
+                addr: r.addr.clone(),
+                node_up: r.node_up,
+                peer: None,
+                mode: Mode::Out,
+                witness_ok: false,
+                reconnecting: false,
+            };
+            let (vol, size, gen, timeout) =
+                (self.volume, self.size, self.generation, self.cfg.io_timeout);
+            let tx = self.tx.clone();
+            tokio::spawn(async move {
+                let peer = activate(&tmp, vol, size, gen, timeout)
+                    .await
+                    .map(|(p, _)| p);
+                Self::send_internal(&tx, Internal::Reconnected { idx: i, peer });
+            });
+        }
         // Bring back one replica at a time.
         if self.resync_backoff > 0 {
             self.resync_backoff -= 1;
@@ -1042,6 +1116,7 @@ impl<C: Control> Loop<C> {
             peer: None,
             mode: Mode::Out,
             witness_ok: false,
+            reconnecting: false,
         };
         let (vol, size, gen, timeout) =
             (self.volume, self.size, self.generation, self.cfg.io_timeout);

@@ -96,6 +96,8 @@ struct Domain<'a> {
     devices: Vec<(&'a DeviceInfo, NodeId)>,
     free: u64,
     load: u64,
+    /// Sum of the devices' headroom (free space if every volume filled).
+    headroom: i128,
 }
 
 impl<'a> Domain<'a> {
@@ -105,7 +107,7 @@ impl<'a> Domain<'a> {
             .iter()
             .copied()
             .filter(|(d, n)| ok(d, *n))
-            .max_by_key(|(d, _)| (d.free(), Reverse(d.id)))
+            .max_by_key(|(d, _)| (d.headroom(), d.free(), Reverse(d.id)))
     }
 }
 
@@ -141,9 +143,11 @@ fn usable<'a>(nodes: &'a [NodeInfo], devices: &'a [DeviceInfo]) -> BTreeMap<&'a 
             devices: Vec::new(),
             free: 0,
             load: 0,
+            headroom: 0,
         });
         dom.devices.push((d, n.id));
         dom.free = dom.free.saturating_add(d.free());
+        dom.headroom += d.headroom();
         dom.load = dom.load.saturating_add(d.used.saturating_add(d.reserved));
     }
     out
@@ -168,7 +172,7 @@ pub fn place(
     }
     let need = reserved_bytes(policy, size);
     let mut ranked: Vec<&Domain> = domains.values().collect();
-    ranked.sort_by_key(|d| (Reverse(d.free), d.name));
+    ranked.sort_by_key(|d| (Reverse(d.headroom), Reverse(d.free), d.name));
     let mut out = Vec::with_capacity(needed);
     let mut taken: BTreeSet<&str> = BTreeSet::new();
     for dom in &ranked {

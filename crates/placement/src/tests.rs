@@ -22,6 +22,7 @@ fn dev(id: DeviceId, node: NodeId, capacity: u64, used: u64) -> DeviceInfo {
         used,
         reserved: 0,
         state: DeviceState::Healthy,
+        provisioned: 0,
     }
 }
 
@@ -254,6 +255,7 @@ fn arb_cluster() -> impl Strategy<Value = Cluster> {
                         1 => DeviceState::Full,
                         _ => DeviceState::Healthy,
                     },
+                    provisioned: 0,
                 });
             }
         }
@@ -266,6 +268,7 @@ fn arb_cluster() -> impl Strategy<Value = Cluster> {
             used: 0,
             reserved: 0,
             state: DeviceState::Healthy,
+            provisioned: 0,
         });
         Cluster { nodes, devices }
     })
