@@ -436,3 +436,28 @@ fn ftt3_uses_seven_domains_and_balances() {
     check_plan(&c, &pol("raid1 ftt=3"), G, &p).unwrap();
     assert_eq!(p, place(&pol("raid1 ftt=3"), G, &nodes, &devs).unwrap());
 }
+
+#[test]
+fn thin_volumes_spread_by_provisioned_bytes() {
+    // Four empty nodes: the devices of the first volume's copies carry its
+    // provisioned size, so the next thin volume goes to the other two.
+    let (nodes, mut devs) = cluster(4);
+    let first = place(&pol("raid1 ftt=1"), 10 * G, &nodes, &devs).unwrap();
+    for p in first.iter().filter(|p| p.role == ComponentRole::Data) {
+        let d = devs.iter_mut().find(|d| d.id == p.device).unwrap();
+        d.provisioned += 10 * G;
+    }
+    let second = place(&pol("raid1 ftt=1"), 10 * G, &nodes, &devs).unwrap();
+    let data = |plan: &[Planned]| -> Vec<NodeId> {
+        plan.iter()
+            .filter(|p| p.role == ComponentRole::Data)
+            .map(|p| p.node)
+            .collect()
+    };
+    for n in data(&second) {
+        assert!(
+            !data(&first).contains(&n),
+            "second volume reused node {n}: {first:?} / {second:?}"
+        );
+    }
+}
