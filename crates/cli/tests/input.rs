@@ -91,28 +91,33 @@ fn bad_volume_requests_are_refused_and_change_nothing() {
     assert_eq!(v["volume"]["size"], 128u64 << 20);
 }
 
-#[test]
-fn delete_with_open_connections_needs_force() {
-    require("fio");
-    let c = Cluster::start(3, 41);
-    c.create_volume("busy", "64M", "raid1 ftt=1");
-    // A client holding a connection for a while.
-    let mut fio = Command::new("fio")
+/// A slow fio reader that keeps an NBD connection open for `secs`.
+fn hold_connection(uri: &str, secs: u32) -> std::process::Child {
+    Command::new("fio")
         .args([
             "--name=hold",
             "--ioengine=nbd",
-            &format!("--uri={}", c.uri(2, "busy")),
+            &format!("--uri={uri}"),
             "--rw=randread",
             "--bs=4k",
             "--size=64M",
-            "--runtime=8",
+            &format!("--runtime={secs}"),
             "--time_based",
             "--rate_iops=50",
         ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .expect("fio");
+        .expect("fio")
+}
+
+#[test]
+fn delete_with_open_connections_needs_force() {
+    require("fio");
+    let c = Cluster::start(3, 41);
+    c.create_volume("busy", "64M", "raid1 ftt=1");
+    // A client holding a connection for a while.
+    let mut fio = hold_connection(&c.uri(2, "busy"), 8);
     std::thread::sleep(Duration::from_secs(2));
     let err = c.shoal_fails(&["volume", "delete", "busy"]);
     assert!(err.contains("open connections"), "{err}");
@@ -123,22 +128,7 @@ fn delete_with_open_connections_needs_force() {
     c.shoal_fails(&["volume", "show", "busy"]);
     // --force deletes under a connection.
     c.create_volume("busy2", "64M", "raid1 ftt=1");
-    let mut fio = Command::new("fio")
-        .args([
-            "--name=hold",
-            "--ioengine=nbd",
-            &format!("--uri={}", c.uri(1, "busy2")),
-            "--rw=randread",
-            "--bs=4k",
-            "--size=64M",
-            "--runtime=5",
-            "--time_based",
-            "--rate_iops=50",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("fio");
+    let mut fio = hold_connection(&c.uri(1, "busy2"), 5);
     std::thread::sleep(Duration::from_secs(2));
     c.shoal(&["volume", "delete", "busy2", "--force"]);
     let _ = fio.wait();

@@ -96,6 +96,26 @@ struct Replica {
     reconnecting: bool,
 }
 
+impl Replica {
+    /// A copy of the addressing fields, without connection or state, for a
+    /// task that (re)activates the component.
+    fn detached(&self) -> Replica {
+        Replica {
+            role: self.role,
+            component: self.component,
+            node: self.node,
+            votes: self.votes,
+            device: self.device,
+            addr: self.addr.clone(),
+            node_up: self.node_up,
+            peer: None,
+            mode: Mode::Out,
+            witness_ok: false,
+            reconnecting: false,
+        }
+    }
+}
+
 struct Parked {
     waiting: HashSet<usize>,
     ok: Vec<usize>,
@@ -1028,19 +1048,7 @@ impl<C: Control> Loop<C> {
                 continue;
             }
             r.reconnecting = true;
-            let tmp = Replica {
-                role: r.role,
-                component: r.component,
-                node: r.node,
-                votes: r.votes,
-                device: r.device,
-                addr: r.addr.clone(),
-                node_up: r.node_up,
-                peer: None,
-                mode: Mode::Out,
-                witness_ok: false,
-                reconnecting: false,
-            };
+            let tmp = r.detached();
             let (vol, size, gen, timeout) =
                 (self.volume, self.size, self.generation, self.cfg.io_timeout);
             let tx = self.tx.clone();
@@ -1105,19 +1113,7 @@ impl<C: Control> Loop<C> {
         rs.phase = ResyncPhase::Reviving;
         let idx = rs.idx;
         let r = &self.replicas[idx];
-        let tmp = Replica {
-            role: r.role,
-            component: r.component,
-            node: r.node,
-            votes: r.votes,
-            device: r.device,
-            addr: r.addr.clone(),
-            node_up: r.node_up,
-            peer: None,
-            mode: Mode::Out,
-            witness_ok: false,
-            reconnecting: false,
-        };
+        let tmp = r.detached();
         let (vol, size, gen, timeout) =
             (self.volume, self.size, self.generation, self.cfg.io_timeout);
         let control = self.control.clone();
