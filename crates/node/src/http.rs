@@ -358,9 +358,12 @@ async fn metrics(State(h): State<Http>) -> String {
         c.claims.load(Relaxed),
     );
     for d in h.replicas.get().into_iter().flat_map(|r| r.devices()) {
+        let labels = format!("node=\"{}\",device=\"{}\"", h.router.node, d.id);
         out.push_str(&format!(
-            "shoal_device_used_bytes{{node=\"{}\",device=\"{}\"}} {}\nshoal_device_syncs_total{{node=\"{}\",device=\"{}\"}} {}\n",
-            h.router.node, d.id, d.store.used(), h.router.node, d.id, d.commit.syncs()
+            "shoal_device_used_bytes{{{labels}}} {}\nshoal_device_syncs_total{{{labels}}} {}\nshoal_device_write_bytes_total{{{labels}}} {}\n",
+            d.store.used(),
+            d.commit.syncs(),
+            d.written.load(Relaxed)
         ));
     }
     out

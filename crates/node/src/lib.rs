@@ -198,6 +198,7 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
                     path: p.clone(),
                     store: s.clone(),
                     commit: GroupCommit::new(s.clone()),
+                    written: Default::default(),
                 })
         })
         .collect::<Vec<_>>();
@@ -283,6 +284,7 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
                 path: p.clone(),
                 store: s.clone(),
                 commit: GroupCommit::new(s.clone()),
+                written: Default::default(),
             })
             .collect();
         let r = Arc::new(replica::Replicas::new(devs));

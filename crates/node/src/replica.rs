@@ -30,6 +30,9 @@ pub struct Device {
     pub path: String,
     pub store: Arc<Store>,
     pub commit: GroupCommit<Store>,
+    /// Bytes of data written to this device by owners (client writes and
+    /// resync copies): the backend side of write amplification.
+    pub written: std::sync::atomic::AtomicU64,
 }
 
 /// Keeps the owner's order between overlapping requests of a component
@@ -332,6 +335,8 @@ impl Replicas {
                 let d = self.device_of(component)?;
                 self.fence(&d, component, generation)?;
                 self.mark_dirty(component, offset, payload.len() as u64, generation, seq);
+                d.written
+                    .fetch_add(payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
                 let end = offset.saturating_add(payload.len() as u64);
                 let (deps, guard) = self.seq.enter(component, offset, end, true);
                 Self::apply_then_commit(d, deps, guard, move |d| {
