@@ -10,7 +10,7 @@ trap 'rm -f "$log"' EXIT
 # Cluster tests start several node processes each: two at a time is what a
 # 2-core machine carries without turning timeouts into failures.
 set +e
-cargo test --workspace --all-targets -- --test-threads=2 2>&1 | tee "$log"
+cargo test --workspace --all-targets --no-fail-fast -- --test-threads=2 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 passed=$(awk '/^test result:/ { for (i = 1; i < NF; i++) if ($(i+1) ~ /^passed/) s += $i } END { print s + 0 }' "$log")

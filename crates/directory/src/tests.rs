@@ -80,7 +80,8 @@ async fn snapshot_catches_up_a_new_member_and_survives_restart() {
     d2.join(&a1.to_string()).await.unwrap();
     wait_for("replicated state", || *d2.state() == *d1.state()).await;
     assert_eq!(d2.state().nodes.len(), 20);
-    assert_eq!(d2.voters().len(), 2);
+    // The promotion to voter reaches node 2's view a moment after the data.
+    wait_for("node 2 promoted to voter", || d2.voters().len() == 2).await;
     d2.propose(Command::SetClusterId {
         cluster_id: "snap".into(),
     })
