@@ -81,7 +81,15 @@ fn bench_quick_run_reports_sane_figures_and_cleans_up() {
             let b = &native["backend"];
             let client = b["client_write_bytes"].as_u64().unwrap();
             assert!(client > 0);
-            assert_eq!(b["backend_write_bytes"].as_u64().unwrap(), 2 * client);
+            // Measured from the nodes' device write counters: both copies
+            // of every write, give or take what was in flight at the edges
+            // of the window.
+            assert!(b["source"].as_str().unwrap().starts_with("measured"), "{b}");
+            let ratio = b["backend_write_bytes"].as_u64().unwrap() as f64 / client as f64;
+            assert!(
+                (1.8..=2.2).contains(&ratio),
+                "backend/client = {ratio}: {b}"
+            );
             // the nodes saw at least what the bench measured
             assert!(b["node_nbd_write_bytes"].as_u64().unwrap() >= client / 2);
             assert!(b["device_syncs"].as_u64().unwrap() > 0);
