@@ -9,7 +9,7 @@
 //! no more IOPS here: the data path is bound by thread wake-ups, not by
 //! flushes.)
 
-use crate::{DeviceStore, LogStore, StoreError};
+use crate::{LogStore, StoreError};
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -29,11 +29,6 @@ pub trait Durable: Send + Sync + 'static {
     fn sync(&self) -> Result<(), StoreError>;
 }
 
-impl Durable for DeviceStore {
-    fn sync(&self) -> Result<(), StoreError> {
-        DeviceStore::sync(self)
-    }
-}
 
 impl Durable for LogStore {
     fn sync(&self) -> Result<(), StoreError> {
@@ -51,7 +46,7 @@ struct Shared<S> {
 /// Batches durability requests of one device. Writes completed before
 /// [`commit`](Self::commit) (or [`commit_blocking`](Self::commit_blocking))
 /// was called are durable when it returns.
-pub struct GroupCommit<S: Durable = DeviceStore> {
+pub struct GroupCommit<S: Durable = LogStore> {
     shared: Arc<Shared<S>>,
 }
 

@@ -182,14 +182,16 @@ impl LogSuper {
                 "not a Shoal device: no SHOALDEV superblock at offset 0".into(),
             ));
         }
-        if !crc_ok(b) {
-            return Err(StoreError::Corrupt("superblock checksum mismatch".into()));
-        }
+        // The version sits at byte 8 in every format: check it before the
+        // checksum, whose place other versions may not share.
         let version = u32_at(b, 8);
         if version != LOG_VERSION {
             return Err(StoreError::BadFormat(format!(
                 "device format version {version} is not supported by the log store (it reads version {LOG_VERSION})"
             )));
+        }
+        if !crc_ok(b) {
+            return Err(StoreError::Corrupt("superblock checksum mismatch".into()));
         }
         let n = u16_at(b, 72) as usize;
         if n > MAX_CLUSTER_ID {
@@ -550,9 +552,9 @@ mod tests {
             Err(StoreError::BadFormat(_))
         ));
         // A version 1 superblock is refused, not misread.
-        let v1 = crate::format::Superblock::new(64 << 20, 1, "x")
-            .unwrap()
-            .encode();
+        let mut v1 = vec![0u8; 4096];
+        v1[0..8].copy_from_slice(crate::format::MAGIC);
+        v1[8..12].copy_from_slice(&1u32.to_le_bytes());
         assert!(matches!(
             LogSuper::decode(&v1),
             Err(StoreError::BadFormat(_))

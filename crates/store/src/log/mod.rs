@@ -11,8 +11,8 @@
 //! A cleaner moves the live blocks of mostly-dead segments so they can be
 //! reused. Layout, invariants and crash handling: `docs/store-log-format.md`.
 //!
-//! Same API and semantics as [`DeviceStore`](crate::DeviceStore), plus
-//! [`StoreError::Checksum`] on a block whose data and checksum disagree.
+//! A block whose data and checksum disagree is never returned: reads fail
+//! with [`StoreError::Checksum`], so the caller repairs it from a copy.
 
 mod batch;
 mod checkpoint;
@@ -276,9 +276,9 @@ impl LogStore {
     // ---------------------------------------------------------------
 
     /// Formats `path` as a log device of `capacity` bytes for `cluster_id`
-    /// (same rules as [`DeviceStore::create`](crate::DeviceStore::create):
-    /// an existing device of the same cluster is opened, never wiped; of
-    /// another cluster, or damaged, it is refused).
+    /// (an existing device of the same cluster is opened, never wiped; of
+    /// another cluster, or damaged, or of another format version, it is
+    /// refused).
     pub fn create(path: &Path, capacity: u64, cluster_id: &str) -> Result<LogStore> {
         Self::create_with(path, capacity, cluster_id, &LogConfig::default())
     }

@@ -1,4 +1,4 @@
-//! Tests of the log store: the `DeviceStore` API contract on files, a model
+//! Tests of the log store: the store's API contract on files, a model
 //! test, crash-consistency over a fault-injecting device, corruption and
 //! I/O errors, space and the cleaner.
 
@@ -81,7 +81,7 @@ fn reopen(d: &Arc<FaultyDevice>) -> LogStore {
 }
 
 // ---------------------------------------------------------------------
-// The DeviceStore contract, on files
+// The store's contract, on files
 // ---------------------------------------------------------------------
 
 #[test]
@@ -157,18 +157,14 @@ fn refuses_small_foreign_and_unformatted_devices() {
         LogStore::open(&dev_path(&dir)),
         Err(StoreError::Io(_))
     ));
-    // The old store refuses the new format, and the new one the old.
-    assert!(matches!(
-        crate::DeviceStore::open(&dev_path(&dir)),
-        Err(StoreError::Io(_))
-    ));
     drop(s);
-    assert!(matches!(
-        crate::DeviceStore::open(&dev_path(&dir)),
-        Err(StoreError::BadFormat(_))
-    ));
+    // A device of format version 1 (the retired chunk store) is refused,
+    // never misread or reformatted.
     let v1 = dir.path().join("v1.img");
-    drop(crate::DeviceStore::create(&v1, MIN_CAPACITY, "test").unwrap());
+    let mut img = vec![0u8; MIN_CAPACITY as usize];
+    img[0..8].copy_from_slice(crate::format::MAGIC);
+    img[8..12].copy_from_slice(&1u32.to_le_bytes());
+    std::fs::write(&v1, &img).unwrap();
     assert!(matches!(LogStore::open(&v1), Err(StoreError::BadFormat(_))));
     assert!(matches!(
         LogStore::create(&v1, MIN_CAPACITY, "test"),
@@ -519,14 +515,14 @@ async fn group_commit_batches_syncs() {
     assert_eq!(read_vec(&s, 1, 31 * M + 9 * 4096, 4096), vec![32u8; 4096]);
 }
 
-/// The node's use of `GroupCommit` (no type argument) still compiles.
+/// The node's use of `GroupCommit` (no type argument) is the log store's.
 #[test]
-fn group_commit_defaults_to_the_chunk_store() {
+fn group_commit_defaults_to_the_log_store() {
     struct Device {
         commit: GroupCommit,
     }
     let dir = TempDir::new().unwrap();
-    let s = Arc::new(crate::DeviceStore::create(&dev_path(&dir), MIN_CAPACITY, "t").unwrap());
+    let s = Arc::new(LogStore::create(&dev_path(&dir), MIN_CAPACITY, "t").unwrap());
     let d = Device {
         commit: GroupCommit::new(s.clone()),
     };
