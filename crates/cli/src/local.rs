@@ -40,6 +40,31 @@ pub struct UpArgs {
     /// Seconds to wait for the cluster to become healthy.
     #[arg(long, default_value_t = 90)]
     timeout: u64,
+    /// `ID=PATH`: node ID of a new cluster uses the existing file PATH (of
+    /// at least --device-size bytes) as its device instead of a sparse
+    /// file in its folder, e.g. a FUSE file for fault injection.
+    /// Repeatable.
+    #[arg(long = "node-device", value_name = "ID=PATH")]
+    node_devices: Vec<String>,
+}
+
+/// The `--node-device ID=PATH` overrides, by node id.
+fn node_devices(specs: &[String]) -> Result<std::collections::BTreeMap<u64, PathBuf>> {
+    let mut out = std::collections::BTreeMap::new();
+    for s in specs {
+        let Some((id, path)) = s.split_once('=') else {
+            bail!("--node-device {s:?}: expected ID=PATH");
+        };
+        let id: u64 = id
+            .trim()
+            .parse()
+            .with_context(|| format!("--node-device {s:?}: bad node id"))?;
+        if path.is_empty() {
+            bail!("--node-device {s:?}: empty path");
+        }
+        out.insert(id, PathBuf::from(path));
+    }
+    Ok(out)
 }
 
 #[derive(Serialize, Deserialize, Clone)]
@@ -144,15 +169,23 @@ pub async fn up(a: UpArgs) -> Result<()> {
                 bail!("a cluster needs at least one node");
             }
             let size = parse_size(&a.device_size)?;
+            let overrides = node_devices(&a.node_devices)?;
+            if let Some(id) = overrides.keys().find(|&&id| id == 0 || id > a.nodes as u64) {
+                bail!("--node-device: there is no node {id}");
+            }
             let nodes = (1..=a.nodes as u64)
                 .map(|i| {
                     let dir = data.join(format!("node{i}"));
+                    let file = overrides
+                        .get(&i)
+                        .cloned()
+                        .unwrap_or_else(|| dir.join("dev0.img"));
                     LocalNode {
                         id: i,
                         api: format!("{}.{i}:{}", a.net, a.api_port),
                         nbd: format!("{}.{i}:{}", a.net, a.nbd_port),
                         peer: format!("{}.{i}:{}", a.net, a.peer_port),
-                        device: format!("{}:{size}", dir.join("dev0.img").display()),
+                        device: format!("{}:{size}", file.display()),
                         dir,
                     }
                 })

@@ -199,6 +199,8 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
                     store: s.clone(),
                     commit: GroupCommit::new(s.clone()),
                     written: Default::default(),
+                    io_failed: Default::default(),
+                    refused_at: Default::default(),
                 })
         })
         .collect::<Vec<_>>();
@@ -285,6 +287,8 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
                 store: s.clone(),
                 commit: GroupCommit::new(s.clone()),
                 written: Default::default(),
+                io_failed: Default::default(),
+                refused_at: Default::default(),
             })
             .collect();
         let r = Arc::new(replica::Replicas::new(devs));
@@ -302,15 +306,7 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
 
     // Liveness.
     let r2 = replicas.clone();
-    liveness.spawn(move || {
-        r2.devices()
-            .map(|d| shoal_api::DeviceUsage {
-                device: d.id,
-                used: d.store.used(),
-                state: liveness::device_state(d.store.used(), d.store.capacity()),
-            })
-            .collect()
-    });
+    liveness.spawn(move || r2.devices().map(|d| liveness::device_usage(d)).collect());
 
     // Follow the directory: owners get new views; components of deleted
     // volumes are removed.

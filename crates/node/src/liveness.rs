@@ -158,11 +158,86 @@ impl Liveness {
     }
 }
 
-/// A device that answered I/O errors is reported failed.
-pub fn device_state(used: u64, capacity: u64) -> DeviceState {
-    if used >= capacity {
+/// Below this much free space (bytes the store still takes) a device is
+/// reported `Full`: the store refuses a write whose new blocks exceed what
+/// is left, so `used` rarely reaches `capacity` exactly.
+pub const FULL_BELOW: u64 = 1 << 20;
+
+/// A device's health from what its node knows: `failed` once its store
+/// answered an I/O error (it stays failed until the store is reopened);
+/// `Full` when less than [`FULL_BELOW`] is left, or when a write was
+/// refused for lack of space (`refused_at`: usage at that moment) and
+/// usage has not dropped below that since.
+pub fn device_state(
+    used: u64,
+    capacity: u64,
+    failed: bool,
+    refused_at: Option<u64>,
+) -> DeviceState {
+    if failed {
+        DeviceState::Failed
+    } else if capacity.saturating_sub(used) < FULL_BELOW || refused_at.is_some_and(|r| used >= r) {
         DeviceState::Full
     } else {
         DeviceState::Healthy
+    }
+}
+
+/// What a heartbeat reports about one of this node's devices. A refusal
+/// for lack of space is forgotten once usage dropped below its level
+/// (a trim or a deleted volume freed space).
+pub fn device_usage(d: &crate::replica::Device) -> DeviceUsage {
+    let used = d.store.used();
+    let refused_at = match d.refused_at.lock() {
+        Ok(mut r) => {
+            if r.is_some_and(|at| used < at) {
+                *r = None;
+            }
+            *r
+        }
+        Err(_) => None,
+    };
+    DeviceUsage {
+        device: d.id,
+        used,
+        state: device_state(
+            used,
+            d.store.capacity(),
+            d.io_failed.load(std::sync::atomic::Ordering::Relaxed),
+            refused_at,
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_state_from_usage_errors_and_refusals() {
+        let g = 1u64 << 30;
+        assert_eq!(device_state(0, g, false, None), DeviceState::Healthy);
+        assert_eq!(device_state(g / 2, g, false, None), DeviceState::Healthy);
+        assert_eq!(device_state(g, g, false, None), DeviceState::Full);
+        assert_eq!(
+            device_state(g - FULL_BELOW + 4096, g, false, None),
+            DeviceState::Full
+        );
+        assert_eq!(
+            device_state(g - FULL_BELOW, g, false, None),
+            DeviceState::Healthy
+        );
+        // A refused write: full at that usage and above, not below.
+        assert_eq!(
+            device_state(g / 2, g, false, Some(g / 2)),
+            DeviceState::Full
+        );
+        assert_eq!(
+            device_state(g / 2 - 4096, g, false, Some(g / 2)),
+            DeviceState::Healthy
+        );
+        // I/O errors win over everything.
+        assert_eq!(device_state(0, g, true, None), DeviceState::Failed);
+        assert_eq!(device_state(g, g, true, Some(0)), DeviceState::Failed);
     }
 }

@@ -33,6 +33,29 @@ pub struct Device {
     /// Bytes of data written to this device by owners (client writes and
     /// resync copies): the backend side of write amplification.
     pub written: std::sync::atomic::AtomicU64,
+    /// Set once the store answered an I/O error (after a failed write or
+    /// flush it refuses everything until reopened): reported `Failed`.
+    pub io_failed: std::sync::atomic::AtomicBool,
+    /// `used()` when a write was last refused for lack of space: reported
+    /// `Full` until usage drops below it (`liveness::device_usage`).
+    pub refused_at: Mutex<Option<u64>>,
+}
+
+impl Device {
+    /// Records what a store error says about the device itself.
+    pub fn note(&self, e: &StoreError) {
+        match e {
+            StoreError::Io(_) => self
+                .io_failed
+                .store(true, std::sync::atomic::Ordering::Relaxed),
+            StoreError::NoSpace => {
+                if let Ok(mut r) = self.refused_at.lock() {
+                    *r = Some(self.store.used());
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 /// Keeps the owner's order between overlapping requests of a component
@@ -248,8 +271,11 @@ impl Replicas {
             let r = tokio::task::spawn_blocking(move || {
                 let r = apply(&d);
                 drop(guard);
-                r?;
-                d.commit.commit_blocking()
+                let r = r.and_then(|()| d.commit.commit_blocking());
+                if let Err(e) = &r {
+                    d.note(e);
+                }
+                r
             })
             .await;
             match r {
@@ -265,7 +291,10 @@ impl Replicas {
         Box::pin(async move {
             match d.commit.commit().await {
                 Ok(()) => (resp, Bytes::new()),
-                Err(e) => (Response::Err(remote(e)), Bytes::new()),
+                Err(e) => {
+                    d.note(&e);
+                    (Response::Err(remote(e)), Bytes::new())
+                }
             }
         })
     }
@@ -374,7 +403,11 @@ impl Replicas {
                     wait_all(deps).await;
                     let r = tokio::task::spawn_blocking(move || {
                         let mut buf = vec![0u8; len as usize];
-                        d.store.read(component, offset, &mut buf).map(|_| buf)
+                        let r = d.store.read(component, offset, &mut buf);
+                        if let Err(e) = &r {
+                            d.note(e);
+                        }
+                        r.map(|_| buf)
                     })
                     .await;
                     match r {
