@@ -62,6 +62,12 @@ impl Cluster {
     }
 
     pub fn start_with(nodes: u32, subnet: u8, extra: &[&str]) -> Cluster {
+        Self::start_sized(nodes, subnet, "4G", extra)
+    }
+
+    /// Like `start_with`, with devices of `device_size` (`shoal up
+    /// --device-size`).
+    pub fn start_sized(nodes: u32, subnet: u8, device_size: &str, extra: &[&str]) -> Cluster {
         let tmp = tempfile::Builder::new()
             .prefix("shoal-test")
             .tempdir()
@@ -82,7 +88,7 @@ impl Cluster {
             "--net",
             &c.net,
             "--device-size",
-            "4G",
+            device_size,
             "--no-demo",
         ]);
         cmd.args(extra);

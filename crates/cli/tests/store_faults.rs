@@ -1,0 +1,350 @@
+//! Device faults on real node processes: a device that starts answering
+//! I/O errors (nbdkit's error filter behind a FUSE file, `nbdfuse`), and a
+//! device that fills up. Subnets 127.0.60-69.
+
+mod common;
+
+use common::{require, sh, Cluster};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A file served by nbdkit's `file` plugin through its `error` filter and
+/// mounted as a regular file with `nbdfuse`: every request fails with EIO
+/// while the trigger file exists.
+struct FaultyDevice {
+    dir: tempfile::TempDir,
+    nbdfuse: Option<Child>,
+    file: PathBuf,
+    trigger: PathBuf,
+}
+
+impl FaultyDevice {
+    fn start(size: &str) -> FaultyDevice {
+        require("nbdfuse");
+        require("nbdkit");
+        require("fusermount3");
+        let dir = tempfile::Builder::new()
+            .prefix("shoal-faulty")
+            .tempdir()
+            .expect("tempdir");
+        let backing = dir.path().join("backing.img");
+        let mnt = dir.path().join("mnt");
+        let trigger = dir.path().join("trigger");
+        std::fs::create_dir(&mnt).expect("mount point");
+        sh(&format!("truncate -s {size} {}", backing.display()));
+        let file = mnt.join("dev");
+        let child = Command::new("nbdfuse")
+            .arg(&file)
+            .args([
+                "[",
+                "nbdkit",
+                "--exit-with-parent",
+                "--filter=error",
+                "file",
+            ])
+            .arg(&backing)
+            .arg("error-rate=100%")
+            .arg(format!("error-file={}", trigger.display()))
+            .arg("]")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting nbdfuse");
+        let d = FaultyDevice {
+            dir,
+            nbdfuse: Some(child),
+            file,
+            trigger,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::fs::metadata(&d.file).map(|m| m.len()).unwrap_or(0) == 0 {
+            assert!(Instant::now() < deadline, "nbdfuse did not mount the file");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        d
+    }
+
+    /// From now on every request to the device fails with EIO.
+    fn fail(&self) {
+        std::fs::write(&self.trigger, b"").expect("creating the trigger");
+    }
+
+    fn heal(&self) {
+        std::fs::remove_file(&self.trigger).expect("removing the trigger");
+    }
+
+    fn mount_point(&self) -> PathBuf {
+        self.dir.path().join("mnt")
+    }
+}
+
+impl Drop for FaultyDevice {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.trigger);
+        let mnt = self.mount_point();
+        let mut unmounted = false;
+        for _ in 0..20 {
+            let r = Command::new("fusermount3").arg("-u").arg(&mnt).output();
+            if r.map(|o| o.status.success()).unwrap_or(false) {
+                unmounted = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        if !unmounted {
+            let _ = Command::new("fusermount3").arg("-uz").arg(&mnt).output();
+        }
+        if let Some(mut c) = self.nbdfuse.take() {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// fio writing every block of `size` once in random order with crc32c
+/// verification headers, then reading everything back.
+fn fio_write_verify(uri: &str, size: &str) -> Child {
+    Command::new("fio")
+        .args([
+            "--name=w",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            &format!("--size={size}"),
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+            "--output-format=json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting fio")
+}
+
+/// Same job, verification only: every block must still carry what the
+/// write pass put there.
+fn fio_verify_only(uri: &str, size: &str) {
+    let out = sh(&format!(
+        "fio --name=w --ioengine=nbd --uri={uri} --rw=randwrite --bs=4k --iodepth=16 \
+         --size={size} --verify=crc32c --verify_only --verify_fatal=1 --verify_state_save=0 --output-format=json"
+    ));
+    assert_fio_clean(&out, false);
+}
+
+fn assert_fio_clean(json: &str, expect_writes: bool) {
+    let start = json.find('{').expect("fio printed JSON");
+    let v: serde_json::Value = serde_json::from_str(&json[start..]).expect("fio JSON");
+    let job = &v["jobs"][0];
+    assert_eq!(job["error"], 0, "fio reported an error: {json}");
+    if expect_writes {
+        assert!(
+            job["write"]["total_ios"].as_u64().unwrap_or(0) > 0,
+            "no writes: {json}"
+        );
+    }
+    assert!(
+        job["read"]["total_ios"].as_u64().unwrap_or(0) > 0,
+        "no verify reads: {json}"
+    );
+}
+
+fn finish(child: Child) {
+    let out = child.wait_with_output().expect("fio");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "fio failed: {}\n{}",
+        stdout,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_fio_clean(&stdout, true);
+}
+
+/// The nodes holding data copies of a volume.
+fn data_nodes(c: &Cluster, vol: &str) -> Vec<u32> {
+    components(c, vol)
+        .iter()
+        .filter(|x| x["role"] == "Data")
+        .map(|x| x["node"].as_u64().expect("node") as u32)
+        .collect()
+}
+
+fn components(c: &Cluster, vol: &str) -> Vec<serde_json::Value> {
+    c.json(&["volume", "show", vol])["volume"]["components"]
+        .as_array()
+        .expect("components")
+        .clone()
+}
+
+/// State of the data component of `vol` on `node` ("Active", "Degraded", ...).
+fn component_state(c: &Cluster, vol: &str, node: u32) -> String {
+    components(c, vol)
+        .iter()
+        .find(|x| x["role"] == "Data" && x["node"] == node)
+        .and_then(|x| x["state"].as_str().map(str::to_string))
+        .unwrap_or_else(|| panic!("no data component of {vol} on node {node}"))
+}
+
+/// The device of `node` as `shoal status --json` shows it.
+fn device_of(c: &Cluster, node: u32) -> serde_json::Value {
+    c.json(&["status"])["devices"]
+        .as_array()
+        .expect("devices")
+        .iter()
+        .find(|d| d["node"] == node)
+        .cloned()
+        .unwrap_or_else(|| panic!("no device of node {node} in the status"))
+}
+
+fn device_state(c: &Cluster, node: u32) -> String {
+    device_of(c, node)["state"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Waits until `shoal status` shows node `node`'s device in `state`;
+/// returns how long it took.
+fn wait_device_state(c: &Cluster, node: u32, state: &str, timeout: Duration) -> Duration {
+    let t0 = Instant::now();
+    loop {
+        let s = device_state(c, node);
+        if s == state {
+            return t0.elapsed();
+        }
+        if t0.elapsed() > timeout {
+            panic!(
+                "device of node {node} not {state} after {timeout:?}: {s}\n{}",
+                c.shoal(&["status"])
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn wait_component_state(c: &Cluster, vol: &str, node: u32, state: &str, timeout: Duration) {
+    let t0 = Instant::now();
+    loop {
+        let s = component_state(c, vol, node);
+        if s == state {
+            return;
+        }
+        if t0.elapsed() > timeout {
+            panic!(
+                "component of {vol} on node {node} not {state} after {timeout:?}: {s}\n{}",
+                c.shoal(&["volume", "show", vol])
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn qemu_io(uri: &str, cmd: &str) -> std::process::Output {
+    Command::new("qemu-io")
+        .args(["-f", "raw", "-c", cmd, uri])
+        .output()
+        .expect("running qemu-io")
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// A replica's device starts answering EIO to everything in the middle of
+/// a fio verify workload: the client sees no error, the copy on it is
+/// recorded Degraded, the device Failed, and every block reads back from
+/// the surviving copy.
+#[test]
+fn device_io_errors_degrade_the_copy_and_fail_the_device() {
+    require("fio");
+    require("qemu-io");
+    let dev = FaultyDevice::start("512M");
+    let c = Cluster::start_sized(
+        3,
+        60,
+        "512M",
+        &["--node-device", &format!("2={}", path_str(&dev.file))],
+    );
+    c.create_volume("v", "256M", "raid1 ftt=1");
+    let data = data_nodes(&c, "v");
+    assert!(
+        data.contains(&2),
+        "placement must put a data copy on node 2 (the faulty device): {data:?}"
+    );
+    assert_eq!(device_state(&c, 2), "Healthy");
+
+    // The client and the owner are on node 1; node 2 is a replica.
+    let fio = fio_write_verify(&c.uri(1, "v"), "96M");
+    std::thread::sleep(Duration::from_secs(3));
+    let mut fio = Some(fio);
+    if let Some(f) = fio.as_mut() {
+        assert!(
+            f.try_wait().expect("fio status").is_none(),
+            "fio finished before the fault: the test would prove nothing"
+        );
+    }
+    dev.fail();
+    // Failed is reported by the node's heartbeats once its store answered
+    // an I/O error; watch for it while fio runs.
+    let (failed_after, degraded_after) = std::thread::scope(|s| {
+        let watch = s.spawn(|| {
+            let t0 = Instant::now();
+            wait_component_state(&c, "v", 2, "Degraded", Duration::from_secs(60));
+            let degraded = t0.elapsed();
+            wait_device_state(&c, 2, "Failed", Duration::from_secs(60));
+            (t0.elapsed(), degraded)
+        });
+        if let Some(f) = fio.take() {
+            finish(f);
+        }
+        watch.join().expect("watcher")
+    });
+    eprintln!(
+        "after the fault: component Degraded within {degraded_after:?}, \
+         device Failed within {failed_after:?}"
+    );
+    assert_ne!(c.health("v"), "healthy");
+    assert_eq!(component_state(&c, "v", 1), "Active");
+
+    // Writes keep working on the surviving copy.
+    let out = qemu_io(&c.uri(1, "v"), "write -P 0x6b 200M 1M");
+    assert!(
+        out.status.success() && !String::from_utf8_lossy(&out.stdout).contains("failed"),
+        "write after the fault: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // The device stays failed when its errors stop: its store stopped
+    // after a failed write and is not trusted until reopened.
+    dev.heal();
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(device_state(&c, 2), "Failed");
+
+    // Everything reads back from the surviving copy, through every node.
+    fio_verify_only(&c.uri(3, "v"), "96M");
+    fio_verify_only(&c.uri(2, "v"), "96M");
+    let out = qemu_io(&c.uri(3, "v"), "read -P 0x6b 200M 1M");
+    assert!(
+        out.status.success() && !String::from_utf8_lossy(&out.stdout).contains("fail"),
+        "read back: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if std::env::var("SHOAL_TEST_LOGS").is_ok() {
+        eprintln!("{}", c.logs());
+    }
+}
