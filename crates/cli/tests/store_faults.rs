@@ -348,3 +348,107 @@ fn device_io_errors_degrade_the_copy_and_fail_the_device() {
         eprintln!("{}", c.logs());
     }
 }
+
+/// Runs one qemu-io command; `Ok(stdout)` when it succeeded, `Err(all
+/// output)` when qemu-io reported a failure.
+fn qemu_io_cmd(uri: &str, cmd: &str) -> Result<String, String> {
+    let out = qemu_io(uri, cmd);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    if out.status.success() && !stdout.contains("failed") && !stderr.contains("failed") {
+        Ok(stdout)
+    } else {
+        Err(format!("{stdout}{stderr}"))
+    }
+}
+
+fn qemu_io_ok(uri: &str, cmd: &str) {
+    if let Err(e) = qemu_io_cmd(uri, cmd) {
+        panic!("qemu-io {cmd:?} on {uri} failed: {e}");
+    }
+}
+
+/// A thin volume larger than its (small) devices is written until they
+/// fill: the client gets ENOSPC (not EIO), the devices are shown Full,
+/// what was written before reads back intact, and after a discard the
+/// volume takes writes again and the devices are Healthy.
+#[test]
+fn full_device_gives_enospc_and_recovers_after_discard() {
+    require("qemu-io");
+    let c = Cluster::start_sized(3, 61, "64M", &[]);
+    c.create_volume("v", "128M", "raid1 ftt=1");
+    let data = data_nodes(&c, "v");
+    assert_eq!(data.len(), 2, "{data:?}");
+    let capacity = device_of(&c, data[0])["capacity"]
+        .as_u64()
+        .expect("capacity");
+    assert!(
+        capacity < 128 << 20,
+        "the volume must be larger than a device: {capacity}"
+    );
+    let uri = c.uri(1, "v");
+    let pattern = |mib: u64| 0x40 + (mib % 64);
+
+    // Fill 1 MiB at a time, each with its own pattern, until refused.
+    let mut refused_at = None;
+    for mib in 0..128u64 {
+        match qemu_io_cmd(&uri, &format!("write -P {} {mib}M 1M", pattern(mib))) {
+            Ok(_) => {}
+            Err(e) => {
+                assert!(
+                    e.contains("No space left on device"),
+                    "a full device must give ENOSPC, got: {e}"
+                );
+                refused_at = Some(mib);
+                break;
+            }
+        }
+    }
+    let full = refused_at.expect("writing twice the device's capacity must hit ENOSPC");
+    eprintln!("ENOSPC at {full} MiB (device capacity {capacity} bytes)");
+    assert!(
+        full * (1 << 20) + (1 << 20) >= capacity,
+        "ENOSPC after only {full} MiB of {capacity} bytes"
+    );
+    // Writes keep failing the same way (no EIO, no hang).
+    let e = qemu_io_cmd(&uri, &format!("write -P 1 {}M 1M", full + 1))
+        .expect_err("a write past the capacity must fail");
+    assert!(e.contains("No space left on device"), "{e}");
+
+    // The devices holding the copies are shown full; the witness is not.
+    for &n in &data {
+        wait_device_state(&c, n, "Full", Duration::from_secs(30));
+    }
+    let witness = (1..=3).find(|n| !data.contains(n)).expect("witness node");
+    assert_eq!(device_state(&c, witness), "Healthy");
+    // ENOSPC is not a device failure: the copies stay in sync.
+    assert_eq!(c.health("v"), "healthy");
+
+    // Nothing written before is damaged, through another node too.
+    for mib in 0..full {
+        qemu_io_ok(
+            &c.uri(3, "v"),
+            &format!("read -P {} {mib}M 1M", pattern(mib)),
+        );
+    }
+    c.verify_copies("v");
+
+    // Discard half of it: the volume takes writes again, the devices are
+    // healthy again, and the discarded range reads as zeros.
+    let half = full / 2;
+    qemu_io_ok(&uri, &format!("discard 0 {half}M"));
+    for &n in &data {
+        wait_device_state(&c, n, "Healthy", Duration::from_secs(30));
+    }
+    qemu_io_ok(&uri, &format!("read -P 0 0 {half}M"));
+    qemu_io_ok(&uri, &format!("write -P 0x33 {full}M 4M"));
+    qemu_io_ok(&c.uri(2, "v"), &format!("read -P 0x33 {full}M 4M"));
+    for mib in half..full {
+        qemu_io_ok(
+            &c.uri(2, "v"),
+            &format!("read -P {} {mib}M 1M", pattern(mib)),
+        );
+    }
+    c.wait_healthy("v", Duration::from_secs(30));
+    c.verify_copies("v");
+}
