@@ -127,6 +127,14 @@ pub enum StateError {
     Shrink { name: String, from: u64, to: u64 },
     #[error("{0}")]
     Input(String),
+    #[error(
+        "device {device} cannot guarantee {needed} more reserved bytes: {free} bytes are free"
+    )]
+    NoSpace {
+        device: DeviceId,
+        needed: u64,
+        free: u64,
+    },
     #[error("generation conflict: the volume is at generation {current} (owner {owner:?})")]
     GenerationConflict {
         current: Generation,
@@ -164,7 +172,11 @@ impl ClusterState {
 
     /// Per-device change of `reserved` when the data components of `v`
     /// change reservation from `old` to `new` bytes each. Checked, so that a
-    /// rejected change never leaves a partial update.
+    /// rejected change never leaves a partial update. A reservation only
+    /// grows on a device whose free space (capacity less used and already
+    /// reserved bytes, as placement counts it) covers the growth, so two
+    /// volumes placed from the same snapshot cannot both be promised the
+    /// same space.
     fn reserve_delta(
         &self,
         components: &[(ComponentRole, DeviceId)],
@@ -176,19 +188,25 @@ impl ClusterState {
             if *role != ComponentRole::Data {
                 continue;
             }
-            let cur = match out.get(dev) {
-                Some(v) => *v,
-                None => {
-                    self.devices
-                        .get(dev)
-                        .ok_or(StateError::NoSuchDevice(*dev))?
-                        .reserved
-                }
-            };
+            let d = self
+                .devices
+                .get(dev)
+                .ok_or(StateError::NoSuchDevice(*dev))?;
+            let cur = out.get(dev).copied().unwrap_or(d.reserved);
             let next = cur
                 .checked_sub(old)
                 .and_then(|v| v.checked_add(new))
                 .ok_or_else(|| input(format!("reservation on device {dev} out of range")))?;
+            if new > old {
+                let free = d.capacity.saturating_sub(d.used).saturating_sub(cur);
+                if new - old > free {
+                    return Err(StateError::NoSpace {
+                        device: *dev,
+                        needed: new - old,
+                        free,
+                    });
+                }
+            }
             out.insert(*dev, next);
         }
         Ok(out)
@@ -648,6 +666,82 @@ mod tests {
         // Ids are never reused.
         let id2 = create(&mut s, &devs, "vol", "ftt=1");
         assert!(id2 > id);
+    }
+
+    #[test]
+    fn reservations_must_fit_the_free_space() {
+        let (mut s, devs) = cluster();
+        let cap = s.devices[&devs[0]].capacity;
+        // Thin volumes may overcommit; reserved ones may not.
+        let before = s.clone();
+        let err = s
+            .apply(&Command::CreateVolume {
+                name: "big".into(),
+                size: cap + (1 << 20),
+                policy: "raid1 ftt=1 reserve=100".parse().unwrap(),
+                components: planned(&devs),
+            })
+            .unwrap_err();
+        assert!(matches!(err, StateError::NoSpace { .. }), "{err:?}");
+        assert_eq!(s, before);
+        s.apply(&Command::CreateVolume {
+            name: "thin".into(),
+            size: cap + (1 << 20),
+            policy: "raid1 ftt=1".parse().unwrap(),
+            components: planned(&devs),
+        })
+        .unwrap();
+        // Two reservations of 60% each, as if placed from one snapshot:
+        // the second is refused.
+        let size = cap / 10 * 6 / 4096 * 4096;
+        s.apply(&Command::CreateVolume {
+            name: "r1".into(),
+            size,
+            policy: "raid1 ftt=1 reserve=100".parse().unwrap(),
+            components: planned(&devs),
+        })
+        .unwrap();
+        let before = s.clone();
+        let err = s
+            .apply(&Command::CreateVolume {
+                name: "r2".into(),
+                size,
+                policy: "raid1 ftt=1 reserve=100".parse().unwrap(),
+                components: planned(&devs),
+            })
+            .unwrap_err();
+        assert!(matches!(err, StateError::NoSpace { .. }), "{err:?}");
+        assert_eq!(s, before);
+        // Nor can a reserved volume grow past the free space, while data
+        // written meanwhile counts against it.
+        let err = s
+            .apply(&Command::ResizeVolume {
+                name: "r1".into(),
+                size: cap + (1 << 20),
+            })
+            .unwrap_err();
+        assert!(matches!(err, StateError::NoSpace { .. }), "{err:?}");
+        s.apply(&Command::ResizeVolume {
+            name: "r1".into(),
+            size: size + (1 << 20),
+        })
+        .unwrap();
+        s.apply(&Command::ReportDeviceUsage {
+            device: devs[0],
+            used: cap - size - (1 << 20),
+            state: DeviceState::Healthy,
+        })
+        .unwrap();
+        let err = s
+            .apply(&Command::ResizeVolume {
+                name: "r1".into(),
+                size: size + (2 << 20),
+            })
+            .unwrap_err();
+        assert!(
+            matches!(err, StateError::NoSpace { device, .. } if device == devs[0]),
+            "{err:?}"
+        );
     }
 
     #[test]
