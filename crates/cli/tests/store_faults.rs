@@ -452,3 +452,99 @@ fn full_device_gives_enospc_and_recovers_after_discard() {
     c.wait_healthy("v", Duration::from_secs(30));
     c.verify_copies("v");
 }
+
+/// Writes 1 MiB chunks of `vol` from `from` MiB on, each with its own
+/// pattern, until the first refusal, which must be ENOSPC. Returns the
+/// first refused MiB (None: all `to - from` MiB were taken).
+fn fill_until_enospc(uri: &str, from: u64, to: u64, pattern: impl Fn(u64) -> u64) -> Option<u64> {
+    for mib in from..to {
+        if let Err(e) = qemu_io_cmd(uri, &format!("write -P {} {mib}M 1M", pattern(mib))) {
+            assert!(
+                e.contains("No space left on device"),
+                "a full device must give ENOSPC, got: {e}"
+            );
+            return Some(mib);
+        }
+    }
+    None
+}
+
+/// `reserve=100%`: a reserved volume is created only where its whole size
+/// is free, and a thin volume on the same device gets ENOSPC before it
+/// eats into that promise, while the reserved volume can still be written
+/// in full.
+#[test]
+fn thin_volumes_cannot_take_space_reserved_for_thick_ones() {
+    require("qemu-io");
+    let c = Cluster::start_sized(1, 62, "64M", &[]);
+    let capacity = device_of(&c, 1)["capacity"].as_u64().expect("capacity");
+    let reserved: u64 = 24 << 20;
+    c.create_volume("r", "24M", "ftt=0 reserve=100%");
+    assert_eq!(
+        device_of(&c, 1)["reserved"].as_u64(),
+        Some(reserved),
+        "{}",
+        c.shoal(&["status"])
+    );
+    // Neither larger than the device, nor larger than what is left.
+    let e = c.shoal_fails(&[
+        "volume",
+        "create",
+        "big",
+        "--size",
+        "64M",
+        "--policy",
+        "ftt=0 reserve=100%",
+    ]);
+    assert!(e.contains("space") || e.contains("Space"), "{e}");
+    let e = c.shoal_fails(&[
+        "volume",
+        "create",
+        "r2",
+        "--size",
+        "40M",
+        "--policy",
+        "ftt=0 reserve=100%",
+    ]);
+    assert!(e.contains("space") || e.contains("Space"), "{e}");
+    assert_eq!(device_of(&c, 1)["reserved"].as_u64(), Some(reserved));
+    // A thin volume may be larger than the device.
+    c.create_volume("t", "128M", "ftt=0");
+
+    // The thin volume fills what the reservation leaves, not more.
+    let tp = |mib: u64| 0x20 + (mib % 32);
+    let full = fill_until_enospc(&c.uri(1, "t"), 0, 128, tp)
+        .expect("the thin volume must hit ENOSPC on a 64 MiB device");
+    let left = capacity - reserved;
+    eprintln!("thin volume refused at {full} MiB; capacity {capacity}, reserved {reserved}");
+    assert!(
+        full << 20 <= left,
+        "the thin volume took {full} MiB, more than the {left} bytes left beside the reservation"
+    );
+    assert!(
+        (full + 2) << 20 > left,
+        "the thin volume was refused at {full} MiB, well before the {left} bytes left"
+    );
+    // What is left is promised: the device is shown full.
+    wait_device_state(&c, 1, "Full", Duration::from_secs(30));
+    // Overwrites of its own data still work.
+    qemu_io_ok(&c.uri(1, "t"), "write -P 0x5f 0 1M");
+    qemu_io_ok(&c.uri(1, "t"), "read -P 0x5f 0 1M");
+
+    // The reserved volume can be written in full, and reads back.
+    let rp = |mib: u64| 0x60 + mib;
+    assert_eq!(fill_until_enospc(&c.uri(1, "r"), 0, 24, rp), None);
+    for mib in 0..24 {
+        qemu_io_ok(&c.uri(1, "r"), &format!("read -P {} {mib}M 1M", rp(mib)));
+    }
+    for mib in 1..full {
+        qemu_io_ok(&c.uri(1, "t"), &format!("read -P {} {mib}M 1M", tp(mib)));
+    }
+    wait_device_state(&c, 1, "Full", Duration::from_secs(30));
+
+    // Freeing thin data makes room for the thin volume again.
+    qemu_io_ok(&c.uri(1, "t"), "discard 0 8M");
+    wait_device_state(&c, 1, "Healthy", Duration::from_secs(30));
+    qemu_io_ok(&c.uri(1, "t"), &format!("write -P 0x44 {full}M 4M"));
+    qemu_io_ok(&c.uri(1, "t"), &format!("read -P 0x44 {full}M 4M"));
+}

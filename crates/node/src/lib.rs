@@ -12,6 +12,7 @@ pub mod http;
 pub mod liveness;
 pub mod replica;
 pub mod router;
+pub mod space;
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -201,6 +202,7 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
                     written: Default::default(),
                     io_failed: Default::default(),
                     refused_at: Default::default(),
+                    reserved: Default::default(),
                 })
         })
         .collect::<Vec<_>>();
@@ -289,6 +291,7 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
                 written: Default::default(),
                 io_failed: Default::default(),
                 refused_at: Default::default(),
+                reserved: Default::default(),
             })
             .collect();
         let r = Arc::new(replica::Replicas::new(devs));
@@ -319,6 +322,7 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
                 let state = w.borrow_and_update().clone();
                 router.directory_changed(&state);
                 garbage_collect(&state, &replicas);
+                space::update(&state, &replicas);
                 if w.changed().await.is_err() {
                     break;
                 }

@@ -165,18 +165,14 @@ pub const FULL_BELOW: u64 = 1 << 20;
 
 /// A device's health from what its node knows: `failed` once its store
 /// answered an I/O error (it stays failed until the store is reopened);
-/// `Full` when less than [`FULL_BELOW`] is left, or when a write was
-/// refused for lack of space (`refused_at`: usage at that moment) and
-/// usage has not dropped below that since.
-pub fn device_state(
-    used: u64,
-    capacity: u64,
-    failed: bool,
-    refused_at: Option<u64>,
-) -> DeviceState {
+/// `Full` when less than [`FULL_BELOW`] is left for new data (`free`:
+/// capacity less used bytes less what reservations still lack), or when
+/// a write was just refused for lack of space (`refused`: nothing was
+/// allocated or freed since).
+pub fn device_state(free: u64, failed: bool, refused: bool) -> DeviceState {
     if failed {
         DeviceState::Failed
-    } else if capacity.saturating_sub(used) < FULL_BELOW || refused_at.is_some_and(|r| used >= r) {
+    } else if free < FULL_BELOW || refused {
         DeviceState::Full
     } else {
         DeviceState::Healthy
@@ -184,27 +180,31 @@ pub fn device_state(
 }
 
 /// What a heartbeat reports about one of this node's devices. A refusal
-/// for lack of space is forgotten once usage dropped below its level
-/// (a trim or a deleted volume freed space).
+/// for lack of space counts while usage stays where it was (a trim, a
+/// deleted volume or a smaller write that still fit moved it since).
 pub fn device_usage(d: &crate::replica::Device) -> DeviceUsage {
     let used = d.store.used();
-    let refused_at = match d.refused_at.lock() {
+    let refused = match d.refused_at.lock() {
         Ok(mut r) => {
-            if r.is_some_and(|at| used < at) {
+            if r.is_some_and(|at| used != at) {
                 *r = None;
             }
-            *r
+            r.is_some()
         }
-        Err(_) => None,
+        Err(_) => false,
     };
+    let free = d
+        .store
+        .capacity()
+        .saturating_sub(used)
+        .saturating_sub(crate::space::lacking(d, None));
     DeviceUsage {
         device: d.id,
         used,
         state: device_state(
-            used,
-            d.store.capacity(),
+            free,
             d.io_failed.load(std::sync::atomic::Ordering::Relaxed),
-            refused_at,
+            refused,
         ),
     }
 }
@@ -214,30 +214,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn device_state_from_usage_errors_and_refusals() {
-        let g = 1u64 << 30;
-        assert_eq!(device_state(0, g, false, None), DeviceState::Healthy);
-        assert_eq!(device_state(g / 2, g, false, None), DeviceState::Healthy);
-        assert_eq!(device_state(g, g, false, None), DeviceState::Full);
+    fn device_state_from_space_errors_and_refusals() {
+        assert_eq!(device_state(1 << 30, false, false), DeviceState::Healthy);
+        assert_eq!(device_state(FULL_BELOW, false, false), DeviceState::Healthy);
         assert_eq!(
-            device_state(g - FULL_BELOW + 4096, g, false, None),
+            device_state(FULL_BELOW - 4096, false, false),
             DeviceState::Full
         );
-        assert_eq!(
-            device_state(g - FULL_BELOW, g, false, None),
-            DeviceState::Healthy
-        );
-        // A refused write: full at that usage and above, not below.
-        assert_eq!(
-            device_state(g / 2, g, false, Some(g / 2)),
-            DeviceState::Full
-        );
-        assert_eq!(
-            device_state(g / 2 - 4096, g, false, Some(g / 2)),
-            DeviceState::Healthy
-        );
+        assert_eq!(device_state(0, false, false), DeviceState::Full);
+        // A refused write: full even with space left (a large write).
+        assert_eq!(device_state(1 << 30, false, true), DeviceState::Full);
         // I/O errors win over everything.
-        assert_eq!(device_state(0, g, true, None), DeviceState::Failed);
-        assert_eq!(device_state(g, g, true, Some(0)), DeviceState::Failed);
+        assert_eq!(device_state(1 << 30, true, false), DeviceState::Failed);
+        assert_eq!(device_state(0, true, true), DeviceState::Failed);
     }
 }

@@ -37,8 +37,11 @@ pub struct Device {
     /// flush it refuses everything until reopened): reported `Failed`.
     pub io_failed: std::sync::atomic::AtomicBool,
     /// `used()` when a write was last refused for lack of space: reported
-    /// `Full` until usage drops below it (`liveness::device_usage`).
+    /// `Full` until usage changes (`liveness::device_usage`).
     pub refused_at: Mutex<Option<u64>>,
+    /// Bytes promised to the reserved components on this device, from the
+    /// directory (`crate::space`): other writes must leave them free.
+    pub reserved: Mutex<crate::space::Reservations>,
 }
 
 impl Device {
@@ -369,6 +372,7 @@ impl Replicas {
                 let end = offset.saturating_add(payload.len() as u64);
                 let (deps, guard) = self.seq.enter(component, offset, end, true);
                 Self::apply_then_commit(d, deps, guard, move |d| {
+                    crate::space::admit(d, component, offset, payload.len() as u64)?;
                     d.store.write(component, offset, &payload)
                 })
             }
