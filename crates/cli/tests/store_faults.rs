@@ -269,12 +269,25 @@ fn path_str(p: &Path) -> &str {
 /// the surviving copy.
 #[test]
 fn device_io_errors_degrade_the_copy_and_fail_the_device() {
+    io_errors_during_fio(60, 1);
+}
+
+/// The same with the faulty device under the owner's own copy: the
+/// client's node owns the volume and loses its local copy.
+#[test]
+fn owner_device_io_errors_degrade_its_own_copy() {
+    io_errors_during_fio(63, 2);
+}
+
+/// Node 2's device fails during fio through node `client` (which becomes
+/// the owner).
+fn io_errors_during_fio(subnet: u8, client: u32) {
     require("fio");
     require("qemu-io");
     let dev = FaultyDevice::start("512M");
     let c = Cluster::start_sized(
         3,
-        60,
+        subnet,
         "512M",
         &["--node-device", &format!("2={}", path_str(&dev.file))],
     );
@@ -286,8 +299,8 @@ fn device_io_errors_degrade_the_copy_and_fail_the_device() {
     );
     assert_eq!(device_state(&c, 2), "Healthy");
 
-    // The client and the owner are on node 1; node 2 is a replica.
-    let fio = fio_write_verify(&c.uri(1, "v"), "96M");
+    // The client's node becomes the owner.
+    let fio = fio_write_verify(&c.uri(client, "v"), "96M");
     std::thread::sleep(Duration::from_secs(3));
     let mut fio = Some(fio);
     if let Some(f) = fio.as_mut() {
@@ -318,9 +331,26 @@ fn device_io_errors_degrade_the_copy_and_fail_the_device() {
     );
     assert_ne!(c.health("v"), "healthy");
     assert_eq!(component_state(&c, "v", 1), "Active");
+    assert_eq!(
+        c.json(&["volume", "show", "v"])["volume"]["owner"].as_u64(),
+        Some(client as u64)
+    );
+
+    // A failed device takes no new components: with it, three nodes no
+    // longer make the three fault domains a raid1 ftt=1 volume needs.
+    let e = c.shoal_fails(&[
+        "volume",
+        "create",
+        "w",
+        "--size",
+        "64M",
+        "--policy",
+        "raid1 ftt=1",
+    ]);
+    assert!(e.contains("fault domains"), "{e}");
 
     // Writes keep working on the surviving copy.
-    let out = qemu_io(&c.uri(1, "v"), "write -P 0x6b 200M 1M");
+    let out = qemu_io(&c.uri(client, "v"), "write -P 0x6b 200M 1M");
     assert!(
         out.status.success() && !String::from_utf8_lossy(&out.stdout).contains("failed"),
         "write after the fault: {}{}",
@@ -423,6 +453,17 @@ fn full_device_gives_enospc_and_recovers_after_discard() {
     assert_eq!(device_state(&c, witness), "Healthy");
     // ENOSPC is not a device failure: the copies stay in sync.
     assert_eq!(c.health("v"), "healthy");
+    // Full devices take no new volumes.
+    let e = c.shoal_fails(&[
+        "volume",
+        "create",
+        "w",
+        "--size",
+        "64M",
+        "--policy",
+        "raid1 ftt=1",
+    ]);
+    assert!(e.contains("fault domains"), "{e}");
 
     // Nothing written before is damaged, through another node too.
     for mib in 0..full {
