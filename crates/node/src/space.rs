@@ -101,3 +101,73 @@ pub fn admit(d: &Device, component: ComponentId, offset: u64, len: u64) -> Resul
         Err(StoreError::NoSpace)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replica::Store;
+    use shoal_store::GroupCommit;
+    use std::sync::Arc;
+
+    const MIB: u64 = 1 << 20;
+
+    fn device(path: &std::path::Path) -> Device {
+        let store = Arc::new(Store::create(path, 64 * MIB, "test").expect("store"));
+        Device {
+            id: 1,
+            path: path.display().to_string(),
+            commit: GroupCommit::new(store.clone()),
+            store,
+            written: Default::default(),
+            io_failed: Default::default(),
+            refused_at: Default::default(),
+            reserved: Default::default(),
+        }
+    }
+
+    /// Admits and performs a write as the replica does.
+    fn write(d: &Device, c: ComponentId, off: u64, len: u64) -> Result<(), StoreError> {
+        admit(d, c, off, len)?;
+        d.store.write(c, off, &vec![0x5a; len as usize])
+    }
+
+    #[test]
+    fn thin_writes_leave_reserved_space_free() {
+        let path = std::env::temp_dir().join(format!("shoal-space-{}.img", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let d = device(&path);
+        let (thin, thick) = (10, 20);
+        d.store.create_component(thin, 1, 256 * MIB).expect("thin");
+        d.store.create_component(thick, 2, 16 * MIB).expect("thick");
+        d.reserved.lock().expect("lock").insert(thick, 16 * MIB);
+        assert_eq!(lacking(&d, None), 16 * MIB);
+        assert_eq!(lacking(&d, Some(thick)), 0);
+
+        let left = d.store.capacity() - 16 * MIB;
+        let mut at = 0;
+        let refused = loop {
+            match write(&d, thin, at, MIB) {
+                Ok(()) => at += MIB,
+                Err(e) => break e,
+            }
+            assert!(at <= 256 * MIB, "never refused");
+        };
+        assert!(matches!(refused, StoreError::NoSpace), "{refused:?}");
+        assert!(
+            at <= left && at + MIB > left,
+            "refused at {at}, {left} left"
+        );
+        // Overwrites proceed; so does a write of what is left exactly.
+        write(&d, thin, 0, MIB).expect("overwrite");
+        let rest = (left - at) / 4096 * 4096;
+        if rest > 0 {
+            write(&d, thin, at, rest).expect("the rest");
+        }
+        assert!(write(&d, thin, at + rest, 4096).is_err());
+        // The reserved component gets all it was promised.
+        write(&d, thick, 0, 16 * MIB).expect("reserved space");
+        assert_eq!(lacking(&d, None), 0);
+        drop(d);
+        let _ = std::fs::remove_file(&path);
+    }
+}
