@@ -33,6 +33,33 @@ pub struct Device {
     /// Bytes of data written to this device by owners (client writes and
     /// resync copies): the backend side of write amplification.
     pub written: std::sync::atomic::AtomicU64,
+    /// Blocks found failing their checksum (by reads and the scrubber).
+    pub checksum_errors: std::sync::atomic::AtomicU64,
+    /// Bad blocks replaced with a good copy from another replica.
+    pub repaired: std::sync::atomic::AtomicU64,
+}
+
+impl Device {
+    pub fn new(id: DeviceId, path: String, store: Arc<Store>) -> Device {
+        Device {
+            id,
+            path,
+            commit: GroupCommit::new(store.clone()),
+            store,
+            written: Default::default(),
+            checksum_errors: Default::default(),
+            repaired: Default::default(),
+        }
+    }
+
+    /// Counts a checksum failure in a store answer before passing it on.
+    fn note<T>(&self, r: Result<T, StoreError>) -> Result<T, StoreError> {
+        if let Err(StoreError::Checksum { .. }) = &r {
+            self.checksum_errors
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        r
+    }
 }
 
 /// Keeps the owner's order between overlapping requests of a component
@@ -145,9 +172,9 @@ fn remote(e: StoreError) -> RemoteError {
         StoreError::NoSuchComponent(c) => RemoteError::NoSuchComponent(c),
         StoreError::StaleGeneration { have, got } => RemoteError::StaleGeneration { have, got },
         StoreError::Io(e) => RemoteError::Io(e.to_string()),
-        // A block whose checksum disagrees: this copy is damaged; the owner
-        // marks it degraded and rebuilds it from a good copy.
-        e @ StoreError::Checksum { .. } => RemoteError::Io(e.to_string()),
+        // A block whose checksum disagrees: the owner reads it from another
+        // copy and sends it back with a repair.
+        StoreError::Checksum { offset, .. } => RemoteError::Checksum { offset },
         other => RemoteError::Io(other.to_string()),
     }
 }
@@ -374,7 +401,8 @@ impl Replicas {
                     wait_all(deps).await;
                     let r = tokio::task::spawn_blocking(move || {
                         let mut buf = vec![0u8; len as usize];
-                        d.store.read(component, offset, &mut buf).map(|_| buf)
+                        d.note(d.store.read(component, offset, &mut buf))
+                            .map(|_| buf)
                     })
                     .await;
                     match r {
@@ -442,6 +470,36 @@ impl Replicas {
                     .await;
                     match r {
                         Ok(Ok(crc)) => (Response::Digest { crc, size }, Bytes::new()),
+                        Ok(Err(e)) => (Response::Err(remote(e)), Bytes::new()),
+                        Err(e) => (Response::Err(RemoteError::Io(e.to_string())), Bytes::new()),
+                    }
+                })
+            }
+            Request::Repair {
+                component,
+                generation,
+                offset,
+            } => {
+                let d = self.device_of(component)?;
+                self.fence(&d, component, generation)?;
+                let end = offset.saturating_add(payload.len() as u64);
+                let (deps, guard) = self.seq.enter(component, offset, end, true);
+                Box::pin(async move {
+                    wait_all(deps).await;
+                    let r = tokio::task::spawn_blocking(move || {
+                        let r = d.store.repair_block(component, offset, &payload);
+                        drop(guard);
+                        let done = r?;
+                        d.commit.commit_blocking()?;
+                        if done {
+                            d.repaired
+                                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        Ok::<_, StoreError>(done)
+                    })
+                    .await;
+                    match r {
+                        Ok(Ok(done)) => (Response::Repaired(done), Bytes::new()),
                         Ok(Err(e)) => (Response::Err(remote(e)), Bytes::new()),
                         Err(e) => (Response::Err(RemoteError::Io(e.to_string())), Bytes::new()),
                     }
