@@ -175,6 +175,7 @@ fn remote(e: StoreError) -> RemoteError {
         // A block whose checksum disagrees: the owner reads it from another
         // copy and sends it back with a repair.
         StoreError::Checksum { offset, .. } => RemoteError::Checksum { offset },
+        e @ StoreError::DamagedInTransit { .. } => RemoteError::BadRequest(e.to_string()),
         other => RemoteError::Io(other.to_string()),
     }
 }
@@ -368,6 +369,24 @@ impl Replicas {
                 let (deps, guard) = self.seq.enter(component, offset, end, true);
                 Self::apply_then_commit(d, deps, guard, move |d| {
                     d.store.write(component, offset, &payload)
+                })
+            }
+            Request::WriteChecked {
+                component,
+                generation,
+                offset,
+                seq,
+                crcs,
+            } => {
+                let d = self.device_of(component)?;
+                self.fence(&d, component, generation)?;
+                self.mark_dirty(component, offset, payload.len() as u64, generation, seq);
+                d.written
+                    .fetch_add(payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                let end = offset.saturating_add(payload.len() as u64);
+                let (deps, guard) = self.seq.enter(component, offset, end, true);
+                Self::apply_then_commit(d, deps, guard, move |d| {
+                    d.store.write_checked(component, offset, &payload, &crcs)
                 })
             }
             Request::WriteZeroes {

@@ -571,16 +571,40 @@ impl<C: Control> Loop<C> {
         self.inflight.insert(seq);
         let mut pending = Vec::with_capacity(targets.len());
         let mut results = Vec::new();
+        // Whole-block writes carry the CRC-32C of each block from here to
+        // the replicas' disks (computed once, checked by every replica).
+        let crcs: Option<Vec<u32>> = match &op {
+            Op::Write { offset, data }
+                if offset.is_multiple_of(BLOCK_SIZE)
+                    && (data.len() as u64).is_multiple_of(BLOCK_SIZE) =>
+            {
+                Some(
+                    data.chunks(BLOCK_SIZE as usize)
+                        .map(crc32c::crc32c)
+                        .collect(),
+                )
+            }
+            _ => None,
+        };
         for i in targets {
             let r = &self.replicas[i];
             let Some(peer) = &r.peer else { continue };
             let (req, payload) = match &op {
                 Op::Write { offset, data } => (
-                    Request::Write {
-                        component: r.component,
-                        generation: self.generation,
-                        offset: *offset,
-                        seq,
+                    match &crcs {
+                        Some(crcs) => Request::WriteChecked {
+                            component: r.component,
+                            generation: self.generation,
+                            offset: *offset,
+                            seq,
+                            crcs: crcs.clone(),
+                        },
+                        None => Request::Write {
+                            component: r.component,
+                            generation: self.generation,
+                            offset: *offset,
+                            seq,
+                        },
                     },
                     data.clone(),
                 ),

@@ -81,6 +81,17 @@ pub enum Request {
         generation: Generation,
         offset: u64,
     },
+    /// [`Request::Write`] of whole 4 KiB blocks with the CRC-32C of each,
+    /// computed by the owner where the data entered: the replica checks
+    /// the data against them before it stores it (damage in transit is
+    /// refused with `BadRequest`), and the store keeps the same CRCs.
+    WriteChecked {
+        component: ComponentId,
+        generation: Generation,
+        offset: u64,
+        seq: u64,
+        crcs: Vec<u32>,
+    },
 }
 
 /// Client operations on a whole volume.

@@ -73,6 +73,10 @@ pub enum StoreError {
     /// damaged): the owner should read it from another copy.
     #[error("component {component}: checksum mismatch in the block at byte {offset}")]
     Checksum { component: u64, offset: u64 },
+    /// Data handed to [`LogStore::write_checked`] does not match the CRC
+    /// its sender computed: it was damaged on the way; nothing was written.
+    #[error("component {component}: the block at byte {offset} does not match the checksum it was sent with")]
+    DamagedInTransit { component: u64, offset: u64 },
 }
 
 type Result<T, E = StoreError> = std::result::Result<T, E>;

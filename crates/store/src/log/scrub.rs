@@ -1,5 +1,6 @@
-//! Scrubbing and repair: finding blocks whose data no longer matches its
-//! checksum, and replacing them with a good copy from another replica.
+//! Integrity: writes checked against the CRCs their sender computed,
+//! scrubbing (finding blocks whose data no longer matches its checksum),
+//! and repair (replacing them with a good copy from another replica).
 //!
 //! The store never returns a bad block: a read fails with
 //! [`StoreError::Checksum`]. The scrubber (in the node) walks the mapped
@@ -13,6 +14,34 @@ use super::{check_range, LogStore, Need, Result};
 use crate::StoreError;
 
 impl LogStore {
+    /// [`write`](Self::write) of whole blocks whose CRC-32C the sender
+    /// computed (`crcs[i]` for the `i`-th block): each block is checked
+    /// against its CRC first, and nothing is written if one disagrees
+    /// ([`StoreError::DamagedInTransit`]). The CRCs stored are those same
+    /// values, so a block's checksum is carried from where the data entered
+    /// the cluster to the disk.
+    pub fn write_checked(&self, id: u64, offset: u64, data: &[u8], crcs: &[u32]) -> Result<()> {
+        if !offset.is_multiple_of(BLOCK_U64)
+            || !data.len().is_multiple_of(BLOCK)
+            || crcs.len() != data.len() / BLOCK
+        {
+            return Err(StoreError::BadFormat(format!(
+                "checked write of {} bytes at {offset} with {} checksums: whole blocks only",
+                data.len(),
+                crcs.len()
+            )));
+        }
+        for (i, (b, &crc)) in data.chunks(BLOCK).zip(crcs).enumerate() {
+            if crc32c::crc32c(b) != crc {
+                return Err(StoreError::DamagedInTransit {
+                    component: id,
+                    offset: offset + (i * BLOCK) as u64,
+                });
+            }
+        }
+        self.write(id, offset, data)
+    }
+
     /// Reads `[offset, offset + len)` of component `id` and returns the
     /// byte offsets of the blocks that fail their checksum (empty when all
     /// are good). Unmapped blocks cost nothing. Other errors (unknown
@@ -108,6 +137,28 @@ mod tests {
             .position(|b| b == pattern)
             .expect("block on the device") as u64
             * 4096
+    }
+
+    #[test]
+    fn checked_writes_refuse_damaged_blocks_and_write_nothing() {
+        let (_dev, s) = store();
+        s.create_component(1, 1, M).unwrap();
+        let data: Vec<u8> = (0..3 * 4096).map(|i| (i % 251) as u8).collect();
+        let crcs: Vec<u32> = data.chunks(4096).map(crc32c::crc32c).collect();
+        let mut bad = data.clone();
+        bad[4096 + 7] ^= 1;
+        assert!(matches!(
+            s.write_checked(1, 8192, &bad, &crcs),
+            Err(crate::StoreError::DamagedInTransit { offset: 12288, .. })
+        ));
+        let mut back = vec![1u8; data.len()];
+        s.read(1, 8192, &mut back).unwrap();
+        assert!(back.iter().all(|&b| b == 0), "nothing written");
+        assert!(s.write_checked(1, 100, &data, &crcs).is_err());
+        assert!(s.write_checked(1, 8192, &data, &crcs[..2]).is_err());
+        s.write_checked(1, 8192, &data, &crcs).unwrap();
+        s.read(1, 8192, &mut back).unwrap();
+        assert_eq!(back, data);
     }
 
     #[test]
