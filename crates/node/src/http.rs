@@ -316,15 +316,18 @@ async fn owners(State(h): State<Http>) -> Json<Owners> {
     })
 }
 
-/// Counters of this node's scrubber.
-async fn scrub_status(State(h): State<Http>) -> Result<Json<shoal_api::ScrubReport>, ApiErr> {
-    let s = h.scrubber.get().ok_or_else(|| {
+fn scrubber(h: &Http) -> Result<&Arc<crate::scrub::Scrubber>, ApiErr> {
+    h.scrubber.get().ok_or_else(|| {
         ApiErr(
             StatusCode::SERVICE_UNAVAILABLE,
             "node still starting".into(),
         )
-    })?;
-    let st = &s.stats;
+    })
+}
+
+/// Counters of this node's scrubber.
+async fn scrub_status(State(h): State<Http>) -> Result<Json<shoal_api::ScrubReport>, ApiErr> {
+    let st = &scrubber(&h)?.stats;
     Ok(Json(shoal_api::ScrubReport {
         node: h.router.node,
         running: st.running.load(Relaxed) == 1,
@@ -338,15 +341,55 @@ async fn scrub_status(State(h): State<Http>) -> Result<Json<shoal_api::ScrubRepo
 
 /// Starts a scrub pass on this node now.
 async fn scrub_start(State(h): State<Http>) -> Result<StatusCode, ApiErr> {
-    let s = h.scrubber.get().ok_or_else(|| {
-        ApiErr(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "node still starting".into(),
-        )
-    })?;
-    s.start_pass();
+    scrubber(&h)?.start_pass();
     Ok(StatusCode::ACCEPTED)
 }
+
+/// Node-wide counters (name, help), in the order `metrics` reads them.
+const NODE_COUNTERS: [(&str, &str); 12] = [
+    (
+        "shoal_nbd_reads_total",
+        "NBD read requests served by this node",
+    ),
+    (
+        "shoal_nbd_writes_total",
+        "NBD write requests served by this node",
+    ),
+    (
+        "shoal_nbd_read_bytes_total",
+        "Bytes read by NBD clients of this node",
+    ),
+    (
+        "shoal_nbd_write_bytes_total",
+        "Bytes written by NBD clients of this node",
+    ),
+    (
+        "shoal_forwarded_total",
+        "Requests forwarded to another node's owner",
+    ),
+    ("shoal_io_errors_total", "Client requests that failed"),
+    (
+        "shoal_owner_claims_total",
+        "Volume ownership claims made by this node",
+    ),
+    ("shoal_scrub_passes_total", "Scrub passes finished"),
+    (
+        "shoal_scrub_bytes_total",
+        "Bytes of written data the scrubber checked",
+    ),
+    (
+        "shoal_scrub_bad_blocks_total",
+        "Blocks the scrubber found failing their checksum",
+    ),
+    (
+        "shoal_scrub_repaired_total",
+        "Bad blocks found by the scrubber and repaired by the owner",
+    ),
+    (
+        "shoal_scrub_unrepaired_total",
+        "Bad blocks found by the scrubber and left bad",
+    ),
+];
 
 /// Appends one Prometheus metric family: `(labels, value)` samples.
 fn family(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(String, u64)]) {
@@ -360,78 +403,25 @@ async fn metrics(State(h): State<Http>) -> String {
     let c = &h.router.counters;
     let node = format!("node=\"{}\"", h.router.node);
     let mut out = String::new();
-    let node_counters: [(&str, &str, u64); 7] = [
-        (
-            "shoal_nbd_reads_total",
-            "NBD read requests served by this node",
-            c.reads.load(Relaxed),
-        ),
-        (
-            "shoal_nbd_writes_total",
-            "NBD write requests served by this node",
-            c.writes.load(Relaxed),
-        ),
-        (
-            "shoal_nbd_read_bytes_total",
-            "Bytes read by NBD clients of this node",
-            c.read_bytes.load(Relaxed),
-        ),
-        (
-            "shoal_nbd_write_bytes_total",
-            "Bytes written by NBD clients of this node",
-            c.write_bytes.load(Relaxed),
-        ),
-        (
-            "shoal_forwarded_total",
-            "Requests forwarded to another node's owner",
-            c.forwarded.load(Relaxed),
-        ),
-        (
-            "shoal_io_errors_total",
-            "Client requests that failed",
-            c.errors.load(Relaxed),
-        ),
-        (
-            "shoal_owner_claims_total",
-            "Volume ownership claims made by this node",
-            c.claims.load(Relaxed),
-        ),
-    ];
-    for (name, help, v) in node_counters {
+    let zero = crate::scrub::ScrubStats::default();
+    let st = h.scrubber.get().map(|s| &s.stats).unwrap_or(&zero);
+    let values = [
+        &c.reads,
+        &c.writes,
+        &c.read_bytes,
+        &c.write_bytes,
+        &c.forwarded,
+        &c.errors,
+        &c.claims,
+        &st.passes,
+        &st.bytes,
+        &st.bad,
+        &st.repaired,
+        &st.unrepaired,
+    ]
+    .map(|a| a.load(Relaxed));
+    for ((name, help), v) in NODE_COUNTERS.iter().zip(values) {
         family(&mut out, name, "counter", help, &[(node.clone(), v)]);
-    }
-    if let Some(s) = h.scrubber.get() {
-        let st = &s.stats;
-        let scrub: [(&str, &str, u64); 5] = [
-            (
-                "shoal_scrub_passes_total",
-                "Scrub passes finished",
-                st.passes.load(Relaxed),
-            ),
-            (
-                "shoal_scrub_bytes_total",
-                "Bytes of written data the scrubber checked",
-                st.bytes.load(Relaxed),
-            ),
-            (
-                "shoal_scrub_bad_blocks_total",
-                "Blocks the scrubber found failing their checksum",
-                st.bad.load(Relaxed),
-            ),
-            (
-                "shoal_scrub_repaired_total",
-                "Bad blocks found by the scrubber and repaired by the owner",
-                st.repaired.load(Relaxed),
-            ),
-            (
-                "shoal_scrub_unrepaired_total",
-                "Bad blocks found by the scrubber and left bad",
-                st.unrepaired.load(Relaxed),
-            ),
-        ];
-        for (name, help, v) in scrub {
-            family(&mut out, name, "counter", help, &[(node.clone(), v)]);
-        }
     }
     let devices: Vec<_> = h
         .replicas

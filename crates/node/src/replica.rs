@@ -298,6 +298,29 @@ impl Replicas {
         })
     }
 
+    /// A write from an owner: fenced, recorded dirty, ordered after the
+    /// overlapping writes sent before it, durable before the reply.
+    fn write(
+        &self,
+        component: ComponentId,
+        generation: Generation,
+        offset: u64,
+        seq: u64,
+        payload: Bytes,
+        apply: impl FnOnce(&Device, ComponentId, u64, &[u8]) -> Result<(), StoreError> + Send + 'static,
+    ) -> Result<Reply, RemoteError> {
+        let d = self.device_of(component)?;
+        self.fence(&d, component, generation)?;
+        self.mark_dirty(component, offset, payload.len() as u64, generation, seq);
+        d.written
+            .fetch_add(payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        let end = offset.saturating_add(payload.len() as u64);
+        let (deps, guard) = self.seq.enter(component, offset, end, true);
+        Ok(Self::apply_then_commit(d, deps, guard, move |d| {
+            apply(d, component, offset, &payload)
+        }))
+    }
+
     fn execute(&self, req: Request, payload: Bytes) -> Result<Reply, RemoteError> {
         Ok(match req {
             Request::Ping => done(Ok(Response::Ok)),
@@ -359,36 +382,23 @@ impl Replicas {
                 generation,
                 offset,
                 seq,
-            } => {
-                let d = self.device_of(component)?;
-                self.fence(&d, component, generation)?;
-                self.mark_dirty(component, offset, payload.len() as u64, generation, seq);
-                d.written
-                    .fetch_add(payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                let end = offset.saturating_add(payload.len() as u64);
-                let (deps, guard) = self.seq.enter(component, offset, end, true);
-                Self::apply_then_commit(d, deps, guard, move |d| {
-                    d.store.write(component, offset, &payload)
-                })
-            }
+            } => self.write(component, generation, offset, seq, payload, |d, c, o, p| {
+                d.store.write(c, o, p)
+            })?,
             Request::WriteChecked {
                 component,
                 generation,
                 offset,
                 seq,
                 crcs,
-            } => {
-                let d = self.device_of(component)?;
-                self.fence(&d, component, generation)?;
-                self.mark_dirty(component, offset, payload.len() as u64, generation, seq);
-                d.written
-                    .fetch_add(payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                let end = offset.saturating_add(payload.len() as u64);
-                let (deps, guard) = self.seq.enter(component, offset, end, true);
-                Self::apply_then_commit(d, deps, guard, move |d| {
-                    d.store.write_checked(component, offset, &payload, &crcs)
-                })
-            }
+            } => self.write(
+                component,
+                generation,
+                offset,
+                seq,
+                payload,
+                move |d, c, o, p| d.store.write_checked(c, o, p, &crcs),
+            )?,
             Request::WriteZeroes {
                 component,
                 generation,
