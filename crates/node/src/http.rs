@@ -452,7 +452,7 @@ async fn metrics(State(h): State<Http>) -> String {
             "shoal_device_syncs_total",
             "counter",
             "Group commits (device flushes) issued",
-            &|d| d.commit.syncs(),
+            &|d| d.flusher.syncs(),
         ),
         (
             "shoal_device_write_bytes_total",

@@ -8,6 +8,7 @@
 //! what the directory says.
 
 pub mod exports;
+pub mod flusher;
 pub mod http;
 pub mod liveness;
 pub mod replica;
@@ -198,7 +199,8 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
                 .find(|(kp, _)| kp == p)
                 .map(|(_, id)| replica::Device::new(*id, p.clone(), s.clone()))
         })
-        .collect::<Vec<_>>();
+        .collect::<std::io::Result<Vec<_>>>()
+        .context("starting the device flusher threads")?;
     let have_all = initial.len() == stores.len();
     let mut peer_l = Some(peer_l);
     if have_all {
@@ -279,7 +281,8 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
             .iter()
             .zip(&device_ids)
             .map(|((p, s), (_, id))| replica::Device::new(*id, p.clone(), s.clone()))
-            .collect();
+            .collect::<std::io::Result<Vec<_>>>()
+            .context("starting the device flusher threads")?;
         let r = Arc::new(replica::Replicas::new(devs));
         let _ = r.router.set(router.clone());
         shoal_rpc::register_local(&cfg.peer_addr, r.clone());

@@ -6,11 +6,12 @@
 //! writes in the order the owner sent them. Durability (group commit) and
 //! reads run afterwards, concurrently.
 
+use crate::flusher::Flusher;
 use crate::router::Router;
 use bytes::Bytes;
 use shoal_model::{ComponentId, DeviceId, Generation};
 use shoal_rpc::{Handler, RemoteError, Reply, Request, Response};
-use shoal_store::{GroupCommit, StoreError};
+use shoal_store::StoreError;
 
 /// The component store the node runs on: the log-structured store
 /// (`docs/store-log-format.md`).
@@ -18,6 +19,11 @@ pub type Store = shoal_store::LogStore;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
 use tokio::sync::watch;
+
+/// Largest write applied on the async worker itself, in bytes: copying it
+/// into the open batch takes microseconds; larger ones may fill and seal
+/// batches (device writes), so they go to a blocking thread.
+const INLINE_WRITE_MAX: usize = 64 << 10;
 
 /// Region size of the dirty map (matches the owner's reconcile unit).
 const REGION: u64 = shoal_owner::REGION;
@@ -29,7 +35,8 @@ pub struct Device {
     pub id: DeviceId,
     pub path: String,
     pub store: Arc<Store>,
-    pub commit: GroupCommit<Store>,
+    /// The device's group commit, on its own thread.
+    pub flusher: Flusher,
     /// Bytes of data written to this device by owners (client writes and
     /// resync copies): the backend side of write amplification.
     pub written: std::sync::atomic::AtomicU64,
@@ -40,16 +47,16 @@ pub struct Device {
 }
 
 impl Device {
-    pub fn new(id: DeviceId, path: String, store: Arc<Store>) -> Device {
-        Device {
+    pub fn new(id: DeviceId, path: String, store: Arc<Store>) -> std::io::Result<Device> {
+        Ok(Device {
             id,
+            flusher: Flusher::start(store.clone(), &format!("dev{id}"))?,
             path,
-            commit: GroupCommit::new(store.clone()),
             store,
             written: Default::default(),
             checksum_errors: Default::default(),
             repaired: Default::default(),
-        }
+        })
     }
 
     /// Counts a checksum failure in a store answer before passing it on.
@@ -262,28 +269,40 @@ impl Replicas {
         }
     }
 
-    /// Runs `apply` on a blocking thread once the earlier overlapping writes
-    /// are done, releases the writes behind it, then waits for durability.
+    /// Runs `apply` once the earlier overlapping writes are done, releases
+    /// the writes behind it, then waits for durability. Small writes only
+    /// copy into the store's open batch: they run on the async worker, with
+    /// no thread hand-off; large ones run on a blocking thread.
     fn apply_then_commit(
         d: Arc<Device>,
         deps: Vec<watch::Receiver<bool>>,
         guard: Option<SeqGuard>,
+        inline: bool,
         apply: impl FnOnce(&Device) -> Result<(), StoreError> + Send + 'static,
     ) -> Reply {
         Box::pin(async move {
             wait_all(deps).await;
-            // Write and sync on one blocking thread: no hand-off between them.
-            let r = tokio::task::spawn_blocking(move || {
+            let r = if inline {
                 let r = apply(&d);
                 drop(guard);
-                r?;
-                d.commit.commit_blocking()
-            })
-            .await;
+                r
+            } else {
+                let d2 = d.clone();
+                tokio::task::spawn_blocking(move || {
+                    let r = apply(&d2);
+                    drop(guard);
+                    r
+                })
+                .await
+                .unwrap_or_else(|e| Err(StoreError::Io(std::io::Error::other(e.to_string()))))
+            };
+            let r = match r {
+                Ok(()) => d.flusher.commit().await,
+                Err(e) => Err(e),
+            };
             match r {
-                Ok(Ok(())) => (Response::Ok, Bytes::new()),
-                Ok(Err(e)) => (Response::Err(remote(e)), Bytes::new()),
-                Err(e) => (Response::Err(RemoteError::Io(e.to_string())), Bytes::new()),
+                Ok(()) => (Response::Ok, Bytes::new()),
+                Err(e) => (Response::Err(remote(e)), Bytes::new()),
             }
         })
     }
@@ -291,7 +310,7 @@ impl Replicas {
     /// Durable once the device's group commit completes.
     fn durable(d: Arc<Device>, resp: Response) -> Reply {
         Box::pin(async move {
-            match d.commit.commit().await {
+            match d.flusher.commit().await {
                 Ok(()) => (resp, Bytes::new()),
                 Err(e) => (Response::Err(remote(e)), Bytes::new()),
             }
@@ -316,7 +335,8 @@ impl Replicas {
             .fetch_add(payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
         let end = offset.saturating_add(payload.len() as u64);
         let (deps, guard) = self.seq.enter(component, offset, end, true);
-        Ok(Self::apply_then_commit(d, deps, guard, move |d| {
+        let inline = payload.len() <= INLINE_WRITE_MAX;
+        Ok(Self::apply_then_commit(d, deps, guard, inline, move |d| {
             apply(d, component, offset, &payload)
         }))
     }
@@ -409,7 +429,7 @@ impl Replicas {
                 self.fence(&d, component, generation)?;
                 let end = offset.saturating_add(len);
                 let (deps, guard) = self.seq.enter(component, offset, end, true);
-                Self::apply_then_commit(d, deps, guard, move |d| {
+                Self::apply_then_commit(d, deps, guard, false, move |d| {
                     d.store.write_zeroes(component, offset, len)
                 })
             }
@@ -515,22 +535,27 @@ impl Replicas {
                 let (deps, guard) = self.seq.enter(component, offset, end, true);
                 Box::pin(async move {
                     wait_all(deps).await;
+                    let d2 = d.clone();
                     let r = tokio::task::spawn_blocking(move || {
-                        let r = d.store.repair_block(component, offset, &payload);
+                        let r = d2.store.repair_block(component, offset, &payload);
                         drop(guard);
-                        let done = r?;
-                        d.commit.commit_blocking()?;
-                        if done {
-                            d.repaired
-                                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        }
-                        Ok::<_, StoreError>(done)
+                        r
                     })
-                    .await;
+                    .await
+                    .unwrap_or_else(|e| Err(StoreError::Io(std::io::Error::other(e.to_string()))));
+                    let r = match r {
+                        Ok(done) => d.flusher.commit().await.map(|()| done),
+                        Err(e) => Err(e),
+                    };
                     match r {
-                        Ok(Ok(done)) => (Response::Repaired(done), Bytes::new()),
-                        Ok(Err(e)) => (Response::Err(remote(e)), Bytes::new()),
-                        Err(e) => (Response::Err(RemoteError::Io(e.to_string())), Bytes::new()),
+                        Ok(done) => {
+                            if done {
+                                d.repaired
+                                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            }
+                            (Response::Repaired(done), Bytes::new())
+                        }
+                        Err(e) => (Response::Err(remote(e)), Bytes::new()),
                     }
                 })
             }
