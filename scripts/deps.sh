@@ -4,6 +4,7 @@
 set -euo pipefail
 need=()
 command -v fio >/dev/null || need+=(fio)
+command -v curl >/dev/null || need+=(curl)
 command -v nbdinfo >/dev/null || need+=(libnbd-bin)
 command -v nbdfuse >/dev/null || need+=(libnbd-bin)
 command -v nbdkit >/dev/null || need+=(nbdkit)

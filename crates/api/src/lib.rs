@@ -71,6 +71,25 @@ pub struct Owners {
     pub volumes: Vec<(String, Generation)>,
 }
 
+/// `GET /v1/scrub`: the counters of one node's scrubber (`POST` starts a
+/// pass now).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ScrubReport {
+    pub node: NodeId,
+    /// A pass is running now.
+    pub running: bool,
+    /// Passes finished since the node started.
+    pub passes: u64,
+    /// Bytes of written data checked.
+    pub bytes: u64,
+    /// Blocks found failing their checksum.
+    pub bad_blocks: u64,
+    /// Of those, repaired from a healthy copy by the volume's owner.
+    pub repaired: u64,
+    /// Of those, left bad (no healthy copy reachable).
+    pub unrepaired: u64,
+}
+
 /// `GET /v1/volumes/{name}/digests`: CRC-32C of every data copy.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Digests {

@@ -122,7 +122,8 @@ enum VolumeCmd {
 #[derive(Args)]
 struct NodeArgs {
     /// Optional TOML file with the same keys as the flags (id, data,
-    /// device = ["PATH:SIZE"], peer, nbd, api, join, fault_domain).
+    /// device = ["PATH:SIZE"], peer, nbd, api, join, fault_domain,
+    /// scrub_mib_per_s, scrub_interval_h).
     #[arg(long)]
     config: Option<PathBuf>,
     /// Node id (also its Raft id), unique in the cluster.
@@ -150,6 +151,12 @@ struct NodeArgs {
     /// Fault domain (default: the node is its own).
     #[arg(long)]
     fault_domain: Option<String>,
+    /// Scrubber read rate in MiB/s (0: no periodic scrub; default 8).
+    #[arg(long)]
+    scrub_mib_per_s: Option<u32>,
+    /// Hours between scrub passes (default 168, a week).
+    #[arg(long)]
+    scrub_interval_h: Option<u64>,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -163,6 +170,8 @@ struct NodeFile {
     api: Option<String>,
     join: Option<String>,
     fault_domain: Option<String>,
+    scrub_mib_per_s: Option<u32>,
+    scrub_interval_h: Option<u64>,
 }
 
 fn parse_device(s: &str) -> Result<DeviceSpec> {
@@ -215,6 +224,19 @@ fn node_config(a: NodeArgs) -> Result<NodeConfig> {
         join: a.join.or(f.join),
         fault_domain: a.fault_domain.or(f.fault_domain),
         data_dir: data,
+        scrub: {
+            let d = shoal_node::scrub::ScrubConfig::default();
+            shoal_node::scrub::ScrubConfig {
+                mib_per_s: a
+                    .scrub_mib_per_s
+                    .or(f.scrub_mib_per_s)
+                    .unwrap_or(d.mib_per_s),
+                interval_h: a
+                    .scrub_interval_h
+                    .or(f.scrub_interval_h)
+                    .unwrap_or(d.interval_h),
+            }
+        },
     })
 }
 

@@ -24,6 +24,8 @@ pub struct Http {
     pub liveness: Arc<Liveness>,
     /// Set once the node's devices are registered.
     pub replicas: Arc<std::sync::OnceLock<Arc<crate::replica::Replicas>>>,
+    /// Set once the scrubber runs.
+    pub scrubber: Arc<std::sync::OnceLock<Arc<crate::scrub::Scrubber>>>,
 }
 
 struct ApiErr(StatusCode, String);
@@ -78,6 +80,7 @@ pub fn routes(h: Http) -> axum::Router {
         .route("/v1/heartbeat", post(heartbeat))
         .route("/v1/local/connections", get(connections))
         .route("/v1/local/owners", get(owners))
+        .route("/v1/scrub", get(scrub_status).post(scrub_start))
         .route("/metrics", get(metrics))
         .with_state(h)
         .merge(dir_routes)
@@ -313,58 +316,165 @@ async fn owners(State(h): State<Http>) -> Json<Owners> {
     })
 }
 
-async fn metrics(State(h): State<Http>) -> String {
-    let c = &h.router.counters;
-    let mut out = String::new();
-    let mut put = |name: &str, help: &str, v: u64| {
-        out.push_str(&format!(
-            "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{node=\"{}\"}} {v}\n",
-            h.router.node
-        ));
-    };
-    put(
+fn scrubber(h: &Http) -> Result<&Arc<crate::scrub::Scrubber>, ApiErr> {
+    h.scrubber.get().ok_or_else(|| {
+        ApiErr(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "node still starting".into(),
+        )
+    })
+}
+
+/// Counters of this node's scrubber.
+async fn scrub_status(State(h): State<Http>) -> Result<Json<shoal_api::ScrubReport>, ApiErr> {
+    let st = &scrubber(&h)?.stats;
+    Ok(Json(shoal_api::ScrubReport {
+        node: h.router.node,
+        running: st.running.load(Relaxed) == 1,
+        passes: st.passes.load(Relaxed),
+        bytes: st.bytes.load(Relaxed),
+        bad_blocks: st.bad.load(Relaxed),
+        repaired: st.repaired.load(Relaxed),
+        unrepaired: st.unrepaired.load(Relaxed),
+    }))
+}
+
+/// Starts a scrub pass on this node now.
+async fn scrub_start(State(h): State<Http>) -> Result<StatusCode, ApiErr> {
+    scrubber(&h)?.start_pass();
+    Ok(StatusCode::ACCEPTED)
+}
+
+/// Node-wide counters (name, help), in the order `metrics` reads them.
+const NODE_COUNTERS: [(&str, &str); 12] = [
+    (
         "shoal_nbd_reads_total",
         "NBD read requests served by this node",
-        c.reads.load(Relaxed),
-    );
-    put(
+    ),
+    (
         "shoal_nbd_writes_total",
         "NBD write requests served by this node",
-        c.writes.load(Relaxed),
-    );
-    put(
+    ),
+    (
         "shoal_nbd_read_bytes_total",
         "Bytes read by NBD clients of this node",
-        c.read_bytes.load(Relaxed),
-    );
-    put(
+    ),
+    (
         "shoal_nbd_write_bytes_total",
         "Bytes written by NBD clients of this node",
-        c.write_bytes.load(Relaxed),
-    );
-    put(
+    ),
+    (
         "shoal_forwarded_total",
         "Requests forwarded to another node's owner",
-        c.forwarded.load(Relaxed),
-    );
-    put(
-        "shoal_io_errors_total",
-        "Client requests that failed",
-        c.errors.load(Relaxed),
-    );
-    put(
+    ),
+    ("shoal_io_errors_total", "Client requests that failed"),
+    (
         "shoal_owner_claims_total",
         "Volume ownership claims made by this node",
-        c.claims.load(Relaxed),
+    ),
+    ("shoal_scrub_passes_total", "Scrub passes finished"),
+    (
+        "shoal_scrub_bytes_total",
+        "Bytes of written data the scrubber checked",
+    ),
+    (
+        "shoal_scrub_bad_blocks_total",
+        "Blocks the scrubber found failing their checksum",
+    ),
+    (
+        "shoal_scrub_repaired_total",
+        "Bad blocks found by the scrubber and repaired by the owner",
+    ),
+    (
+        "shoal_scrub_unrepaired_total",
+        "Bad blocks found by the scrubber and left bad",
+    ),
+];
+
+/// Appends one Prometheus metric family: `(labels, value)` samples.
+fn family(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(String, u64)]) {
+    out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+    for (labels, v) in samples {
+        out.push_str(&format!("{name}{{{labels}}} {v}\n"));
+    }
+}
+
+async fn metrics(State(h): State<Http>) -> String {
+    let c = &h.router.counters;
+    let node = format!("node=\"{}\"", h.router.node);
+    let mut out = String::new();
+    let zero = crate::scrub::ScrubStats::default();
+    let st = h.scrubber.get().map(|s| &s.stats).unwrap_or(&zero);
+    let values = [
+        &c.reads,
+        &c.writes,
+        &c.read_bytes,
+        &c.write_bytes,
+        &c.forwarded,
+        &c.errors,
+        &c.claims,
+        &st.passes,
+        &st.bytes,
+        &st.bad,
+        &st.repaired,
+        &st.unrepaired,
+    ]
+    .map(|a| a.load(Relaxed));
+    for ((name, help), v) in NODE_COUNTERS.iter().zip(values) {
+        family(&mut out, name, "counter", help, &[(node.clone(), v)]);
+    }
+    let devices: Vec<_> = h
+        .replicas
+        .get()
+        .into_iter()
+        .flat_map(|r| r.devices())
+        .collect();
+    let per_device = |f: &dyn Fn(&crate::replica::Device) -> u64| -> Vec<(String, u64)> {
+        devices
+            .iter()
+            .map(|d| (format!("{node},device=\"{}\"", d.id), f(d)))
+            .collect()
+    };
+    type DeviceMetric<'a> = (
+        &'a str,
+        &'a str,
+        &'a str,
+        &'a dyn Fn(&crate::replica::Device) -> u64,
     );
-    for d in h.replicas.get().into_iter().flat_map(|r| r.devices()) {
-        let labels = format!("node=\"{}\",device=\"{}\"", h.router.node, d.id);
-        out.push_str(&format!(
-            "shoal_device_used_bytes{{{labels}}} {}\nshoal_device_syncs_total{{{labels}}} {}\nshoal_device_write_bytes_total{{{labels}}} {}\n",
-            d.store.used(),
-            d.commit.syncs(),
-            d.written.load(Relaxed)
-        ));
+    let device_metrics: [DeviceMetric; 5] = [
+        (
+            "shoal_device_used_bytes",
+            "gauge",
+            "Bytes of component data on the device",
+            &|d| d.store.used(),
+        ),
+        (
+            "shoal_device_syncs_total",
+            "counter",
+            "Group commits (device flushes) issued",
+            &|d| d.flusher.syncs(),
+        ),
+        (
+            "shoal_device_write_bytes_total",
+            "counter",
+            "Bytes written to the device by owners (client writes and resync copies)",
+            &|d| d.written.load(Relaxed),
+        ),
+        (
+            "shoal_device_checksum_errors_total",
+            "counter",
+            "Blocks read from the device that failed their checksum",
+            &|d| d.checksum_errors.load(Relaxed),
+        ),
+        (
+            "shoal_device_repaired_blocks_total",
+            "counter",
+            "Bad blocks replaced with a good copy from another replica",
+            &|d| d.repaired.load(Relaxed),
+        ),
+    ];
+    for (name, kind, help, f) in device_metrics {
+        family(&mut out, name, kind, help, &per_device(f));
     }
     out
 }

@@ -8,10 +8,12 @@
 //! what the directory says.
 
 pub mod exports;
+pub mod flusher;
 pub mod http;
 pub mod liveness;
 pub mod replica;
 pub mod router;
+pub mod scrub;
 pub mod space;
 
 use anyhow::{bail, Context, Result};
@@ -19,7 +21,6 @@ use serde::{Deserialize, Serialize};
 use shoal_directory::{Command, Directory, DirectoryConfig, Response};
 use shoal_model::{DeviceId, NodeId, NodeInfo, NodeState};
 use shoal_owner::OwnerConfig;
-use shoal_store::GroupCommit;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -48,6 +49,9 @@ pub struct NodeConfig {
     pub join: Option<String>,
     /// Fault domain; defaults to `node-<id>`.
     pub fault_domain: Option<String>,
+    /// Background scrubbing of the devices.
+    #[serde(default)]
+    pub scrub: scrub::ScrubConfig,
 }
 
 /// What a data folder remembers about the node that owns it.
@@ -194,18 +198,10 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
             known
                 .iter()
                 .find(|(kp, _)| kp == p)
-                .map(|(_, id)| replica::Device {
-                    id: *id,
-                    path: p.clone(),
-                    store: s.clone(),
-                    commit: GroupCommit::new(s.clone()),
-                    written: Default::default(),
-                    io_failed: Default::default(),
-                    refused_at: Default::default(),
-                    reserved: Default::default(),
-                })
+                .map(|(_, id)| replica::Device::new(*id, p.clone(), s.clone()))
         })
-        .collect::<Vec<_>>();
+        .collect::<std::io::Result<Vec<_>>>()
+        .context("starting the device flusher threads")?;
     let have_all = initial.len() == stores.len();
     let mut peer_l = Some(peer_l);
     if have_all {
@@ -217,10 +213,12 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
             tokio::spawn(shoal_rpc::serve(l, r));
         }
     }
+    let scrubber_cell = Arc::new(std::sync::OnceLock::new());
     let app = http::routes(http::Http {
         router: router.clone(),
         liveness: liveness.clone(),
         replicas: replicas_cell.clone(),
+        scrubber: scrubber_cell.clone(),
     });
     tokio::spawn(async move {
         if let Err(e) = axum::serve(api_l, app).await {
@@ -283,17 +281,9 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
         let devs = stores
             .iter()
             .zip(&device_ids)
-            .map(|((p, s), (_, id))| replica::Device {
-                id: *id,
-                path: p.clone(),
-                store: s.clone(),
-                commit: GroupCommit::new(s.clone()),
-                written: Default::default(),
-                io_failed: Default::default(),
-                refused_at: Default::default(),
-                reserved: Default::default(),
-            })
-            .collect();
+            .map(|((p, s), (_, id))| replica::Device::new(*id, p.clone(), s.clone()))
+            .collect::<std::io::Result<Vec<_>>>()
+            .context("starting the device flusher threads")?;
         let r = Arc::new(replica::Replicas::new(devs));
         let _ = r.router.set(router.clone());
         shoal_rpc::register_local(&cfg.peer_addr, r.clone());
@@ -306,6 +296,12 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
     if let Some(l) = peer_l.take() {
         tokio::spawn(shoal_rpc::serve(l, replicas.clone()));
     }
+
+    let _ = scrubber_cell.set(scrub::Scrubber::start(
+        cfg.scrub.clone(),
+        replicas.clone(),
+        router.clone(),
+    ));
 
     // Liveness.
     let r2 = replicas.clone();

@@ -6,11 +6,12 @@
 //! writes in the order the owner sent them. Durability (group commit) and
 //! reads run afterwards, concurrently.
 
+use crate::flusher::Flusher;
 use crate::router::Router;
 use bytes::Bytes;
 use shoal_model::{ComponentId, DeviceId, Generation};
 use shoal_rpc::{Handler, RemoteError, Reply, Request, Response};
-use shoal_store::{GroupCommit, StoreError};
+use shoal_store::StoreError;
 
 /// The component store the node runs on: the log-structured store
 /// (`docs/store-log-format.md`).
@@ -18,6 +19,11 @@ pub type Store = shoal_store::LogStore;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
 use tokio::sync::watch;
+
+/// Largest write applied on the async worker itself, in bytes: copying it
+/// into the open batch takes microseconds; larger ones may fill and seal
+/// batches (device writes), so they go to a blocking thread.
+const INLINE_WRITE_MAX: usize = 64 << 10;
 
 /// Region size of the dirty map (matches the owner's reconcile unit).
 const REGION: u64 = shoal_owner::REGION;
@@ -29,10 +35,15 @@ pub struct Device {
     pub id: DeviceId,
     pub path: String,
     pub store: Arc<Store>,
-    pub commit: GroupCommit<Store>,
+    /// The device's group commit, on its own thread.
+    pub flusher: Flusher,
     /// Bytes of data written to this device by owners (client writes and
     /// resync copies): the backend side of write amplification.
     pub written: std::sync::atomic::AtomicU64,
+    /// Blocks found failing their checksum (by reads and the scrubber).
+    pub checksum_errors: std::sync::atomic::AtomicU64,
+    /// Bad blocks replaced with a good copy from another replica.
+    pub repaired: std::sync::atomic::AtomicU64,
     /// Set once the store answered an I/O error (after a failed write or
     /// flush it refuses everything until reopened): reported `Failed`.
     pub io_failed: std::sync::atomic::AtomicBool,
@@ -45,19 +56,41 @@ pub struct Device {
 }
 
 impl Device {
-    /// Records what a store error says about the device itself.
-    pub fn note(&self, e: &StoreError) {
-        match e {
-            StoreError::Io(_) => self
+    pub fn new(id: DeviceId, path: String, store: Arc<Store>) -> std::io::Result<Device> {
+        Ok(Device {
+            id,
+            flusher: Flusher::start(store.clone(), &format!("dev{id}"))?,
+            path,
+            store,
+            written: Default::default(),
+            checksum_errors: Default::default(),
+            repaired: Default::default(),
+            io_failed: Default::default(),
+            refused_at: Default::default(),
+            reserved: Default::default(),
+        })
+    }
+
+    /// Counts a checksum failure in a store answer before passing it on,
+    /// and records what an error says about the device itself (I/O error:
+    /// failed; no space: full).
+    fn note<T>(&self, r: Result<T, StoreError>) -> Result<T, StoreError> {
+        match &r {
+            Err(StoreError::Checksum { .. }) => {
+                self.checksum_errors
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            Err(StoreError::Io(_)) => self
                 .io_failed
                 .store(true, std::sync::atomic::Ordering::Relaxed),
-            StoreError::NoSpace => {
-                if let Ok(mut r) = self.refused_at.lock() {
-                    *r = Some(self.store.used());
+            Err(StoreError::NoSpace) => {
+                if let Ok(mut at) = self.refused_at.lock() {
+                    *at = Some(self.store.used());
                 }
             }
             _ => {}
         }
+        r
     }
 }
 
@@ -171,9 +204,10 @@ fn remote(e: StoreError) -> RemoteError {
         StoreError::NoSuchComponent(c) => RemoteError::NoSuchComponent(c),
         StoreError::StaleGeneration { have, got } => RemoteError::StaleGeneration { have, got },
         StoreError::Io(e) => RemoteError::Io(e.to_string()),
-        // A block whose checksum disagrees: this copy is damaged; the owner
-        // marks it degraded and rebuilds it from a good copy.
-        e @ StoreError::Checksum { .. } => RemoteError::Io(e.to_string()),
+        // A block whose checksum disagrees: the owner reads it from another
+        // copy and sends it back with a repair.
+        StoreError::Checksum { offset, .. } => RemoteError::Checksum { offset },
+        e @ StoreError::DamagedInTransit { .. } => RemoteError::BadRequest(e.to_string()),
         other => RemoteError::Io(other.to_string()),
     }
 }
@@ -260,31 +294,40 @@ impl Replicas {
         }
     }
 
-    /// Runs `apply` on a blocking thread once the earlier overlapping writes
-    /// are done, releases the writes behind it, then waits for durability.
+    /// Runs `apply` once the earlier overlapping writes are done, releases
+    /// the writes behind it, then waits for durability. Small writes only
+    /// copy into the store's open batch: they run on the async worker, with
+    /// no thread hand-off; large ones run on a blocking thread.
     fn apply_then_commit(
         d: Arc<Device>,
         deps: Vec<watch::Receiver<bool>>,
         guard: Option<SeqGuard>,
+        inline: bool,
         apply: impl FnOnce(&Device) -> Result<(), StoreError> + Send + 'static,
     ) -> Reply {
         Box::pin(async move {
             wait_all(deps).await;
-            // Write and sync on one blocking thread: no hand-off between them.
-            let r = tokio::task::spawn_blocking(move || {
+            let r = if inline {
                 let r = apply(&d);
                 drop(guard);
-                let r = r.and_then(|()| d.commit.commit_blocking());
-                if let Err(e) = &r {
-                    d.note(e);
-                }
                 r
-            })
-            .await;
+            } else {
+                let d2 = d.clone();
+                tokio::task::spawn_blocking(move || {
+                    let r = apply(&d2);
+                    drop(guard);
+                    r
+                })
+                .await
+                .unwrap_or_else(|e| Err(StoreError::Io(std::io::Error::other(e.to_string()))))
+            };
+            let r = d.note(match r {
+                Ok(()) => d.flusher.commit().await,
+                Err(e) => Err(e),
+            });
             match r {
-                Ok(Ok(())) => (Response::Ok, Bytes::new()),
-                Ok(Err(e)) => (Response::Err(remote(e)), Bytes::new()),
-                Err(e) => (Response::Err(RemoteError::Io(e.to_string())), Bytes::new()),
+                Ok(()) => (Response::Ok, Bytes::new()),
+                Err(e) => (Response::Err(remote(e)), Bytes::new()),
             }
         })
     }
@@ -292,14 +335,36 @@ impl Replicas {
     /// Durable once the device's group commit completes.
     fn durable(d: Arc<Device>, resp: Response) -> Reply {
         Box::pin(async move {
-            match d.commit.commit().await {
+            match d.note(d.flusher.commit().await) {
                 Ok(()) => (resp, Bytes::new()),
-                Err(e) => {
-                    d.note(&e);
-                    (Response::Err(remote(e)), Bytes::new())
-                }
+                Err(e) => (Response::Err(remote(e)), Bytes::new()),
             }
         })
+    }
+
+    /// A write from an owner: fenced, recorded dirty, ordered after the
+    /// overlapping writes sent before it, durable before the reply.
+    fn write(
+        &self,
+        component: ComponentId,
+        generation: Generation,
+        offset: u64,
+        seq: u64,
+        payload: Bytes,
+        apply: impl FnOnce(&Device, ComponentId, u64, &[u8]) -> Result<(), StoreError> + Send + 'static,
+    ) -> Result<Reply, RemoteError> {
+        let d = self.device_of(component)?;
+        self.fence(&d, component, generation)?;
+        self.mark_dirty(component, offset, payload.len() as u64, generation, seq);
+        d.written
+            .fetch_add(payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        let end = offset.saturating_add(payload.len() as u64);
+        let (deps, guard) = self.seq.enter(component, offset, end, true);
+        let inline = payload.len() <= INLINE_WRITE_MAX;
+        Ok(Self::apply_then_commit(d, deps, guard, inline, move |d| {
+            crate::space::admit(d, component, offset, payload.len() as u64)?;
+            apply(d, component, offset, &payload)
+        }))
     }
 
     fn execute(&self, req: Request, payload: Bytes) -> Result<Reply, RemoteError> {
@@ -363,19 +428,23 @@ impl Replicas {
                 generation,
                 offset,
                 seq,
-            } => {
-                let d = self.device_of(component)?;
-                self.fence(&d, component, generation)?;
-                self.mark_dirty(component, offset, payload.len() as u64, generation, seq);
-                d.written
-                    .fetch_add(payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                let end = offset.saturating_add(payload.len() as u64);
-                let (deps, guard) = self.seq.enter(component, offset, end, true);
-                Self::apply_then_commit(d, deps, guard, move |d| {
-                    crate::space::admit(d, component, offset, payload.len() as u64)?;
-                    d.store.write(component, offset, &payload)
-                })
-            }
+            } => self.write(component, generation, offset, seq, payload, |d, c, o, p| {
+                d.store.write(c, o, p)
+            })?,
+            Request::WriteChecked {
+                component,
+                generation,
+                offset,
+                seq,
+                crcs,
+            } => self.write(
+                component,
+                generation,
+                offset,
+                seq,
+                payload,
+                move |d, c, o, p| d.store.write_checked(c, o, p, &crcs),
+            )?,
             Request::WriteZeroes {
                 component,
                 generation,
@@ -386,7 +455,7 @@ impl Replicas {
                 self.fence(&d, component, generation)?;
                 let end = offset.saturating_add(len);
                 let (deps, guard) = self.seq.enter(component, offset, end, true);
-                Self::apply_then_commit(d, deps, guard, move |d| {
+                Self::apply_then_commit(d, deps, guard, false, move |d| {
                     d.store.write_zeroes(component, offset, len)
                 })
             }
@@ -407,11 +476,8 @@ impl Replicas {
                     wait_all(deps).await;
                     let r = tokio::task::spawn_blocking(move || {
                         let mut buf = vec![0u8; len as usize];
-                        let r = d.store.read(component, offset, &mut buf);
-                        if let Err(e) = &r {
-                            d.note(e);
-                        }
-                        r.map(|_| buf)
+                        d.note(d.store.read(component, offset, &mut buf))
+                            .map(|_| buf)
                     })
                     .await;
                     match r {
@@ -481,6 +547,41 @@ impl Replicas {
                         Ok(Ok(crc)) => (Response::Digest { crc, size }, Bytes::new()),
                         Ok(Err(e)) => (Response::Err(remote(e)), Bytes::new()),
                         Err(e) => (Response::Err(RemoteError::Io(e.to_string())), Bytes::new()),
+                    }
+                })
+            }
+            Request::Repair {
+                component,
+                generation,
+                offset,
+            } => {
+                let d = self.device_of(component)?;
+                self.fence(&d, component, generation)?;
+                let end = offset.saturating_add(payload.len() as u64);
+                let (deps, guard) = self.seq.enter(component, offset, end, true);
+                Box::pin(async move {
+                    wait_all(deps).await;
+                    let d2 = d.clone();
+                    let r = tokio::task::spawn_blocking(move || {
+                        let r = d2.store.repair_block(component, offset, &payload);
+                        drop(guard);
+                        r
+                    })
+                    .await
+                    .unwrap_or_else(|e| Err(StoreError::Io(std::io::Error::other(e.to_string()))));
+                    let r = match r {
+                        Ok(done) => d.flusher.commit().await.map(|()| done),
+                        Err(e) => Err(e),
+                    };
+                    match r {
+                        Ok(done) => {
+                            if done {
+                                d.repaired
+                                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            }
+                            (Response::Repaired(done), Bytes::new())
+                        }
+                        Err(e) => (Response::Err(remote(e)), Bytes::new()),
                     }
                 })
             }

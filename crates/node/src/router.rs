@@ -132,6 +132,7 @@ fn to_owner_op(op: VolumeOp, payload: Bytes) -> Op {
             data: payload,
         },
         VolumeOp::Flush => Op::Flush,
+        VolumeOp::Repair { component, offset } => Op::Repair { component, offset },
         VolumeOp::Trim { offset, len } | VolumeOp::WriteZeroes { offset, len } => Op::Zero {
             offset,
             len: len as u64,
@@ -297,6 +298,12 @@ impl Router {
                     Ok(b) => return Ok(b),
                     Err(OwnerError::OutOfRange) => return Err(IoFailure::OutOfRange),
                     Err(OwnerError::NoSpace) => return Err(IoFailure::NoSpace),
+                    // A final answer (every copy of a block is bad), not a
+                    // pause to wait out.
+                    Err(OwnerError::Io(e)) => {
+                        self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                        return Err(IoFailure::Io(e));
+                    }
                     Err(OwnerError::Deposed | OwnerError::Stopped) => {
                         if let Ok(mut m) = self.owners.lock() {
                             m.remove(&volume);
@@ -332,6 +339,10 @@ impl Router {
                         }
                         Err(RpcError::Remote(RemoteError::NoSpace)) => {
                             return Err(IoFailure::NoSpace)
+                        }
+                        Err(RpcError::Remote(RemoteError::Io(e))) => {
+                            self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                            return Err(IoFailure::Io(e));
                         }
                         Err(RpcError::Remote(RemoteError::NotOwner { .. })) => {
                             // It does not own it (restarted, or deposed): take over.
@@ -385,6 +396,7 @@ impl Router {
             .map_err(|e| match e {
                 OwnerError::OutOfRange => RemoteError::OutOfRange,
                 OwnerError::NoSpace => RemoteError::NoSpace,
+                OwnerError::Io(e) => RemoteError::Io(e),
                 OwnerError::Deposed | OwnerError::Stopped => RemoteError::NotOwner { volume },
                 other => RemoteError::Unavailable(other.to_string()),
             })

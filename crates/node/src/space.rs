@@ -106,23 +106,13 @@ pub fn admit(d: &Device, component: ComponentId, offset: u64, len: u64) -> Resul
 mod tests {
     use super::*;
     use crate::replica::Store;
-    use shoal_store::GroupCommit;
     use std::sync::Arc;
 
     const MIB: u64 = 1 << 20;
 
     fn device(path: &std::path::Path) -> Device {
         let store = Arc::new(Store::create(path, 64 * MIB, "test").expect("store"));
-        Device {
-            id: 1,
-            path: path.display().to_string(),
-            commit: GroupCommit::new(store.clone()),
-            store,
-            written: Default::default(),
-            io_failed: Default::default(),
-            refused_at: Default::default(),
-            reserved: Default::default(),
-        }
+        Device::new(1, path.display().to_string(), store).expect("device")
     }
 
     /// Admits and performs a write as the replica does.

@@ -66,6 +66,14 @@ pub(crate) enum Internal {
         idx: usize,
         peer: Result<Arc<Peer>, String>,
     },
+    /// A repair of a bad block of replica `idx` ended: whether the block
+    /// was replaced, or the error and whether the repaired copy gave it.
+    Repaired {
+        idx: usize,
+        offset: u64,
+        result: Result<bool, (bool, RpcError)>,
+        reply: Option<Reply>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -427,7 +435,9 @@ async fn read_from(
 
 fn state_for(e: &RpcError) -> ComponentState {
     match e {
-        RpcError::Remote(RemoteError::Io(_)) => ComponentState::Degraded,
+        RpcError::Remote(RemoteError::Io(_) | RemoteError::Checksum { .. }) => {
+            ComponentState::Degraded
+        }
         _ => ComponentState::Absent,
     }
 }
@@ -486,6 +496,7 @@ impl<C: Control> Loop<C> {
             Op::Read { offset, len } => Some((*offset, *len as u64)),
             Op::Write { offset, data } => Some((*offset, data.len() as u64)),
             Op::Zero { offset, len } => Some((*offset, *len)),
+            Op::Repair { offset, .. } => Some((*offset, 1)),
             Op::Flush => None,
         };
         if let Some((off, len)) = range {
@@ -499,6 +510,26 @@ impl<C: Control> Loop<C> {
             // Every acknowledged write is already durable on its replicas.
             Op::Flush => {
                 let _ = reply.send(Ok(Bytes::new()));
+            }
+            Op::Repair { component, offset } => {
+                let found = self
+                    .replicas
+                    .iter()
+                    .position(|r| r.component == component && r.role == ComponentRole::Data);
+                match found {
+                    None => {
+                        let _ = reply.send(Err(OwnerError::Io(format!(
+                            "component {component} is not a data copy of volume {}",
+                            self.volume
+                        ))));
+                    }
+                    // A copy being resynced gets the block from the copy
+                    // step; one out of service is rebuilt as a whole.
+                    Some(idx) if self.replicas[idx].mode != Mode::InSync => {
+                        let _ = reply.send(Ok(Bytes::from_static(&[0])));
+                    }
+                    Some(idx) => self.repair(idx, offset, Some(reply)),
+                }
             }
             Op::Write { .. } | Op::Zero { .. } => {
                 let (off, len) = range.unwrap_or((0, 0));
@@ -540,16 +571,40 @@ impl<C: Control> Loop<C> {
         self.inflight.insert(seq);
         let mut pending = Vec::with_capacity(targets.len());
         let mut results = Vec::new();
+        // Whole-block writes carry the CRC-32C of each block from here to
+        // the replicas' disks (computed once, checked by every replica).
+        let crcs: Option<Vec<u32>> = match &op {
+            Op::Write { offset, data }
+                if offset.is_multiple_of(BLOCK_SIZE)
+                    && (data.len() as u64).is_multiple_of(BLOCK_SIZE) =>
+            {
+                Some(
+                    data.chunks(BLOCK_SIZE as usize)
+                        .map(crc32c::crc32c)
+                        .collect(),
+                )
+            }
+            _ => None,
+        };
         for i in targets {
             let r = &self.replicas[i];
             let Some(peer) = &r.peer else { continue };
             let (req, payload) = match &op {
                 Op::Write { offset, data } => (
-                    Request::Write {
-                        component: r.component,
-                        generation: self.generation,
-                        offset: *offset,
-                        seq,
+                    match &crcs {
+                        Some(crcs) => Request::WriteChecked {
+                            component: r.component,
+                            generation: self.generation,
+                            offset: *offset,
+                            seq,
+                            crcs: crcs.clone(),
+                        },
+                        None => Request::Write {
+                            component: r.component,
+                            generation: self.generation,
+                            offset: *offset,
+                            seq,
+                        },
                     },
                     data.clone(),
                 ),
@@ -590,13 +645,96 @@ impl<C: Control> Loop<C> {
         });
     }
 
-    fn read(&mut self, offset: u64, len: u32, tried: Vec<usize>, reply: Reply) {
-        let candidates: Vec<usize> = (0..self.replicas.len())
+    /// In-sync copies with a connection, but those in `tried`.
+    fn read_candidates(&self, tried: &[usize]) -> Vec<usize> {
+        (0..self.replicas.len())
             .filter(|&i| {
                 let r = &self.replicas[i];
                 r.mode == Mode::InSync && r.peer.is_some() && !tried.contains(&i)
             })
-            .collect();
+            .collect()
+    }
+
+    /// Rewrites the block holding byte `offset` of replica `idx`, which
+    /// failed its checksum, with the block read from another in-sync copy.
+    /// The replica replaces it only if it is still bad, so a newer write
+    /// racing with the repair always wins.
+    fn repair(&mut self, idx: usize, offset: u64, reply: Option<Reply>) {
+        let block = offset / BLOCK_SIZE * BLOCK_SIZE;
+        let len = (self.size.saturating_sub(block)).min(BLOCK_SIZE) as u32;
+        let source = self
+            .read_candidates(&[idx])
+            .into_iter()
+            .find(|&i| self.replicas[i].role == ComponentRole::Data);
+        let target = &self.replicas[idx];
+        let (Some(s), Some(dst), true) = (source, target.peer.clone(), len > 0) else {
+            tracing::warn!(
+                volume = self.volume,
+                component = target.component,
+                offset,
+                "bad block, and no healthy copy to repair it from"
+            );
+            if let Some(r) = reply {
+                let _ = r.send(Err(OwnerError::Unavailable(
+                    "no healthy copy to repair from".into(),
+                )));
+            }
+            return;
+        };
+        tracing::warn!(
+            volume = self.volume,
+            component = target.component,
+            offset = block,
+            from = self.replicas[s].component,
+            "bad block: repairing it from another copy"
+        );
+        let read = Request::Read {
+            component: self.replicas[s].component,
+            generation: self.generation,
+            offset: block,
+            len,
+        };
+        let write = Request::Repair {
+            component: target.component,
+            generation: self.generation,
+            offset: block,
+        };
+        let src = self.replicas[s].peer.clone();
+        let (tx, timeout) = (self.tx.clone(), self.cfg.io_timeout);
+        tokio::spawn(async move {
+            let result = async {
+                let src = src.ok_or((false, RpcError::Closed))?;
+                let (_, data) = src
+                    .call(&read, Bytes::new(), timeout)
+                    .await
+                    .map_err(|e| (false, e))?;
+                if data.len() != len as usize {
+                    return Err((false, RpcError::Protocol("short read".into())));
+                }
+                match dst.call(&write, data, timeout).await {
+                    Ok((Response::Repaired(done), _)) => Ok(done),
+                    Ok((other, _)) => Err((
+                        true,
+                        RpcError::Protocol(format!("unexpected answer to a repair: {other:?}")),
+                    )),
+                    Err(e) => Err((true, e)),
+                }
+            }
+            .await;
+            Self::send_internal(
+                &tx,
+                Internal::Repaired {
+                    idx,
+                    offset: block,
+                    result,
+                    reply,
+                },
+            );
+        });
+    }
+
+    fn read(&mut self, offset: u64, len: u32, tried: Vec<usize>, reply: Reply) {
+        let candidates = self.read_candidates(&tried);
         if candidates.is_empty() {
             let _ = reply.send(Err(OwnerError::Unavailable(
                 "no in-sync copy reachable".into(),
@@ -804,9 +942,22 @@ impl<C: Control> Loop<C> {
                         let _ = reply.send(Err(oe));
                         return !deposed;
                     }
-                    self.fail(idx, state_for(&e));
                     tried.push(idx);
-                    self.read(offset, len, tried, reply);
+                    if let RpcError::Remote(RemoteError::Checksum { offset: bad }) = e {
+                        // One bad block: this copy stays in service; serve
+                        // the read from another copy and repair the block.
+                        if self.read_candidates(&tried).is_empty() {
+                            let _ = reply.send(Err(OwnerError::Io(format!(
+                                "{e} and no other copy to read it from"
+                            ))));
+                        } else {
+                            self.repair(idx, bad, None);
+                            self.read(offset, len, tried, reply);
+                        }
+                    } else {
+                        self.fail(idx, state_for(&e));
+                        self.read(offset, len, tried, reply);
+                    }
                 }
             },
             Internal::Marked { idx } => {
@@ -886,6 +1037,47 @@ impl<C: Control> Loop<C> {
                         }
                         tracing::debug!(volume = self.volume, "reconnect failed: {e}");
                     }
+                }
+            }
+            Internal::Repaired {
+                idx,
+                offset,
+                result,
+                reply,
+            } => {
+                let component = self.replicas[idx].component;
+                let answer = match result {
+                    Ok(done) => {
+                        tracing::info!(
+                            volume = self.volume,
+                            component,
+                            offset,
+                            replaced = done,
+                            "bad block repaired"
+                        );
+                        Ok(Bytes::from(vec![done as u8]))
+                    }
+                    Err((at_target, e)) => {
+                        tracing::warn!(
+                            volume = self.volume,
+                            component,
+                            offset,
+                            "repair failed: {e}"
+                        );
+                        if let Some(OwnerError::Deposed) = owner_error(&e) {
+                            if let Some(r) = reply {
+                                let _ = r.send(Err(OwnerError::Deposed));
+                            }
+                            return false;
+                        }
+                        if at_target {
+                            self.fail(idx, state_for(&e));
+                        }
+                        Err(OwnerError::Io(format!("repair failed: {e}")))
+                    }
+                };
+                if let Some(r) = reply {
+                    let _ = r.send(answer);
                 }
             }
             Internal::ResyncDone { idx, result } => {

@@ -135,6 +135,13 @@ pub enum Op {
         offset: u64,
         len: u64,
     },
+    /// Block `offset` of `component` failed its checksum (found by a
+    /// scrubber): rewrite it from a healthy copy. Answers with one byte, 1
+    /// if the block was replaced, 0 if it had been rewritten since.
+    Repair {
+        component: ComponentId,
+        offset: u64,
+    },
 }
 
 pub(crate) enum Event {

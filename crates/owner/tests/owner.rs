@@ -19,6 +19,12 @@ struct Mem {
     comps: Mutex<HashMap<u64, (Generation, Vec<u8>)>>,
     /// Answer every request with a device error.
     broken: AtomicBool,
+    /// (component, block offset) whose checksum fails on read.
+    bad: Mutex<std::collections::HashSet<(u64, u64)>>,
+    /// Checked writes whose data did not match the owner's CRCs.
+    crc_mismatches: AtomicU64,
+    /// Repairs applied.
+    repairs: AtomicU64,
 }
 
 impl Mem {
@@ -76,6 +82,44 @@ impl Mem {
                 d[offset as usize..offset as usize + payload.len()].copy_from_slice(&payload);
                 (Response::Ok, Bytes::new())
             }
+            Request::WriteChecked {
+                component,
+                generation,
+                offset,
+                crcs,
+                ..
+            } => {
+                fenced(component, generation)?;
+                let ok = payload
+                    .chunks(4096)
+                    .map(crc32c::crc32c)
+                    .eq(crcs.iter().copied());
+                if !ok {
+                    self.crc_mismatches.fetch_add(1, Ordering::SeqCst);
+                    return Err(RemoteError::BadRequest("damaged in transit".into()));
+                }
+                let mut bad = self.bad.lock().unwrap();
+                for b in (offset..offset + payload.len() as u64).step_by(4096) {
+                    bad.remove(&(component, b));
+                }
+                let d = &mut m.get_mut(&component).unwrap().1;
+                d[offset as usize..offset as usize + payload.len()].copy_from_slice(&payload);
+                (Response::Ok, Bytes::new())
+            }
+            Request::Repair {
+                component,
+                generation,
+                offset,
+            } => {
+                fenced(component, generation)?;
+                if !self.bad.lock().unwrap().remove(&(component, offset)) {
+                    return Ok((Response::Repaired(false), Bytes::new()));
+                }
+                self.repairs.fetch_add(1, Ordering::SeqCst);
+                let d = &mut m.get_mut(&component).unwrap().1;
+                d[offset as usize..offset as usize + payload.len()].copy_from_slice(&payload);
+                (Response::Repaired(true), Bytes::new())
+            }
             Request::WriteZeroes {
                 component,
                 generation,
@@ -94,6 +138,12 @@ impl Mem {
                 len,
             } => {
                 fenced(component, generation)?;
+                let first = offset / 4096 * 4096;
+                for b in (first..offset + len as u64).step_by(4096) {
+                    if self.bad.lock().unwrap().contains(&(component, b)) {
+                        return Err(RemoteError::Checksum { offset: b });
+                    }
+                }
                 let d = &m[&component].1;
                 (
                     Response::Data,
@@ -302,4 +352,60 @@ async fn without_a_majority_the_owner_does_not_start() {
     // Only copy 1 reachable: 1 vote of 3.
     let r = Owner::start(cfg(), view(&addrs, [true, false, false], 1), 1, dir).await;
     assert!(matches!(r, Err(OwnerError::Unavailable(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_block_is_read_from_the_other_copy_and_repaired_in_place() {
+    let (mems, addrs, dir) = setup().await;
+    let o = Owner::start(cfg(), view(&addrs, [true; 3], 1), 1, dir.clone())
+        .await
+        .unwrap();
+    let data: Vec<u8> = (0..16 * 4096).map(|i| (i % 253) as u8).collect();
+    o.write(0, Bytes::from(data.clone())).await.unwrap();
+    assert_eq!(mems[0].crc_mismatches.load(Ordering::SeqCst), 0);
+    // Copy 1 (on the owner's node, which reads prefer) rots in block 3.
+    mems[0].comps.lock().unwrap().get_mut(&1).unwrap().1[3 * 4096 + 5] ^= 0xff;
+    mems[0].bad.lock().unwrap().insert((1, 3 * 4096));
+    assert_eq!(&o.read(0, 16 * 4096).await.unwrap()[..], &data[..]);
+    let mut repaired = false;
+    for _ in 0..100 {
+        if mems[0].repairs.load(Ordering::SeqCst) == 1 {
+            repaired = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(repaired, "the bad block was not repaired");
+    assert_eq!(mems[0].data(1), mems[1].data(2));
+    // One bad block does not take the copy out of service.
+    assert!(dir.states.lock().unwrap().is_empty());
+
+    // A scrubber's report of a bad block on copy 2: repaired on request;
+    // a block rewritten since is left alone.
+    mems[1].comps.lock().unwrap().get_mut(&2).unwrap().1[9 * 4096] ^= 1;
+    mems[1].bad.lock().unwrap().insert((2, 9 * 4096));
+    let r = o
+        .execute(shoal_owner::Op::Repair {
+            component: 2,
+            offset: 9 * 4096 + 17,
+        })
+        .await
+        .unwrap();
+    assert_eq!(&r[..], &[1]);
+    assert_eq!(mems[0].data(1), mems[1].data(2));
+    let r = o
+        .execute(shoal_owner::Op::Repair {
+            component: 2,
+            offset: 9 * 4096,
+        })
+        .await
+        .unwrap();
+    assert_eq!(&r[..], &[0], "a good block is not replaced");
+    // Bad on both copies: the client gets an I/O error, not old data.
+    mems[0].bad.lock().unwrap().insert((1, 5 * 4096));
+    mems[1].bad.lock().unwrap().insert((2, 5 * 4096));
+    assert!(matches!(
+        o.read(5 * 4096, 4096).await,
+        Err(OwnerError::Io(_))
+    ));
 }

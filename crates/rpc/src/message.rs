@@ -73,16 +73,53 @@ pub enum Request {
     /// CRC-32C of a component's whole logical contents, to check that
     /// replicas are identical. Answered with [`Response::Digest`].
     Digest { component: ComponentId },
+    /// Replace the block at `offset` (4 KiB aligned) with the payload, read
+    /// by the owner from a healthy copy, if this copy's block still fails
+    /// its checksum. Answered with [`Response::Repaired`].
+    Repair {
+        component: ComponentId,
+        generation: Generation,
+        offset: u64,
+    },
+    /// [`Request::Write`] of whole 4 KiB blocks with the CRC-32C of each,
+    /// computed by the owner where the data entered: the replica checks
+    /// the data against them before it stores it (damage in transit is
+    /// refused with `BadRequest`), and the store keeps the same CRCs.
+    WriteChecked {
+        component: ComponentId,
+        generation: Generation,
+        offset: u64,
+        seq: u64,
+        crcs: Vec<u32>,
+    },
 }
 
 /// Client operations on a whole volume.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum VolumeOp {
-    Read { offset: u64, len: u32 },
-    Write { offset: u64, fua: bool },
+    Read {
+        offset: u64,
+        len: u32,
+    },
+    Write {
+        offset: u64,
+        fua: bool,
+    },
     Flush,
-    Trim { offset: u64, len: u32 },
-    WriteZeroes { offset: u64, len: u32 },
+    Trim {
+        offset: u64,
+        len: u32,
+    },
+    WriteZeroes {
+        offset: u64,
+        len: u32,
+    },
+    /// The block at `offset` of one component was found corrupt (by the
+    /// node's scrubber): the owner rewrites it from a healthy copy.
+    Repair {
+        component: ComponentId,
+        offset: u64,
+    },
 }
 
 /// A reply body; data read travels in the payload.
@@ -102,6 +139,9 @@ pub enum Response {
         crc: u32,
         size: u64,
     },
+    /// Answer to [`Request::Repair`]: whether the block was replaced (false
+    /// when it had been rewritten since it was found bad).
+    Repaired(bool),
 }
 
 /// An error the remote side reports; callers branch on it.
@@ -126,6 +166,11 @@ pub enum RemoteError {
     /// The volume cannot serve now (no quorum); try again later.
     Unavailable(String),
     BadRequest(String),
+    /// A block of this copy failed its checksum (byte `offset` of the
+    /// component): read it from another copy and repair this one.
+    Checksum {
+        offset: u64,
+    },
 }
 
 impl fmt::Display for RemoteError {
@@ -142,6 +187,9 @@ impl fmt::Display for RemoteError {
             RemoteError::NotOwner { volume } => write!(f, "not the owner of volume {volume}"),
             RemoteError::Unavailable(e) => write!(f, "volume unavailable: {e}"),
             RemoteError::BadRequest(e) => write!(f, "bad request: {e}"),
+            RemoteError::Checksum { offset } => {
+                write!(f, "checksum mismatch in the block at byte {offset}")
+            }
         }
     }
 }

@@ -73,6 +73,10 @@ pub enum StoreError {
     /// damaged): the owner should read it from another copy.
     #[error("component {component}: checksum mismatch in the block at byte {offset}")]
     Checksum { component: u64, offset: u64 },
+    /// Data handed to [`LogStore::write_checked`] does not match the CRC
+    /// its sender computed: it was damaged on the way; nothing was written.
+    #[error("component {component}: the block at byte {offset} does not match the checksum it was sent with")]
+    DamagedInTransit { component: u64, offset: u64 },
 }
 
 type Result<T, E = StoreError> = std::result::Result<T, E>;
@@ -148,7 +152,6 @@ pub(crate) fn device_len(file: &mut File) -> io::Result<(u64, bool)> {
         Ok((md.len(), false))
     }
 }
-
 
 /// Largest component in bytes: just under 4 PiB (2^32 - 1 MiB units), far
 /// past any device, and small enough that block numbers and byte offsets

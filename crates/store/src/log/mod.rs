@@ -21,6 +21,7 @@ pub mod device;
 pub mod format;
 pub mod index;
 mod replay;
+mod scrub;
 mod segment;
 #[cfg(test)]
 mod tests;
