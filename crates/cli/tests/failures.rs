@@ -25,6 +25,8 @@ fn fio_write_verify(uri: &str, size: &str) -> Child {
             "--verify=crc32c",
             "--do_verify=1",
             "--verify_fatal=1",
+            // fio would leave its verify state in the working directory.
+            "--verify_state_save=0",
             "--output-format=json",
         ])
         .stdout(Stdio::piped())
@@ -38,7 +40,8 @@ fn fio_write_verify(uri: &str, size: &str) -> Child {
 fn fio_verify_only(uri: &str, size: &str) {
     let out = sh(&format!(
         "fio --name=w --ioengine=nbd --uri={uri} --rw=randwrite --bs=4k --iodepth=16 \
-         --size={size} --verify=crc32c --verify_only --verify_fatal=1 --output-format=json"
+         --size={size} --verify=crc32c --verify_only --verify_fatal=1 --verify_state_save=0 \
+         --output-format=json"
     ));
     assert_fio_clean(&out, false);
 }
