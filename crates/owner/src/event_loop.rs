@@ -17,6 +17,11 @@ type Reply = oneshot::Sender<Result<Bytes, OwnerError>>;
 
 /// How long to wait for a TCP connection to a replica.
 const CONNECT_TIMEOUT: Duration = Duration::from_millis(1000);
+/// Ticks between resync attempts of a copy whose device failed, rather
+/// than the usual 10: its node must restart (reopen the store) first, and
+/// each attempt raises the volume's generation.
+const DEGRADED_RETRY_TICKS: u32 = 150;
+
 /// Pause between retries of a directory proposal that found no leader.
 const CONTROL_RETRY: Duration = Duration::from_millis(300);
 
@@ -102,6 +107,10 @@ struct Replica {
     witness_ok: bool,
     /// A reconnection of this in-sync copy is under way.
     reconnecting: bool,
+    /// Its device reported an I/O error (the directory says `Degraded`):
+    /// a resync is tried only every [`DEGRADED_RETRY_TICKS`], since its
+    /// store refuses everything until the node reopens it.
+    degraded: bool,
 }
 
 impl Replica {
@@ -120,6 +129,7 @@ impl Replica {
             mode: Mode::Out,
             witness_ok: false,
             reconnecting: false,
+            degraded: self.degraded,
         }
     }
 }
@@ -241,6 +251,7 @@ pub(crate) async fn start<C: Control>(
             mode: Mode::Out,
             witness_ok: false,
             reconnecting: false,
+            degraded: t.component.state == ComponentState::Degraded,
         })
         .collect();
     assert!(!replicas.is_empty(), "a volume has at least one component");
@@ -811,6 +822,7 @@ impl<C: Control> Loop<C> {
         }
         tracing::warn!(volume = self.volume, component = r.component, %state, "replica failed");
         r.mode = Mode::Failing;
+        r.degraded |= state == ComponentState::Degraded;
         r.peer = None;
         let comp = r.component;
         if self
@@ -1090,6 +1102,7 @@ impl<C: Control> Loop<C> {
                             "resync complete"
                         );
                         self.replicas[idx].mode = Mode::InSync;
+                        self.replicas[idx].degraded = false;
                     }
                     Ok(()) => {}
                     Err(ControlError::Conflict) => return false,
@@ -1122,6 +1135,9 @@ impl<C: Control> Loop<C> {
                 let r = &mut self.replicas[i];
                 r.node_up = t.node_up;
                 r.addr = t.addr.clone();
+                if t.component.state == ComponentState::Degraded {
+                    r.degraded = true;
+                }
             }
         }
         if v.volume.size > self.size {
@@ -1293,7 +1309,7 @@ impl<C: Control> Loop<C> {
                 r.mode = Mode::Out;
                 r.peer = None;
             }
-            self.resync_backoff = 10;
+            self.resync_backoff = if r.degraded { DEGRADED_RETRY_TICKS } else { 10 };
         }
         if self.lock.take().is_some() {
             self.unblock();
