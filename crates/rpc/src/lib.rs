@@ -22,6 +22,11 @@ pub use server::{serve, Handler, Reply};
 
 use std::time::Duration;
 
+/// Read buffer of a connection, in bytes: holds many small frames (headers
+/// and bodies of pipelined requests), so each costs no read call of its
+/// own; payloads larger than it are read straight into their buffers.
+pub(crate) const READ_BUFFER: usize = 64 << 10;
+
 /// Why a call to a peer did not produce a reply.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RpcError {

@@ -97,7 +97,9 @@ impl Peer {
             .map_err(|_| cerr("timed out".into()))?
             .map_err(|e| cerr(e.to_string()))?;
         stream.set_nodelay(true).map_err(|e| cerr(e.to_string()))?;
-        let (mut rd, wr) = stream.into_split();
+        let (rd, wr) = stream.into_split();
+        // Buffered: a small frame (header, body) arrives in one read call.
+        let mut rd = tokio::io::BufReader::with_capacity(crate::READ_BUFFER, rd);
         let (tx, mut rx) = mpsc::unbounded_channel::<(Header, Vec<u8>, Bytes)>();
         let waiters: Waiters = Arc::new(Mutex::new(HashMap::new()));
         let closed = Arc::new(AtomicBool::new(false));

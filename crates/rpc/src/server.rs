@@ -37,7 +37,9 @@ pub async fn serve<H: Handler>(listener: TcpListener, handler: Arc<H>) -> std::i
 
 async fn connection<H: Handler>(stream: TcpStream, handler: Arc<H>) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
-    let (mut rd, wr) = stream.into_split();
+    let (rd, wr) = stream.into_split();
+    // Buffered: a small frame (header, body) arrives in one read call.
+    let mut rd = tokio::io::BufReader::with_capacity(crate::READ_BUFFER, rd);
     let (tx, mut rx) = mpsc::unbounded_channel::<(u64, Response, Bytes)>();
     let writer = tokio::spawn(async move {
         let mut w = BufWriter::with_capacity(256 << 10, wr);
