@@ -29,7 +29,6 @@ pub trait Durable: Send + Sync + 'static {
     fn sync(&self) -> Result<(), StoreError>;
 }
 
-
 impl Durable for LogStore {
     fn sync(&self) -> Result<(), StoreError> {
         LogStore::sync(self)

@@ -149,7 +149,6 @@ pub(crate) fn device_len(file: &mut File) -> io::Result<(u64, bool)> {
     }
 }
 
-
 /// Largest component in bytes: just under 4 PiB (2^32 - 1 MiB units), far
 /// past any device, and small enough that block numbers and byte offsets
 /// never overflow.

@@ -96,6 +96,9 @@ pub struct LogStats {
     /// Segments the cleaner emptied.
     pub cleaned_segments: u64,
     pub flushes: u64,
+    /// Batches and log blocks (headers and data) replayed by the open.
+    pub replayed_batches: u64,
+    pub replayed_blocks: u64,
 }
 
 impl LogStats {
@@ -230,6 +233,8 @@ pub struct LogStore {
     /// everything until reopened.
     failed: Mutex<Option<String>>,
     cache: Mutex<HeaderCache>,
+    /// Log blocks between checkpoints, at least (0: the geometry's).
+    ckpt_every: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -520,6 +525,7 @@ impl LogStore {
             flushes: AtomicU64::new(0),
             failed: Mutex::new(None),
             cache: Mutex::new(HeaderCache::new(1024)),
+            ckpt_every: AtomicU64::new(0),
         }
     }
 
@@ -570,6 +576,25 @@ impl LogStore {
         let st = self.lock_state();
         let ix = st.comps.values().map(|c| c.index.heap_estimate()).sum();
         (ix, st.segs.heap_bytes())
+    }
+
+    /// Log blocks written since the last checkpoint that make the next one
+    /// due: max(64 MiB, 8 × the last checkpoint), or what
+    /// [`set_checkpoint_interval`](Self::set_checkpoint_interval) set.
+    fn ckpt_interval(&self, st: &State) -> u64 {
+        match self.ckpt_every.load(Ordering::Relaxed) {
+            0 => self.geo.ckpt_min.max(8 * st.last_ckpt_blocks),
+            n => n,
+        }
+    }
+
+    /// Sets how many log blocks (4 KiB) are written between automatic
+    /// checkpoints, at least (0: the default, max(64 MiB, 8 × the size of
+    /// the last checkpoint)). A longer interval means more log to replay
+    /// after a crash; benchmarks use `u64::MAX` to measure replay speed.
+    /// Checkpoints the cleaner needs are still taken.
+    pub fn set_checkpoint_interval(&self, blocks: u64) {
+        self.ckpt_every.store(blocks, Ordering::Relaxed);
     }
 
     fn lock_state(&self) -> MutexGuard<'_, State> {
@@ -657,7 +682,7 @@ impl LogStore {
         st.next_seg = next;
         let base = st.segs.block(head, 0);
         st.batch.reset(head, 0, base, self.geo.seg_blocks);
-        if st.log_since_ckpt >= self.geo.ckpt_min.max(8 * st.last_ckpt_blocks) {
+        if st.log_since_ckpt >= self.ckpt_interval(st) {
             st.ckpt_due = true;
         }
         Ok(())
