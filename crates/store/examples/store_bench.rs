@@ -110,7 +110,7 @@ fn parse() -> Opts {
             _ => die(&format!("unknown option {k}")),
         }
     }
-    if o.bs == 0 || o.bs % 4096 != 0 {
+    if o.bs == 0 || !o.bs.is_multiple_of(4096) {
         die("--bs must be a multiple of 4k");
     }
     if o.span == 0 {
@@ -164,7 +164,7 @@ where
     for t in 0..o.qd {
         let (op, stop, measuring) = (op.clone(), stop.clone(), measuring.clone());
         hs.push(std::thread::spawn(move || {
-            let mut rng = SimRng::new(0x5eed ^ (t as u64 + 1) * 0x9E37_79B9);
+            let mut rng = SimRng::new(0x5eed ^ ((t as u64 + 1) * 0x9E37_79B9));
             let mut lat = Lat::default();
             let mut n = 0u64;
             while !stop.load(Ordering::Relaxed) {
@@ -371,7 +371,7 @@ fn recovery_child(o: &Opts) {
     let st = s.stats();
     eprintln!(
         "store_bench: child wrote {} MiB in {:.1}s ({} checkpoints, {} batches); exiting without close",
-        total * o.bs >> 20,
+        (total * o.bs) >> 20,
         t.elapsed().as_secs_f64(),
         st.checkpoints,
         st.batches

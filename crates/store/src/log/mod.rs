@@ -24,8 +24,10 @@ mod replay;
 mod segment;
 #[cfg(test)]
 mod tests;
+pub mod uring;
 
 pub use device::{BlockDevice, FaultyDevice, FileDevice, SimRng};
+pub use uring::{open_file_device, UringDevice};
 
 use crate::{lock_file, random_u64, ComponentMeta, StoreError, MAX_SIZE, MIN_CAPACITY};
 use batch::{data_refs, DataRef, HeaderCache, OpenBatch};
@@ -42,6 +44,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// Data refs (24 B each) the header cache holds: 2^20, about 24 MiB, the
+/// checksums of 4 GiB of data. A read of a block whose header is not
+/// cached reads the header too (in the same submission).
+const HEADER_CACHE_REFS: usize = 1 << 20;
+
+/// Most device blocks in one read request.
+const MAX_RUN: usize = 256;
 
 /// Format parameters of a new log device.
 #[derive(Debug, Clone)]
@@ -340,8 +350,8 @@ impl LogStore {
                     });
                 }
                 tracing::info!(path = %path.display(), "device already formatted for this cluster; opening it");
-                let dev = FileDevice::new(file, path, len, block)?;
-                return Self::open_device(Arc::new(dev));
+                let dev = uring::open_file_device(file, path, len, block)?;
+                return Self::open_device(dev);
             }
         }
         if !block && len < capacity {
@@ -351,8 +361,8 @@ impl LogStore {
             // Old contents are ignored (new uuid), but give the space back.
             let _ = crate::punch_hole(&file, 0, capacity);
         }
-        let dev = FileDevice::new(file, path, capacity, block)?;
-        let s = Self::format_device(Arc::new(dev), cluster_id, cfg)?;
+        let dev = uring::open_file_device(file, path, capacity, block)?;
+        let s = Self::format_device(dev, cluster_id, cfg)?;
         if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             if let Ok(d) = File::open(dir) {
                 let _ = d.sync_all();
@@ -367,8 +377,8 @@ impl LogStore {
         let mut file = OpenOptions::new().read(true).write(true).open(path)?;
         lock_file(&file, path)?;
         let (len, block) = crate::device_len(&mut file)?;
-        let dev = FileDevice::new(file, path, len, block)?;
-        Self::open_device(Arc::new(dev))
+        let dev = uring::open_file_device(file, path, len, block)?;
+        Self::open_device(dev)
     }
 
     /// Opens the device if it is formatted (and belongs to `cluster_id`),
@@ -524,7 +534,7 @@ impl LogStore {
             flushed: AtomicU64::new(flushed),
             flushes: AtomicU64::new(0),
             failed: Mutex::new(None),
-            cache: Mutex::new(HeaderCache::new(1024)),
+            cache: Mutex::new(HeaderCache::new(HEADER_CACHE_REFS)),
             ckpt_every: AtomicU64::new(0),
         }
     }
@@ -804,23 +814,42 @@ impl LogStore {
         }
         let mut b = crate::direct::AlignedBuf::zeroed(BLOCK);
         self.dev.read_at(b.as_mut_slice(), byte_off(h))?;
-        let Some(hdr) = BatchHeader::decode(b.as_slice()) else {
-            return Ok(None);
-        };
-        let Some((seg, off)) = self_locate(&self.sb, h) else {
-            return Ok(None);
-        };
+        Ok(self.parse_header(h, b.as_slice()))
+    }
+
+    /// Decodes the header read from device block `h` and caches it, if it
+    /// is valid and belongs there.
+    fn parse_header(&self, h: u32, b: &[u8]) -> Option<Arc<[DataRef]>> {
+        let hdr = BatchHeader::decode(b)?;
+        let (seg, off) = self_locate(&self.sb, h)?;
         if hdr.uuid != self.sb.uuid || hdr.seg != seg || hdr.off != off {
-            return Ok(None);
+            return None;
         }
         let refs = data_refs(&hdr.entries);
         lock(&self.cache).insert(h, refs.clone());
-        Ok(Some(refs))
+        Some(refs)
     }
 
     /// Checks `data`, read from device block `d` (header at `h`), is block
     /// `block` of `id` with a matching checksum.
     fn verify(&self, id: u64, block: u64, d: u32, h: Option<u32>, data: &[u8]) -> Result<()> {
+        let refs = match h.filter(|&h| h < d) {
+            Some(h) => self.header_refs(h)?,
+            None => None,
+        };
+        Self::check_block(id, block, d, h, refs.as_deref(), data)
+    }
+
+    /// Checks `data` of device block `d` against `refs`, the decoded
+    /// header at `h` (`None`: damaged or missing).
+    fn check_block(
+        id: u64,
+        block: u64,
+        d: u32,
+        h: Option<u32>,
+        refs: Option<&[DataRef]>,
+        data: &[u8],
+    ) -> Result<()> {
         let bad = || StoreError::Checksum {
             component: id,
             offset: block * BLOCK_U64,
@@ -828,7 +857,7 @@ impl LogStore {
         let Some(h) = h.filter(|&h| h < d) else {
             return Err(bad());
         };
-        let Some(refs) = self.header_refs(h)? else {
+        let Some(refs) = refs else {
             tracing::warn!(component = id, block, header = h, "batch header damaged");
             return Err(bad());
         };
@@ -1174,23 +1203,59 @@ impl LogStore {
         // Keep the located blocks from being reused until they are read.
         let gate = self.reuse.read().unwrap_or_else(|e| e.into_inner());
         drop(st);
-        let mut k = 0;
-        let mut io = crate::direct::AlignedBuf::zeroed(todo.len().min(64) * BLOCK);
-        while k < todo.len() {
-            // A run of consecutive device blocks, up to 64.
-            let mut e = k + 1;
-            while e < todo.len() && e - k < 64 && todo[e].4 == todo[e - 1].4 + 1 {
-                e += 1;
+        // The headers to check against: cached, or read with the data.
+        let mut hs: Vec<u32> = todo
+            .iter()
+            .filter_map(|t| t.5.filter(|&h| h < t.4))
+            .collect();
+        hs.sort_unstable();
+        hs.dedup();
+        let mut refs: Vec<Option<Arc<[DataRef]>>> = Vec::with_capacity(hs.len());
+        let mut missing: Vec<usize> = Vec::new();
+        {
+            let cache = lock(&self.cache);
+            for (i, &h) in hs.iter().enumerate() {
+                let r = cache.get(h);
+                if r.is_none() {
+                    missing.push(i);
+                }
+                refs.push(r);
             }
-            let n = e - k;
-            let bytes = &mut io.as_mut_slice()[..n * BLOCK];
-            self.dev.read_at(bytes, byte_off(todo[k].4))?;
-            for (j, &(b, within, len, at, d, h)) in todo[k..e].iter().enumerate() {
-                let data = &bytes[j * BLOCK..(j + 1) * BLOCK];
-                self.verify(id, b, d, h, data)?;
-                buf[at..at + len].copy_from_slice(&data[within..within + len]);
+        }
+        // One buffer: the data blocks in `todo` order, then the headers.
+        let mut io = crate::direct::AlignedBuf::zeroed((todo.len() + missing.len()) * BLOCK);
+        {
+            let (mut data, hdrs) = io.as_mut_slice().split_at_mut(todo.len() * BLOCK);
+            let mut reqs: Vec<(u64, &mut [u8])> = Vec::new();
+            let mut k = 0;
+            while k < todo.len() {
+                // A run of consecutive device blocks.
+                let mut e = k + 1;
+                while e < todo.len() && e - k < MAX_RUN && todo[e].4 == todo[e - 1].4 + 1 {
+                    e += 1;
+                }
+                let (run, rest) = std::mem::take(&mut data).split_at_mut((e - k) * BLOCK);
+                reqs.push((byte_off(todo[k].4), run));
+                data = rest;
+                k = e;
             }
-            k = e;
+            for (&i, b) in missing.iter().zip(hdrs.chunks_mut(BLOCK)) {
+                reqs.push((byte_off(hs[i]), b));
+            }
+            self.dev.read_many(&mut reqs)?;
+        }
+        let hdr_at = todo.len() * BLOCK;
+        for (j, &i) in missing.iter().enumerate() {
+            let b = &io.as_slice()[hdr_at + j * BLOCK..hdr_at + (j + 1) * BLOCK];
+            refs[i] = self.parse_header(hs[i], b);
+        }
+        for (k, &(b, within, len, at, d, h)) in todo.iter().enumerate() {
+            let data = &io.as_slice()[k * BLOCK..(k + 1) * BLOCK];
+            let r = h
+                .and_then(|h| hs.binary_search(&h).ok())
+                .and_then(|i| refs[i].as_deref());
+            Self::check_block(id, b, d, h, r, data)?;
+            buf[at..at + len].copy_from_slice(&data[within..within + len]);
         }
         drop(gate);
         Ok(())
