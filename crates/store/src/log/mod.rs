@@ -29,6 +29,7 @@ pub mod uring;
 pub use device::{BlockDevice, FaultyDevice, FileDevice, SimRng};
 pub use uring::{open_file_device, UringDevice};
 
+use crate::direct::AlignedBuf;
 use crate::{lock_file, random_u64, ComponentMeta, StoreError, MAX_SIZE, MIN_CAPACITY};
 use batch::{data_refs, DataRef, HeaderCache, OpenBatch};
 use format::{
@@ -36,12 +37,12 @@ use format::{
 };
 use index::BlockIndex;
 use segment::{SegState, Segments};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 
 type Result<T, E = StoreError> = std::result::Result<T, E>;
 
@@ -225,6 +226,40 @@ enum Need {
     Freeing,
 }
 
+/// A sealed batch: its place and seq are taken, its bytes are written
+/// outside the state lock by whoever claims it.
+struct Sealed {
+    seq: u64,
+    /// Device block of its header, and blocks (header + data).
+    base: u32,
+    blocks: u32,
+    buf: Arc<AlignedBuf>,
+    claimed: bool,
+    done: bool,
+}
+
+/// Sealed batches not yet known written, in seq order, and spare batch
+/// buffers.
+#[derive(Default)]
+struct Flight {
+    batches: VecDeque<Sealed>,
+    spare: Vec<AlignedBuf>,
+}
+
+impl Flight {
+    /// The buffer and block index of device block `d` if it belongs to a
+    /// batch still in flight (its bytes may not be on the device yet).
+    fn find(&self, d: u32) -> Option<(&AlignedBuf, usize)> {
+        self.batches
+            .iter()
+            .find(|b| !b.done && d > b.base && d < b.base + b.blocks)
+            .map(|b| (&*b.buf, (d - b.base) as usize))
+    }
+}
+
+/// Spare batch buffers kept.
+const SPARE_BUFS: usize = 4;
+
 /// The log-structured component store of one device.
 pub struct LogStore {
     dev: Arc<dyn BlockDevice>,
@@ -245,6 +280,10 @@ pub struct LogStore {
     cache: Mutex<HeaderCache>,
     /// Log blocks between checkpoints, at least (0: the geometry's).
     ckpt_every: AtomicU64,
+    /// Sealed batches being written outside the state lock (lock order:
+    /// state, then flight); `landed` is signalled when one completes.
+    flight: Mutex<Flight>,
+    landed: Condvar,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -536,6 +575,8 @@ impl LogStore {
             failed: Mutex::new(None),
             cache: Mutex::new(HeaderCache::new(HEADER_CACHE_REFS)),
             ckpt_every: AtomicU64::new(0),
+            flight: Mutex::new(Flight::default()),
+            landed: Condvar::new(),
         }
     }
 
@@ -635,7 +676,10 @@ impl LogStore {
     // The log: appending, sealing, moving between segments
     // ---------------------------------------------------------------
 
-    /// Writes the open batch (not flushed). No-op when empty.
+    /// Seals the open batch: its header is encoded, its buffer handed to
+    /// the flight list (written by [`write_sealed`](Self::write_sealed)
+    /// outside the state lock, or by [`drain`](Self::drain)) and a new
+    /// batch opened after it. No-op when empty. No I/O.
     fn seal(&self, st: &mut State) -> Result<()> {
         if st.batch.is_empty() {
             return Ok(());
@@ -649,23 +693,38 @@ impl LogStore {
             seg: st.batch.seg,
             off: st.batch.off,
             next_seg: st.next_seg,
-            entries: st.batch.entries.clone(),
+            entries: std::mem::take(&mut st.batch.entries),
         };
         let base = st.batch.base;
-        let bytes = st.batch.seal(&h);
-        let n = bytes.len() as u64 / BLOCK_U64;
-        self.dev
-            .write_at(bytes, byte_off(base))
-            .map_err(|e| self.poison(e))?;
+        let n = (st.batch.seal(&h).len() / BLOCK) as u32;
+        st.batch.entries = h.entries;
+        let refs = data_refs(&st.batch.entries);
+        {
+            let mut f = lock(&self.flight);
+            let size = st.batch.buf.as_slice().len();
+            let spare = f
+                .spare
+                .pop()
+                .filter(|b| b.as_slice().len() == size)
+                .unwrap_or_else(|| AlignedBuf::zeroed(size));
+            let buf = std::mem::replace(&mut st.batch.buf, spare);
+            f.batches.push_back(Sealed {
+                seq: st.seq,
+                base,
+                blocks: n,
+                buf: Arc::new(buf),
+                claimed: false,
+                done: false,
+            });
+        }
         st.segs.set_header(st.batch.seg, st.batch.off);
-        lock(&self.cache).insert(base, data_refs(&h.entries));
-        self.written.store(st.seq, Ordering::Release);
+        lock(&self.cache).insert(base, refs);
         st.seq += 1;
         st.stats.batches += 1;
         st.stats.header_blocks += 1;
-        st.stats.data_blocks += n - 1;
-        st.log_since_ckpt += n;
-        let next_off = st.batch.off + n as u32;
+        st.stats.data_blocks += n as u64 - 1;
+        st.log_since_ckpt += n as u64;
+        let next_off = st.batch.off + n;
         if self.geo.seg_blocks - next_off < 2 {
             self.rotate(st)?;
         } else {
@@ -674,6 +733,105 @@ impl LogStore {
             st.batch.reset(seg, next_off, base, sb);
         }
         Ok(())
+    }
+
+    /// Writes every sealed batch nobody has claimed yet (one
+    /// `write_many`), then, if `flush` and no other thread's batch is still
+    /// being written, flushes in the same submission. Call without the
+    /// state lock (or through [`drain`](Self::drain)). Returns whether it
+    /// flushed.
+    fn write_sealed(&self, flush: bool) -> Result<bool> {
+        let (mine, others) = {
+            let mut f = lock(&self.flight);
+            let others = f.batches.iter().any(|b| b.claimed && !b.done);
+            let mine: Vec<(u64, u32, u32, Arc<AlignedBuf>)> = f
+                .batches
+                .iter_mut()
+                .filter(|b| !b.claimed)
+                .map(|b| {
+                    b.claimed = true;
+                    (b.seq, b.base, b.blocks, b.buf.clone())
+                })
+                .collect();
+            (mine, others)
+        };
+        if mine.is_empty() {
+            return Ok(false);
+        }
+        let flush = flush && !others;
+        let r = {
+            let reqs: Vec<(u64, &[u8])> = mine
+                .iter()
+                .map(|(_, base, n, buf)| (byte_off(*base), &buf.as_slice()[..*n as usize * BLOCK]))
+                .collect();
+            self.dev.write_many(&reqs, flush)
+        };
+        let last = mine.last().map(|m| m.0).unwrap_or(0);
+        let seqs: Vec<u64> = mine.iter().map(|m| m.0).collect();
+        drop(mine);
+        if let Err(e) = r {
+            let e = self.poison(e);
+            let _f = lock(&self.flight);
+            self.landed.notify_all();
+            return Err(e);
+        }
+        let mut f = lock(&self.flight);
+        for b in f.batches.iter_mut() {
+            if seqs.binary_search(&b.seq).is_ok() {
+                b.done = true;
+            }
+        }
+        while f.batches.front().is_some_and(|b| b.done) {
+            let Some(b) = f.batches.pop_front() else {
+                break;
+            };
+            self.written.fetch_max(b.seq, Ordering::AcqRel);
+            if let Ok(buf) = Arc::try_unwrap(b.buf) {
+                if f.spare.len() < SPARE_BUFS {
+                    f.spare.push(buf);
+                }
+            }
+        }
+        if flush {
+            // Every batch up to `last` was written before the flush.
+            self.flushes.fetch_add(1, Ordering::Relaxed);
+            self.flushed.fetch_max(last, Ordering::AcqRel);
+        }
+        self.landed.notify_all();
+        Ok(flush)
+    }
+
+    /// Waits until every batch up to `seq` is written (writing unclaimed
+    /// ones itself).
+    fn wait_written(&self, seq: u64) -> Result<()> {
+        loop {
+            if self.written.load(Ordering::Acquire) >= seq {
+                return Ok(());
+            }
+            self.fail_check()?;
+            let f = lock(&self.flight);
+            if f.batches.iter().any(|b| !b.claimed) {
+                drop(f);
+                self.write_sealed(false)?;
+                continue;
+            }
+            if f.batches.is_empty() {
+                // Nothing sealed is outstanding.
+                return Ok(());
+            }
+            if self.written.load(Ordering::Acquire) >= seq {
+                continue;
+            }
+            let _f = self.landed.wait(f).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Makes everything sealed so far land on the device (not flushed),
+    /// with the state lock held: for code that reads log blocks from the
+    /// device or flushes under the lock.
+    fn drain(&self, st: &State) -> Result<()> {
+        self.write_sealed(false)?;
+        self.wait_written(st.seq - 1)
     }
 
     /// Moves the log into the next segment.
@@ -891,6 +1049,13 @@ impl LogStore {
             Some(d) => match st.batch.slot_of(d) {
                 Some(i) => out.copy_from_slice(st.batch.data(i)),
                 None => {
+                    {
+                        let f = lock(&self.flight);
+                        if let Some((buf, k)) = f.find(d) {
+                            out.copy_from_slice(&buf.as_slice()[k * BLOCK..(k + 1) * BLOCK]);
+                            return Ok(());
+                        }
+                    }
                     let mut b = crate::direct::AlignedBuf::zeroed(BLOCK);
                     self.dev.read_at(b.as_mut_slice(), byte_off(d))?;
                     self.verify(id, block, d, st.segs.header_of(d), b.as_slice())?;
@@ -1174,7 +1339,10 @@ impl LogStore {
             }
         }
         st.stats.client_bytes += len;
-        self.after_op(&mut st)
+        self.after_op(&mut st)?;
+        drop(st);
+        // Batches this write filled go to the device outside the lock.
+        self.write_sealed(false).map(|_| ())
     }
 
     /// Reads `buf.len()` bytes at `offset`; unwritten blocks read as zeros.
@@ -1187,16 +1355,23 @@ impl LogStore {
         let st = self.lock_state();
         let c = st.comps.get(&id).ok_or(StoreError::NoSuchComponent(id))?;
         check_range(id, offset, len, c.size)?;
+        let flight = lock(&self.flight);
         for (b, within, n, at) in blocks_of(offset, len) {
             let out = &mut buf[at..at + n];
             match c.index.get(b) {
                 None => out.fill(0),
                 Some(d) => match st.batch.slot_of(d) {
                     Some(i) => out.copy_from_slice(&st.batch.data(i)[within..within + n]),
-                    None => todo.push((b, within, n, at, d, st.segs.header_of(d))),
+                    None => match flight.find(d) {
+                        Some((fb, k)) => out.copy_from_slice(
+                            &fb.as_slice()[k * BLOCK + within..k * BLOCK + within + n],
+                        ),
+                        None => todo.push((b, within, n, at, d, st.segs.header_of(d))),
+                    },
                 },
             }
         }
+        drop(flight);
         if todo.is_empty() {
             return Ok(());
         }
@@ -1289,7 +1464,9 @@ impl LogStore {
         if wf < we {
             self.trim_blocks(&mut st, id, wf, we)?;
         }
-        self.after_op(&mut st)
+        self.after_op(&mut st)?;
+        drop(st);
+        self.write_sealed(false).map(|_| ())
     }
 
     /// Discards a range; it then reads as zeros (same as `write_zeroes`).
@@ -1320,13 +1497,20 @@ impl LogStore {
     /// before it: callers share it through [`GroupCommit`](crate::GroupCommit)).
     pub fn sync(&self) -> Result<()> {
         self.fail_check()?;
-        {
+        let target = {
             let mut st = self.lock_state();
             self.seal(&mut st)?;
             if st.ckpt_due {
                 return self.checkpoint_locked(&mut st);
             }
+            st.seq - 1
+        };
+        // The device write happens here, outside the state lock: writers
+        // go on filling the next batch meanwhile.
+        if self.write_sealed(true)? && self.flushed.load(Ordering::Acquire) >= target {
+            return Ok(());
         }
+        self.wait_written(target)?;
         self.flush_written()
     }
 
@@ -1375,6 +1559,8 @@ impl LogStore {
     /// block the index says it holds. `Err` describes the first problem.
     pub fn check(&self) -> std::result::Result<(), String> {
         let st = self.lock_state();
+        self.drain(&st)
+            .map_err(|e| format!("writing sealed batches: {e}"))?;
         let n = st.segs.count();
         let mut seen = vec![0u64; (n as usize * self.geo.seg_blocks as usize).div_ceil(64)];
         let mut live = vec![0u32; n as usize];
