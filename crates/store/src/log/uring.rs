@@ -63,6 +63,9 @@ pub fn open_file_device(
 pub struct UringDevice {
     file: FileDevice,
     rings: Mutex<Vec<IoUring>>,
+    /// Batched writes (and write + flush) through the ring too; off with
+    /// `SHOAL_URING_WRITES=0` (for measuring).
+    writes: bool,
 }
 
 fn lock(m: &Mutex<Vec<IoUring>>) -> std::sync::MutexGuard<'_, Vec<IoUring>> {
@@ -76,6 +79,7 @@ impl UringDevice {
             Ok(r) => Ok(UringDevice {
                 file,
                 rings: Mutex::new(vec![r]),
+                writes: !std::env::var("SHOAL_URING_WRITES").is_ok_and(|v| v == "0"),
             }),
             Err(e) => Err((file, e)),
         }
