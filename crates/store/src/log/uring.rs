@@ -225,7 +225,8 @@ impl BlockDevice for UringDevice {
         let all_ok = reqs
             .iter()
             .all(|(off, b)| !b.is_empty() && self.direct_ok(*off, b.as_ptr(), b.len()));
-        if !all_ok
+        if !self.writes
+            || !all_ok
             || reqs.len() + flush as usize > DEPTH as usize
             || reqs.len() + (flush as usize) < 2
         {
