@@ -19,8 +19,11 @@ pub struct AlignedBuf {
     layout: Layout,
 }
 
-// SAFETY: the buffer is plain owned memory, like a Vec<u8>.
+// SAFETY: the buffer is plain owned memory, like a Vec<u8>: shared
+// references only read it, mutation needs `&mut`.
 unsafe impl Send for AlignedBuf {}
+// SAFETY: as above.
+unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
     /// A zeroed buffer of `len` bytes (rounded up to [`ALIGN`]).

@@ -141,11 +141,19 @@ pub fn data_refs(entries: &[Entry]) -> Arc<[DataRef]> {
         .collect()
 }
 
-/// Decoded headers by device block, evicted in insertion order.
+/// Decoded headers by device block, evicted in insertion order. The
+/// capacity counts data refs (a header counts at least 1), so it bounds
+/// memory (24 B per ref) whatever the batch sizes.
 pub struct HeaderCache {
     map: HashMap<u32, Arc<[DataRef]>>,
     order: VecDeque<u32>,
     cap: usize,
+    /// Refs held (each header counted as at least 1).
+    held: usize,
+}
+
+fn weight(r: &[DataRef]) -> usize {
+    r.len().max(1)
 }
 
 impl HeaderCache {
@@ -154,6 +162,7 @@ impl HeaderCache {
             map: HashMap::new(),
             order: VecDeque::new(),
             cap,
+            held: 0,
         }
     }
 
@@ -162,14 +171,18 @@ impl HeaderCache {
     }
 
     pub fn insert(&mut self, h: u32, refs: Arc<[DataRef]>) {
-        if self.map.insert(h, refs).is_none() {
-            self.order.push_back(h);
+        self.held += weight(&refs);
+        match self.map.insert(h, refs) {
+            None => self.order.push_back(h),
+            Some(old) => self.held -= weight(&old),
         }
-        while self.map.len() > self.cap {
+        while self.held > self.cap {
             let Some(k) = self.order.pop_front() else {
                 break;
             };
-            self.map.remove(&k);
+            if let Some(old) = self.map.remove(&k) {
+                self.held -= weight(&old);
+            }
         }
         if self.order.len() > 4 * self.cap.max(16) {
             let map = &self.map;
@@ -178,7 +191,9 @@ impl HeaderCache {
     }
 
     pub fn remove(&mut self, h: u32) {
-        self.map.remove(&h);
+        if let Some(old) = self.map.remove(&h) {
+            self.held -= weight(&old);
+        }
     }
 }
 
@@ -229,6 +244,15 @@ mod tests {
         assert!(b.is_empty() && b.cap_data == 15 && b.slot_of(2001).is_none());
     }
 
+    fn d(comp: u64, block: u64) -> Entry {
+        Entry::Data {
+            comp,
+            block,
+            crc: 0,
+            bad: false,
+        }
+    }
+
     #[test]
     fn header_cache_evicts_oldest() {
         let mut c = HeaderCache::new(2);
@@ -243,5 +267,13 @@ mod tests {
             c.insert(k, r.clone());
         }
         assert!(c.map.len() <= 2 && c.order.len() <= 4 * 16 + 2);
+        // Capacity counts refs: one header of 3 refs evicts two of 1.
+        let mut c = HeaderCache::new(3);
+        c.insert(1, r.clone());
+        c.insert(2, r.clone());
+        let three = data_refs(&[d(1, 1), d(1, 2), d(1, 3)]);
+        c.insert(3, three);
+        assert!(c.get(1).is_none() && c.get(2).is_none() && c.get(3).is_some());
+        assert_eq!(c.held, 3);
     }
 }

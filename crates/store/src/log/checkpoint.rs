@@ -141,6 +141,7 @@ impl LogStore {
     /// segments that hold no live block.
     pub(super) fn checkpoint_locked(&self, st: &mut State) -> Result<()> {
         self.seal(st)?;
+        self.drain(st)?;
         self.flush_written()?;
         let slot = 1 - st.active_slot;
         let seq = st.ckpt_seq + 1;

@@ -92,7 +92,10 @@ impl LogStore {
         if st.segs.free_count() < self.geo.clean_high {
             self.clean_until(&mut st, self.geo.clean_high)?;
         }
-        Ok(st.segs.free_count())
+        let free = st.segs.free_count();
+        drop(st);
+        self.write_sealed(false)?;
+        Ok(free)
     }
 
     /// Used segments worth cleaning (moving their live blocks gains
@@ -111,6 +114,8 @@ impl LogStore {
     /// keep their checksums; a block whose data no longer matches is moved
     /// marked bad (reads keep failing), never given a fresh checksum.
     pub(super) fn relocate(&self, st: &mut State, v: u32) -> Result<()> {
+        // The victim's last batches may still be in flight.
+        self.drain(st)?;
         let seg_blocks = self.geo.seg_blocks as usize;
         let mut buf = AlignedBuf::zeroed(seg_blocks * BLOCK);
         let first = st.segs.block(v, 0);

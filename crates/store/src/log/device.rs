@@ -22,6 +22,28 @@ pub trait BlockDevice: Send + Sync {
     fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()>;
     /// Makes every write completed before the call durable.
     fn flush(&self) -> io::Result<()>;
+    /// Reads many ranges (`(offset, buffer)`, each filled exactly): one
+    /// submission on io_uring, so the device works on them in parallel.
+    /// The default reads them one after the other.
+    fn read_many(&self, reqs: &mut [(u64, &mut [u8])]) -> io::Result<()> {
+        for (off, buf) in reqs.iter_mut() {
+            self.read_at(buf, *off)?;
+        }
+        Ok(())
+    }
+    /// Writes many ranges, then flushes if `flush`: on io_uring one
+    /// submission (the flush ordered after the writes). The default writes
+    /// them one after the other. On error nothing is known of which writes
+    /// happened.
+    fn write_many(&self, reqs: &[(u64, &[u8])], flush: bool) -> io::Result<()> {
+        for (off, buf) in reqs {
+            self.write_at(buf, *off)?;
+        }
+        if flush {
+            self.flush()?;
+        }
+        Ok(())
+    }
     /// Bytes of the device the store may use.
     fn len(&self) -> u64;
     fn is_empty(&self) -> bool {
@@ -95,6 +117,20 @@ impl FileDevice {
             path: path.to_path_buf(),
             punch: AtomicBool::new(!block),
         })
+    }
+}
+
+impl FileDevice {
+    /// The descriptor data I/O goes through (the `O_DIRECT` one if any).
+    pub(super) fn io_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.direct.as_ref().unwrap_or(&self.file).as_raw_fd()
+    }
+
+    /// The descriptor flushes go through.
+    pub(super) fn flush_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.file.as_raw_fd()
     }
 }
 

@@ -25,9 +25,12 @@ mod scrub;
 mod segment;
 #[cfg(test)]
 mod tests;
+pub mod uring;
 
 pub use device::{BlockDevice, FaultyDevice, FileDevice, SimRng};
+pub use uring::{open_file_device, UringDevice};
 
+use crate::direct::AlignedBuf;
 use crate::{lock_file, random_u64, ComponentMeta, StoreError, MAX_SIZE, MIN_CAPACITY};
 use batch::{data_refs, DataRef, HeaderCache, OpenBatch};
 use format::{
@@ -35,14 +38,22 @@ use format::{
 };
 use index::BlockIndex;
 use segment::{SegState, Segments};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 
 type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// Data refs (24 B each) the header cache holds: 2^20, about 24 MiB, the
+/// checksums of 4 GiB of data. A read of a block whose header is not
+/// cached reads the header too (in the same submission).
+const HEADER_CACHE_REFS: usize = 1 << 20;
+
+/// Most device blocks in one read request.
+const MAX_RUN: usize = 256;
 
 /// Format parameters of a new log device.
 #[derive(Debug, Clone)]
@@ -97,6 +108,9 @@ pub struct LogStats {
     /// Segments the cleaner emptied.
     pub cleaned_segments: u64,
     pub flushes: u64,
+    /// Batches and log blocks (headers and data) replayed by the open.
+    pub replayed_batches: u64,
+    pub replayed_blocks: u64,
 }
 
 impl LogStats {
@@ -213,6 +227,40 @@ enum Need {
     Freeing,
 }
 
+/// A sealed batch: its place and seq are taken, its bytes are written
+/// outside the state lock by whoever claims it.
+struct Sealed {
+    seq: u64,
+    /// Device block of its header, and blocks (header + data).
+    base: u32,
+    blocks: u32,
+    buf: Arc<AlignedBuf>,
+    claimed: bool,
+    done: bool,
+}
+
+/// Sealed batches not yet known written, in seq order, and spare batch
+/// buffers.
+#[derive(Default)]
+struct Flight {
+    batches: VecDeque<Sealed>,
+    spare: Vec<AlignedBuf>,
+}
+
+impl Flight {
+    /// The buffer and block index of device block `d` if it belongs to a
+    /// batch still in flight (its bytes may not be on the device yet).
+    fn find(&self, d: u32) -> Option<(&AlignedBuf, usize)> {
+        self.batches
+            .iter()
+            .find(|b| !b.done && d > b.base && d < b.base + b.blocks)
+            .map(|b| (&*b.buf, (d - b.base) as usize))
+    }
+}
+
+/// Spare batch buffers kept.
+const SPARE_BUFS: usize = 4;
+
 /// The log-structured component store of one device.
 pub struct LogStore {
     dev: Arc<dyn BlockDevice>,
@@ -231,6 +279,12 @@ pub struct LogStore {
     /// everything until reopened.
     failed: Mutex<Option<String>>,
     cache: Mutex<HeaderCache>,
+    /// Log blocks between checkpoints, at least (0: the geometry's).
+    ckpt_every: AtomicU64,
+    /// Sealed batches being written outside the state lock (lock order:
+    /// state, then flight); `landed` is signalled when one completes.
+    flight: Mutex<Flight>,
+    landed: Condvar,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -336,8 +390,8 @@ impl LogStore {
                     });
                 }
                 tracing::info!(path = %path.display(), "device already formatted for this cluster; opening it");
-                let dev = FileDevice::new(file, path, len, block)?;
-                return Self::open_device(Arc::new(dev));
+                let dev = uring::open_file_device(file, path, len, block)?;
+                return Self::open_device(dev);
             }
         }
         if !block && len < capacity {
@@ -347,8 +401,8 @@ impl LogStore {
             // Old contents are ignored (new uuid), but give the space back.
             let _ = crate::punch_hole(&file, 0, capacity);
         }
-        let dev = FileDevice::new(file, path, capacity, block)?;
-        let s = Self::format_device(Arc::new(dev), cluster_id, cfg)?;
+        let dev = uring::open_file_device(file, path, capacity, block)?;
+        let s = Self::format_device(dev, cluster_id, cfg)?;
         if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             if let Ok(d) = File::open(dir) {
                 let _ = d.sync_all();
@@ -363,8 +417,8 @@ impl LogStore {
         let mut file = OpenOptions::new().read(true).write(true).open(path)?;
         lock_file(&file, path)?;
         let (len, block) = crate::device_len(&mut file)?;
-        let dev = FileDevice::new(file, path, len, block)?;
-        Self::open_device(Arc::new(dev))
+        let dev = uring::open_file_device(file, path, len, block)?;
+        Self::open_device(dev)
     }
 
     /// Opens the device if it is formatted (and belongs to `cluster_id`),
@@ -520,7 +574,10 @@ impl LogStore {
             flushed: AtomicU64::new(flushed),
             flushes: AtomicU64::new(0),
             failed: Mutex::new(None),
-            cache: Mutex::new(HeaderCache::new(1024)),
+            cache: Mutex::new(HeaderCache::new(HEADER_CACHE_REFS)),
+            ckpt_every: AtomicU64::new(0),
+            flight: Mutex::new(Flight::default()),
+            landed: Condvar::new(),
         }
     }
 
@@ -573,6 +630,25 @@ impl LogStore {
         (ix, st.segs.heap_bytes())
     }
 
+    /// Log blocks written since the last checkpoint that make the next one
+    /// due: max(64 MiB, 8 × the last checkpoint), or what
+    /// [`set_checkpoint_interval`](Self::set_checkpoint_interval) set.
+    fn ckpt_interval(&self, st: &State) -> u64 {
+        match self.ckpt_every.load(Ordering::Relaxed) {
+            0 => self.geo.ckpt_min.max(8 * st.last_ckpt_blocks),
+            n => n,
+        }
+    }
+
+    /// Sets how many log blocks (4 KiB) are written between automatic
+    /// checkpoints, at least (0: the default, max(64 MiB, 8 × the size of
+    /// the last checkpoint)). A longer interval means more log to replay
+    /// after a crash; benchmarks use `u64::MAX` to measure replay speed.
+    /// Checkpoints the cleaner needs are still taken.
+    pub fn set_checkpoint_interval(&self, blocks: u64) {
+        self.ckpt_every.store(blocks, Ordering::Relaxed);
+    }
+
     fn lock_state(&self) -> MutexGuard<'_, State> {
         lock(&self.state)
     }
@@ -601,7 +677,10 @@ impl LogStore {
     // The log: appending, sealing, moving between segments
     // ---------------------------------------------------------------
 
-    /// Writes the open batch (not flushed). No-op when empty.
+    /// Seals the open batch: its header is encoded, its buffer handed to
+    /// the flight list (written by [`write_sealed`](Self::write_sealed)
+    /// outside the state lock, or by [`drain`](Self::drain)) and a new
+    /// batch opened after it. No-op when empty. No I/O.
     fn seal(&self, st: &mut State) -> Result<()> {
         if st.batch.is_empty() {
             return Ok(());
@@ -615,23 +694,38 @@ impl LogStore {
             seg: st.batch.seg,
             off: st.batch.off,
             next_seg: st.next_seg,
-            entries: st.batch.entries.clone(),
+            entries: std::mem::take(&mut st.batch.entries),
         };
         let base = st.batch.base;
-        let bytes = st.batch.seal(&h);
-        let n = bytes.len() as u64 / BLOCK_U64;
-        self.dev
-            .write_at(bytes, byte_off(base))
-            .map_err(|e| self.poison(e))?;
+        let n = (st.batch.seal(&h).len() / BLOCK) as u32;
+        st.batch.entries = h.entries;
+        let refs = data_refs(&st.batch.entries);
+        {
+            let mut f = lock(&self.flight);
+            let size = st.batch.buf.as_slice().len();
+            let spare = f
+                .spare
+                .pop()
+                .filter(|b| b.as_slice().len() == size)
+                .unwrap_or_else(|| AlignedBuf::zeroed(size));
+            let buf = std::mem::replace(&mut st.batch.buf, spare);
+            f.batches.push_back(Sealed {
+                seq: st.seq,
+                base,
+                blocks: n,
+                buf: Arc::new(buf),
+                claimed: false,
+                done: false,
+            });
+        }
         st.segs.set_header(st.batch.seg, st.batch.off);
-        lock(&self.cache).insert(base, data_refs(&h.entries));
-        self.written.store(st.seq, Ordering::Release);
+        lock(&self.cache).insert(base, refs);
         st.seq += 1;
         st.stats.batches += 1;
         st.stats.header_blocks += 1;
-        st.stats.data_blocks += n - 1;
-        st.log_since_ckpt += n;
-        let next_off = st.batch.off + n as u32;
+        st.stats.data_blocks += n as u64 - 1;
+        st.log_since_ckpt += n as u64;
+        let next_off = st.batch.off + n;
         if self.geo.seg_blocks - next_off < 2 {
             self.rotate(st)?;
         } else {
@@ -640,6 +734,105 @@ impl LogStore {
             st.batch.reset(seg, next_off, base, sb);
         }
         Ok(())
+    }
+
+    /// Writes every sealed batch nobody has claimed yet (one
+    /// `write_many`), then, if `flush` and no other thread's batch is still
+    /// being written, flushes in the same submission. Call without the
+    /// state lock (or through [`drain`](Self::drain)). Returns whether it
+    /// flushed.
+    fn write_sealed(&self, flush: bool) -> Result<bool> {
+        let (mine, others) = {
+            let mut f = lock(&self.flight);
+            let others = f.batches.iter().any(|b| b.claimed && !b.done);
+            let mine: Vec<(u64, u32, u32, Arc<AlignedBuf>)> = f
+                .batches
+                .iter_mut()
+                .filter(|b| !b.claimed)
+                .map(|b| {
+                    b.claimed = true;
+                    (b.seq, b.base, b.blocks, b.buf.clone())
+                })
+                .collect();
+            (mine, others)
+        };
+        if mine.is_empty() {
+            return Ok(false);
+        }
+        let flush = flush && !others;
+        let r = {
+            let reqs: Vec<(u64, &[u8])> = mine
+                .iter()
+                .map(|(_, base, n, buf)| (byte_off(*base), &buf.as_slice()[..*n as usize * BLOCK]))
+                .collect();
+            self.dev.write_many(&reqs, flush)
+        };
+        let last = mine.last().map(|m| m.0).unwrap_or(0);
+        let seqs: Vec<u64> = mine.iter().map(|m| m.0).collect();
+        drop(mine);
+        if let Err(e) = r {
+            let e = self.poison(e);
+            let _f = lock(&self.flight);
+            self.landed.notify_all();
+            return Err(e);
+        }
+        let mut f = lock(&self.flight);
+        for b in f.batches.iter_mut() {
+            if seqs.binary_search(&b.seq).is_ok() {
+                b.done = true;
+            }
+        }
+        while f.batches.front().is_some_and(|b| b.done) {
+            let Some(b) = f.batches.pop_front() else {
+                break;
+            };
+            self.written.fetch_max(b.seq, Ordering::AcqRel);
+            if let Ok(buf) = Arc::try_unwrap(b.buf) {
+                if f.spare.len() < SPARE_BUFS {
+                    f.spare.push(buf);
+                }
+            }
+        }
+        if flush {
+            // Every batch up to `last` was written before the flush.
+            self.flushes.fetch_add(1, Ordering::Relaxed);
+            self.flushed.fetch_max(last, Ordering::AcqRel);
+        }
+        self.landed.notify_all();
+        Ok(flush)
+    }
+
+    /// Waits until every batch up to `seq` is written (writing unclaimed
+    /// ones itself).
+    fn wait_written(&self, seq: u64) -> Result<()> {
+        loop {
+            if self.written.load(Ordering::Acquire) >= seq {
+                return Ok(());
+            }
+            self.fail_check()?;
+            let f = lock(&self.flight);
+            if f.batches.iter().any(|b| !b.claimed) {
+                drop(f);
+                self.write_sealed(false)?;
+                continue;
+            }
+            if f.batches.is_empty() {
+                // Nothing sealed is outstanding.
+                return Ok(());
+            }
+            if self.written.load(Ordering::Acquire) >= seq {
+                continue;
+            }
+            let _f = self.landed.wait(f).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Makes everything sealed so far land on the device (not flushed),
+    /// with the state lock held: for code that reads log blocks from the
+    /// device or flushes under the lock.
+    fn drain(&self, st: &State) -> Result<()> {
+        self.write_sealed(false)?;
+        self.wait_written(st.seq - 1)
     }
 
     /// Moves the log into the next segment.
@@ -658,7 +851,7 @@ impl LogStore {
         st.next_seg = next;
         let base = st.segs.block(head, 0);
         st.batch.reset(head, 0, base, self.geo.seg_blocks);
-        if st.log_since_ckpt >= self.geo.ckpt_min.max(8 * st.last_ckpt_blocks) {
+        if st.log_since_ckpt >= self.ckpt_interval(st) {
             st.ckpt_due = true;
         }
         Ok(())
@@ -780,23 +973,42 @@ impl LogStore {
         }
         let mut b = crate::direct::AlignedBuf::zeroed(BLOCK);
         self.dev.read_at(b.as_mut_slice(), byte_off(h))?;
-        let Some(hdr) = BatchHeader::decode(b.as_slice()) else {
-            return Ok(None);
-        };
-        let Some((seg, off)) = self_locate(&self.sb, h) else {
-            return Ok(None);
-        };
+        Ok(self.parse_header(h, b.as_slice()))
+    }
+
+    /// Decodes the header read from device block `h` and caches it, if it
+    /// is valid and belongs there.
+    fn parse_header(&self, h: u32, b: &[u8]) -> Option<Arc<[DataRef]>> {
+        let hdr = BatchHeader::decode(b)?;
+        let (seg, off) = self_locate(&self.sb, h)?;
         if hdr.uuid != self.sb.uuid || hdr.seg != seg || hdr.off != off {
-            return Ok(None);
+            return None;
         }
         let refs = data_refs(&hdr.entries);
         lock(&self.cache).insert(h, refs.clone());
-        Ok(Some(refs))
+        Some(refs)
     }
 
     /// Checks `data`, read from device block `d` (header at `h`), is block
     /// `block` of `id` with a matching checksum.
     fn verify(&self, id: u64, block: u64, d: u32, h: Option<u32>, data: &[u8]) -> Result<()> {
+        let refs = match h.filter(|&h| h < d) {
+            Some(h) => self.header_refs(h)?,
+            None => None,
+        };
+        Self::check_block(id, block, d, h, refs.as_deref(), data)
+    }
+
+    /// Checks `data` of device block `d` against `refs`, the decoded
+    /// header at `h` (`None`: damaged or missing).
+    fn check_block(
+        id: u64,
+        block: u64,
+        d: u32,
+        h: Option<u32>,
+        refs: Option<&[DataRef]>,
+        data: &[u8],
+    ) -> Result<()> {
         let bad = || StoreError::Checksum {
             component: id,
             offset: block * BLOCK_U64,
@@ -804,7 +1016,7 @@ impl LogStore {
         let Some(h) = h.filter(|&h| h < d) else {
             return Err(bad());
         };
-        let Some(refs) = self.header_refs(h)? else {
+        let Some(refs) = refs else {
             tracing::warn!(component = id, block, header = h, "batch header damaged");
             return Err(bad());
         };
@@ -838,6 +1050,13 @@ impl LogStore {
             Some(d) => match st.batch.slot_of(d) {
                 Some(i) => out.copy_from_slice(st.batch.data(i)),
                 None => {
+                    {
+                        let f = lock(&self.flight);
+                        if let Some((buf, k)) = f.find(d) {
+                            out.copy_from_slice(&buf.as_slice()[k * BLOCK..(k + 1) * BLOCK]);
+                            return Ok(());
+                        }
+                    }
                     let mut b = crate::direct::AlignedBuf::zeroed(BLOCK);
                     self.dev.read_at(b.as_mut_slice(), byte_off(d))?;
                     self.verify(id, block, d, st.segs.header_of(d), b.as_slice())?;
@@ -1121,7 +1340,10 @@ impl LogStore {
             }
         }
         st.stats.client_bytes += len;
-        self.after_op(&mut st)
+        self.after_op(&mut st)?;
+        drop(st);
+        // Batches this write filled go to the device outside the lock.
+        self.write_sealed(false).map(|_| ())
     }
 
     /// Reads `buf.len()` bytes at `offset`; unwritten blocks read as zeros.
@@ -1134,39 +1356,82 @@ impl LogStore {
         let st = self.lock_state();
         let c = st.comps.get(&id).ok_or(StoreError::NoSuchComponent(id))?;
         check_range(id, offset, len, c.size)?;
+        let flight = lock(&self.flight);
         for (b, within, n, at) in blocks_of(offset, len) {
             let out = &mut buf[at..at + n];
             match c.index.get(b) {
                 None => out.fill(0),
                 Some(d) => match st.batch.slot_of(d) {
                     Some(i) => out.copy_from_slice(&st.batch.data(i)[within..within + n]),
-                    None => todo.push((b, within, n, at, d, st.segs.header_of(d))),
+                    None => match flight.find(d) {
+                        Some((fb, k)) => out.copy_from_slice(
+                            &fb.as_slice()[k * BLOCK + within..k * BLOCK + within + n],
+                        ),
+                        None => todo.push((b, within, n, at, d, st.segs.header_of(d))),
+                    },
                 },
             }
         }
+        drop(flight);
         if todo.is_empty() {
             return Ok(());
         }
         // Keep the located blocks from being reused until they are read.
         let gate = self.reuse.read().unwrap_or_else(|e| e.into_inner());
         drop(st);
-        let mut k = 0;
-        let mut io = crate::direct::AlignedBuf::zeroed(todo.len().min(64) * BLOCK);
-        while k < todo.len() {
-            // A run of consecutive device blocks, up to 64.
-            let mut e = k + 1;
-            while e < todo.len() && e - k < 64 && todo[e].4 == todo[e - 1].4 + 1 {
-                e += 1;
+        // The headers to check against: cached, or read with the data.
+        let mut hs: Vec<u32> = todo
+            .iter()
+            .filter_map(|t| t.5.filter(|&h| h < t.4))
+            .collect();
+        hs.sort_unstable();
+        hs.dedup();
+        let mut refs: Vec<Option<Arc<[DataRef]>>> = Vec::with_capacity(hs.len());
+        let mut missing: Vec<usize> = Vec::new();
+        {
+            let cache = lock(&self.cache);
+            for (i, &h) in hs.iter().enumerate() {
+                let r = cache.get(h);
+                if r.is_none() {
+                    missing.push(i);
+                }
+                refs.push(r);
             }
-            let n = e - k;
-            let bytes = &mut io.as_mut_slice()[..n * BLOCK];
-            self.dev.read_at(bytes, byte_off(todo[k].4))?;
-            for (j, &(b, within, len, at, d, h)) in todo[k..e].iter().enumerate() {
-                let data = &bytes[j * BLOCK..(j + 1) * BLOCK];
-                self.verify(id, b, d, h, data)?;
-                buf[at..at + len].copy_from_slice(&data[within..within + len]);
+        }
+        // One buffer: the data blocks in `todo` order, then the headers.
+        let mut io = crate::direct::AlignedBuf::zeroed((todo.len() + missing.len()) * BLOCK);
+        {
+            let (mut data, hdrs) = io.as_mut_slice().split_at_mut(todo.len() * BLOCK);
+            let mut reqs: Vec<(u64, &mut [u8])> = Vec::new();
+            let mut k = 0;
+            while k < todo.len() {
+                // A run of consecutive device blocks.
+                let mut e = k + 1;
+                while e < todo.len() && e - k < MAX_RUN && todo[e].4 == todo[e - 1].4 + 1 {
+                    e += 1;
+                }
+                let (run, rest) = std::mem::take(&mut data).split_at_mut((e - k) * BLOCK);
+                reqs.push((byte_off(todo[k].4), run));
+                data = rest;
+                k = e;
             }
-            k = e;
+            for (&i, b) in missing.iter().zip(hdrs.chunks_mut(BLOCK)) {
+                reqs.push((byte_off(hs[i]), b));
+            }
+            self.dev.read_many(&mut reqs)?;
+        }
+        let hdr_at = todo.len() * BLOCK;
+        for (j, &i) in missing.iter().enumerate() {
+            let b = &io.as_slice()[hdr_at + j * BLOCK..hdr_at + (j + 1) * BLOCK];
+            refs[i] = self.parse_header(hs[i], b);
+        }
+        for (k, &(b, within, len, at, d, h)) in todo.iter().enumerate() {
+            let data = &io.as_slice()[k * BLOCK..(k + 1) * BLOCK];
+            let r = h
+                .and_then(|h| hs.binary_search(&h).ok())
+                .and_then(|i| refs[i].as_deref());
+            Self::check_block(id, b, d, h, r, data)?;
+            buf[at..at + len].copy_from_slice(&data[within..within + len]);
         }
         drop(gate);
         Ok(())
@@ -1200,7 +1465,9 @@ impl LogStore {
         if wf < we {
             self.trim_blocks(&mut st, id, wf, we)?;
         }
-        self.after_op(&mut st)
+        self.after_op(&mut st)?;
+        drop(st);
+        self.write_sealed(false).map(|_| ())
     }
 
     /// Discards a range; it then reads as zeros (same as `write_zeroes`).
@@ -1231,13 +1498,20 @@ impl LogStore {
     /// before it: callers share it through [`GroupCommit`](crate::GroupCommit)).
     pub fn sync(&self) -> Result<()> {
         self.fail_check()?;
-        {
+        let target = {
             let mut st = self.lock_state();
             self.seal(&mut st)?;
             if st.ckpt_due {
                 return self.checkpoint_locked(&mut st);
             }
+            st.seq - 1
+        };
+        // The device write happens here, outside the state lock: writers
+        // go on filling the next batch meanwhile.
+        if self.write_sealed(true)? && self.flushed.load(Ordering::Acquire) >= target {
+            return Ok(());
         }
+        self.wait_written(target)?;
         self.flush_written()
     }
 
@@ -1286,6 +1560,8 @@ impl LogStore {
     /// block the index says it holds. `Err` describes the first problem.
     pub fn check(&self) -> std::result::Result<(), String> {
         let st = self.lock_state();
+        self.drain(&st)
+            .map_err(|e| format!("writing sealed batches: {e}"))?;
         let n = st.segs.count();
         let mut seen = vec![0u64; (n as usize * self.geo.seg_blocks as usize).div_ceil(64)];
         let mut live = vec![0u32; n as usize];

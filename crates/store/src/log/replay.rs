@@ -236,6 +236,8 @@ fn replay(dev: &dyn BlockDevice, sb: &LogSuper, st: &mut State, hdr: &CkptHeader
     let base = st.segs.block(seg, off);
     st.batch.reset(seg, off, base, seg_blocks);
     st.seq = hdr.next_batch + chain.len() as u64;
+    st.stats.replayed_batches = chain.len() as u64;
+    st.stats.replayed_blocks = chain.iter().map(|h| 1 + h.n_data() as u64).sum();
     if !chain.is_empty() {
         tracing::info!(
             batches = chain.len(),

@@ -1,0 +1,436 @@
+//! Store-alone benchmark of `LogStore` on a file (no network, no
+//! replication): what the store costs over the raw device. `bench/store.sh`
+//! runs it beside fio on the same disk and prints the comparison.
+//!
+//!     cargo run --release -p shoal-store --example store_bench -- \
+//!         randwrite --file /work/bench/store.img --size 4G --qd 32 --runtime 15
+//!
+//! Modes (one JSON line on stdout each):
+//!
+//! - `randwrite`: `--qd` threads, each: write `--bs` at a random aligned
+//!   offset of a `--span` component, then `GroupCommit::commit_blocking`
+//!   (the node's write path: a write is acknowledged once durable).
+//! - `seqwrite`: the same with offsets handed out in order (wrapping).
+//! - `randread` / `seqread`: `--qd` threads reading a component prefilled
+//!   with `--fill seq` (1 MiB writes) or `--fill random` (random 4 KiB
+//!   writes in random order: the layout that scatters a later sequential
+//!   read over the whole log).
+//! - `recovery`: a child process writes `--gib` GiB (`--qd` threads,
+//!   `--bs` writes at random aligned offsets, group commit) and exits with
+//!   `_exit` (no close, no final checkpoint: a kill -9), then the parent
+//!   times `LogStore::open`. `--no-ckpt` keeps the child from taking
+//!   checkpoints, so the whole log is replayed (seconds per GiB of log).
+//!
+//! Common options: `--file PATH` (recreated unless `--keep`), `--size`
+//! (device bytes, sparse), `--runtime` seconds, `--ramp` seconds not
+//! measured. Sizes take k/M/G suffixes (powers of two).
+
+use shoal_store::log::SimRng;
+use shoal_store::{GroupCommit, LogStore};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const CLUSTER: &str = "bench";
+const COMP: u64 = 1;
+
+#[derive(Clone, Debug)]
+struct Opts {
+    mode: String,
+    file: PathBuf,
+    size: u64,
+    span: u64,
+    bs: u64,
+    qd: usize,
+    runtime: f64,
+    ramp: f64,
+    fill: String,
+    gib: f64,
+    keep: bool,
+    no_ckpt: bool,
+}
+
+fn parse_size(s: &str) -> u64 {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last().map(|c| c.to_ascii_lowercase()) {
+        Some('k') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('m') => (&s[..s.len() - 1], 1 << 20),
+        Some('g') => (&s[..s.len() - 1], 1 << 30),
+        Some('t') => (&s[..s.len() - 1], 1 << 40),
+        _ => (s, 1),
+    };
+    let v: f64 = num
+        .parse()
+        .unwrap_or_else(|_| die(&format!("bad size {s:?}")));
+    (v * mul as f64) as u64
+}
+
+fn die(m: &str) -> ! {
+    eprintln!("store_bench: {m}");
+    std::process::exit(2)
+}
+
+fn parse() -> Opts {
+    let mut a = std::env::args().skip(1);
+    let mode = a.next().unwrap_or_else(|| {
+        die("usage: store_bench randwrite|seqwrite|randread|seqread|recovery [options]")
+    });
+    let mut o = Opts {
+        mode,
+        file: PathBuf::from("store-bench.img"),
+        size: 4 << 30,
+        span: 0,
+        bs: 4096,
+        qd: 32,
+        runtime: 15.0,
+        ramp: 2.0,
+        fill: "seq".into(),
+        gib: 1.0,
+        keep: false,
+        no_ckpt: false,
+    };
+    while let Some(k) = a.next() {
+        let mut v = || {
+            a.next()
+                .unwrap_or_else(|| die(&format!("{k} needs a value")))
+        };
+        match k.as_str() {
+            "--file" => o.file = PathBuf::from(v()),
+            "--size" => o.size = parse_size(&v()),
+            "--span" => o.span = parse_size(&v()),
+            "--bs" => o.bs = parse_size(&v()),
+            "--qd" => o.qd = v().parse().unwrap_or_else(|_| die("bad --qd")),
+            "--runtime" => o.runtime = v().parse().unwrap_or_else(|_| die("bad --runtime")),
+            "--ramp" => o.ramp = v().parse().unwrap_or_else(|_| die("bad --ramp")),
+            "--fill" => o.fill = v(),
+            "--gib" => o.gib = v().parse().unwrap_or_else(|_| die("bad --gib")),
+            "--keep" => o.keep = true,
+            "--no-ckpt" => o.no_ckpt = true,
+            _ => die(&format!("unknown option {k}")),
+        }
+    }
+    if o.bs == 0 || !o.bs.is_multiple_of(4096) {
+        die("--bs must be a multiple of 4k");
+    }
+    if o.span == 0 {
+        o.span = (o.size / 2) / (1 << 20) * (1 << 20);
+    }
+    o
+}
+
+fn fresh_store(o: &Opts) -> LogStore {
+    if !o.keep {
+        let _ = std::fs::remove_file(&o.file);
+    }
+    let s = LogStore::create(&o.file, o.size, CLUSTER)
+        .unwrap_or_else(|e| die(&format!("creating {}: {e}", o.file.display())));
+    if !s.direct_io() {
+        eprintln!("store_bench: warning: O_DIRECT refused, the store runs buffered");
+    }
+    if s.component(COMP).is_none() {
+        s.create_component(COMP, 1, o.span)
+            .unwrap_or_else(|e| die(&format!("create component: {e}")));
+    }
+    s
+}
+
+/// Latencies in µs of one thread.
+#[derive(Default)]
+struct Lat(Vec<u32>);
+
+impl Lat {
+    fn add(&mut self, d: Duration) {
+        self.0.push(d.as_micros().min(u32::MAX as u128) as u32);
+    }
+}
+
+struct Result_ {
+    ops: u64,
+    secs: f64,
+    lat: Vec<u32>,
+}
+
+/// Runs `op(thread, rng, i)` on `qd` threads for ramp + runtime seconds;
+/// counts only what completes after the ramp.
+fn run<F>(o: &Opts, op: F) -> Result_
+where
+    F: Fn(usize, &mut SimRng) + Send + Sync + 'static,
+{
+    let op = Arc::new(op);
+    let stop = Arc::new(AtomicBool::new(false));
+    let measuring = Arc::new(AtomicBool::new(false));
+    let mut hs = Vec::new();
+    for t in 0..o.qd {
+        let (op, stop, measuring) = (op.clone(), stop.clone(), measuring.clone());
+        hs.push(std::thread::spawn(move || {
+            let mut rng = SimRng::new(0x5eed ^ ((t as u64 + 1) * 0x9E37_79B9));
+            let mut lat = Lat::default();
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let t0 = Instant::now();
+                op(t, &mut rng);
+                if measuring.load(Ordering::Relaxed) {
+                    n += 1;
+                    lat.add(t0.elapsed());
+                }
+            }
+            (n, lat)
+        }));
+    }
+    std::thread::sleep(Duration::from_secs_f64(o.ramp));
+    measuring.store(true, Ordering::Relaxed);
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_secs_f64(o.runtime));
+    measuring.store(false, Ordering::Relaxed);
+    let secs = t0.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    let mut ops = 0;
+    let mut lat = Vec::new();
+    for h in hs {
+        let (n, l) = h.join().unwrap_or_else(|_| die("a worker panicked"));
+        ops += n;
+        lat.extend(l.0);
+    }
+    lat.sort_unstable();
+    Result_ { ops, secs, lat }
+}
+
+fn pct(lat: &[u32], p: f64) -> u32 {
+    if lat.is_empty() {
+        return 0;
+    }
+    lat[((lat.len() - 1) as f64 * p) as usize]
+}
+
+fn report(o: &Opts, r: &Result_, extra: &str) {
+    let iops = r.ops as f64 / r.secs;
+    let mean = if r.lat.is_empty() {
+        0.0
+    } else {
+        r.lat.iter().map(|&x| x as f64).sum::<f64>() / r.lat.len() as f64
+    };
+    println!(
+        "{{\"mode\":\"{}\",\"bs\":{},\"qd\":{},\"iops\":{:.0},\"mib_s\":{:.1},\"lat_us_mean\":{:.0},\"lat_us_p99\":{}{}}}",
+        o.mode,
+        o.bs,
+        o.qd,
+        iops,
+        iops * o.bs as f64 / (1 << 20) as f64,
+        mean,
+        pct(&r.lat, 0.99),
+        extra
+    );
+}
+
+fn prefill(s: &LogStore, o: &Opts) {
+    let t = Instant::now();
+    match o.fill.as_str() {
+        "seq" => {
+            let buf = vec![0xa5u8; 1 << 20];
+            let mut off = 0;
+            while off < o.span {
+                let n = (o.span - off).min(buf.len() as u64) as usize;
+                let mut b = buf.clone();
+                b[..8].copy_from_slice(&off.to_le_bytes());
+                s.write(COMP, off, &b[..n])
+                    .unwrap_or_else(|e| die(&format!("prefill: {e}")));
+                off += n as u64;
+                if off % (64 << 20) == 0 {
+                    s.sync()
+                        .unwrap_or_else(|e| die(&format!("prefill sync: {e}")));
+                }
+            }
+        }
+        "random" => {
+            // Every 4 KiB block once, in a random order.
+            let n = o.span / 4096;
+            let mut order: Vec<u32> = (0..n as u32).collect();
+            let mut rng = SimRng::new(7);
+            for i in (1..order.len()).rev() {
+                let j = rng.below(i as u64 + 1) as usize;
+                order.swap(i, j);
+            }
+            let mut b = vec![0x5au8; 4096];
+            for (i, &blk) in order.iter().enumerate() {
+                b[..8].copy_from_slice(&(blk as u64).to_le_bytes());
+                s.write(COMP, blk as u64 * 4096, &b)
+                    .unwrap_or_else(|e| die(&format!("prefill: {e}")));
+                if i % 32 == 31 {
+                    s.sync()
+                        .unwrap_or_else(|e| die(&format!("prefill sync: {e}")));
+                }
+            }
+        }
+        "none" => {}
+        f => die(&format!("unknown --fill {f}")),
+    }
+    s.sync()
+        .unwrap_or_else(|e| die(&format!("prefill sync: {e}")));
+    eprintln!(
+        "store_bench: prefilled {} MiB ({}) in {:.1}s",
+        o.span >> 20,
+        o.fill,
+        t.elapsed().as_secs_f64()
+    );
+}
+
+fn bench_write(o: &Opts, sequential: bool) {
+    let s = Arc::new(fresh_store(o));
+    let gc = GroupCommit::new(s.clone());
+    let blocks = o.span / o.bs;
+    let next = Arc::new(AtomicU64::new(0));
+    let bs = o.bs as usize;
+    let before = s.stats();
+    let syncs0 = gc.syncs();
+    let (s2, gc2) = (s.clone(), gc.clone());
+    let r = run(o, move |_, rng| {
+        let i = if sequential {
+            next.fetch_add(1, Ordering::Relaxed) % blocks
+        } else {
+            rng.below(blocks)
+        };
+        let mut buf = vec![0u8; bs];
+        buf[..8].copy_from_slice(&rng.next_u64().to_le_bytes());
+        s2.write(COMP, i * bs as u64, &buf)
+            .unwrap_or_else(|e| die(&format!("write: {e}")));
+        gc2.commit_blocking()
+            .unwrap_or_else(|e| die(&format!("commit: {e}")));
+    });
+    let after = s.stats();
+    let syncs = gc.syncs() - syncs0;
+    let flushes = after.flushes.saturating_sub(before.flushes);
+    let total_ops = (after.client_bytes - before.client_bytes) / o.bs;
+    report(
+        o,
+        &r,
+        &format!(
+            ",\"writes_per_flush\":{:.1},\"commits_per_sync\":{:.1},\"write_amp\":{:.3}",
+            total_ops as f64 / flushes.max(1) as f64,
+            total_ops as f64 / syncs.max(1) as f64,
+            after.write_amplification()
+        ),
+    );
+    drop(gc);
+    if let Ok(s) = Arc::try_unwrap(s) {
+        let _ = s.close();
+    }
+}
+
+fn bench_read(o: &Opts, sequential: bool) {
+    let s = Arc::new(fresh_store(o));
+    prefill(&s, o);
+    let blocks = o.span / o.bs;
+    let next = Arc::new(AtomicU64::new(0));
+    let bs = o.bs as usize;
+    let s2 = s.clone();
+    let r = run(o, move |_, rng| {
+        let i = if sequential {
+            next.fetch_add(1, Ordering::Relaxed) % blocks
+        } else {
+            rng.below(blocks)
+        };
+        let mut buf = vec![0u8; bs];
+        s2.read(COMP, i * bs as u64, &mut buf)
+            .unwrap_or_else(|e| die(&format!("read: {e}")));
+    });
+    report(o, &r, &format!(",\"fill\":\"{}\"", o.fill));
+}
+
+/// The child of `recovery`: writes and dies without closing.
+fn recovery_child(o: &Opts) {
+    let s = Arc::new(fresh_store(o));
+    if o.no_ckpt {
+        s.set_checkpoint_interval(u64::MAX);
+    }
+    let gc = GroupCommit::new(s.clone());
+    let total = (o.gib * (1u64 << 30) as f64) as u64 / o.bs;
+    let blocks = o.span / o.bs;
+    let done = Arc::new(AtomicU64::new(0));
+    let t = Instant::now();
+    let mut hs = Vec::new();
+    for th in 0..o.qd {
+        let (s, gc, done) = (s.clone(), gc.clone(), done.clone());
+        let bs = o.bs as usize;
+        hs.push(std::thread::spawn(move || {
+            let mut rng = SimRng::new(th as u64 + 99);
+            let mut buf = vec![0x33u8; bs];
+            while done.fetch_add(1, Ordering::Relaxed) < total {
+                let i = rng.below(blocks);
+                buf[..8].copy_from_slice(&i.to_le_bytes());
+                s.write(COMP, i * bs as u64, &buf)
+                    .unwrap_or_else(|e| die(&format!("write: {e}")));
+                gc.commit_blocking()
+                    .unwrap_or_else(|e| die(&format!("commit: {e}")));
+            }
+        }));
+    }
+    for h in hs {
+        let _ = h.join();
+    }
+    let st = s.stats();
+    eprintln!(
+        "store_bench: child wrote {} MiB in {:.1}s ({} checkpoints, {} batches); exiting without close",
+        (total * o.bs) >> 20,
+        t.elapsed().as_secs_f64(),
+        st.checkpoints,
+        st.batches
+    );
+    // A kill -9: no close, no destructor, no final checkpoint.
+    // SAFETY: _exit ends the process at once; nothing runs after it.
+    unsafe { libc::_exit(0) }
+}
+
+fn recovery(o: &Opts) {
+    let exe = std::env::current_exe().unwrap_or_else(|e| die(&format!("current_exe: {e}")));
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("recovery-child")
+        .arg("--file")
+        .arg(&o.file)
+        .args(["--size", &o.size.to_string()])
+        .args(["--span", &o.span.to_string()])
+        .args(["--bs", &o.bs.to_string()])
+        .args(["--qd", &o.qd.to_string()])
+        .args(["--gib", &o.gib.to_string()]);
+    if o.no_ckpt {
+        cmd.arg("--no-ckpt");
+    }
+    let st = cmd.status().unwrap_or_else(|e| die(&format!("child: {e}")));
+    if !st.success() {
+        die(&format!("child failed: {st}"));
+    }
+    drop_caches();
+    let t = Instant::now();
+    let s = LogStore::open(Path::new(&o.file)).unwrap_or_else(|e| die(&format!("open: {e}")));
+    let secs = t.elapsed().as_secs_f64();
+    let rs = s.stats();
+    let replayed = rs.replayed_blocks as f64 * 4096.0 / (1u64 << 30) as f64;
+    println!(
+        "{{\"mode\":\"recovery\",\"written_gib\":{:.2},\"no_ckpt\":{},\"open_s\":{:.3},\"replayed_gib\":{:.3},\"replayed_batches\":{},\"s_per_gib_replayed\":{:.3}}}",
+        o.gib,
+        o.no_ckpt,
+        secs,
+        replayed,
+        rs.replayed_batches,
+        if replayed > 0.0 { secs / replayed } else { 0.0 }
+    );
+    let _ = s.close();
+}
+
+/// Best effort: the store uses O_DIRECT anyway.
+fn drop_caches() {
+    let _ = std::fs::write("/proc/sys/vm/drop_caches", "1");
+}
+
+fn main() {
+    let o = parse();
+    match o.mode.as_str() {
+        "randwrite" => bench_write(&o, false),
+        "seqwrite" => bench_write(&o, true),
+        "randread" => bench_read(&o, false),
+        "seqread" => bench_read(&o, true),
+        "recovery" => recovery(&o),
+        "recovery-child" => recovery_child(&o),
+        m => die(&format!("unknown mode {m}")),
+    }
+}
