@@ -111,6 +111,9 @@ impl LogStore {
         self.put_block(&mut st, id, block, &full, crc, false)?;
         tracing::info!(component = id, offset, "bad block replaced by a good copy");
         self.after_op(&mut st)?;
+        drop(st);
+        // A batch sealed by this repair is written now, outside the lock.
+        self.write_sealed(false)?;
         Ok(true)
     }
 }
