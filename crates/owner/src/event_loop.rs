@@ -782,17 +782,24 @@ impl<C: Control> Loop<C> {
                 Some(Err(e)) => Err(e),
                 None => Err(RpcError::Closed),
             };
-            Self::send_internal(
-                &tx,
-                Internal::ReadDone {
-                    idx,
-                    offset,
-                    len,
-                    tried,
-                    result,
-                    reply,
-                },
-            );
+            match result {
+                // Data goes straight to the client: the loop has nothing to
+                // record for a read that succeeded.
+                Ok(d) => {
+                    let _ = reply.send(Ok(d));
+                }
+                Err(e) => Self::send_internal(
+                    &tx,
+                    Internal::ReadDone {
+                        idx,
+                        offset,
+                        len,
+                        tried,
+                        result: Err(e),
+                        reply,
+                    },
+                ),
+            }
         });
     }
 
