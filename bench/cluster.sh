@@ -15,7 +15,11 @@
 #   RUNTIME [15, 5 with --quick]    seconds measured per fio job
 #   RAMP [3, 1 with --quick]        seconds of ramp before measuring
 #   SIZE [2G]                       volume / file size
-#   DEVICE_SIZE [8G]                each Shoal node's (sparse) device file
+#   DEVICE_SIZE [4G]                each Shoal node's device file, written in
+#                                   full (`shoal up --thick`) like the nbdkit and
+#                                   raw files, so no target pays for block
+#                                   allocation in the file system; THICK=0 keeps
+#                                   them sparse
 #   NET [127.0.50]                  Shoal nodes are NET.1..NET.4
 #   NBD_PORT [10809]                Shoal's NBD port
 #   NBDKIT_ADDR [127.0.0.1] NBDKIT_PORT [10859]
@@ -204,7 +208,8 @@ fi
 BENCH_DIR="${BENCH_DIR:-$REPO/bench/results/work}"
 RESULTS_ROOT="${RESULTS_ROOT:-$REPO/bench/results}"
 SIZE="${SIZE:-2G}"
-DEVICE_SIZE="${DEVICE_SIZE:-8G}"
+DEVICE_SIZE="${DEVICE_SIZE:-4G}"
+THICK="${THICK:-1}"
 NET="${NET:-127.0.50}"
 NBD_PORT="${NBD_PORT:-10809}"
 NBDKIT_ADDR="${NBDKIT_ADDR:-127.0.0.1}"
@@ -391,7 +396,8 @@ if has_target shoal; then
   log "[shoal] starting 4 nodes on $NET.1-4"
   SHOAL_STARTED=1
   if ! "$SHOAL_BIN" up --data "$SHOAL_DATA" --nodes 4 --net "$NET" --nbd-port "$NBD_PORT" \
-        --device-size "$DEVICE_SIZE" --no-demo >"$OUT/shoal-up.log" 2>&1; then
+        --device-size "$DEVICE_SIZE" $([ "$THICK" = 1 ] && echo --thick) --no-demo \
+        >"$OUT/shoal-up.log" 2>&1; then
     cat "$OUT/shoal-up.log" >&2
     note "shoal up failed; Shoal cells are empty"
   elif ! "$SHOAL_BIN" volume create bench --size "$SIZE" --policy "raid1 ftt=1" \

@@ -46,6 +46,11 @@ pub struct UpArgs {
     /// Repeatable.
     #[arg(long = "node-device", value_name = "ID=PATH")]
     node_devices: Vec<String>,
+    /// Create the device files written in full instead of sparse: they
+    /// take their whole size on disk at once (and a while to write), and
+    /// writes are faster (no block allocation on the data path).
+    #[arg(long)]
+    thick: bool,
 }
 
 /// The `--node-device ID=PATH` overrides, by node id.
@@ -185,7 +190,11 @@ pub async fn up(a: UpArgs) -> Result<()> {
                         api: format!("{}.{i}:{}", a.net, a.api_port),
                         nbd: format!("{}.{i}:{}", a.net, a.nbd_port),
                         peer: format!("{}.{i}:{}", a.net, a.peer_port),
-                        device: format!("{}:{size}", file.display()),
+                        device: if a.thick && !overrides.contains_key(&i) {
+                            format!("{}:{size}:thick", file.display())
+                        } else {
+                            format!("{}:{size}", file.display())
+                        },
                         dir,
                     }
                 })

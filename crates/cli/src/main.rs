@@ -132,8 +132,10 @@ struct NodeArgs {
     /// Data folder of this node.
     #[arg(long)]
     data: Option<PathBuf>,
-    /// A device: PATH:SIZE creates a sparse file of SIZE if missing; PATH
-    /// alone uses an existing file or block device. Repeatable.
+    /// A device: PATH:SIZE creates a sparse file of SIZE if missing,
+    /// PATH:SIZE:thick a file written in full (faster writes, uses the
+    /// space at once); PATH alone uses an existing file or block device.
+    /// Repeatable.
     #[arg(long = "device")]
     devices: Vec<String>,
     /// Peer RPC address.
@@ -175,14 +177,21 @@ struct NodeFile {
 }
 
 fn parse_device(s: &str) -> Result<DeviceSpec> {
+    let (s, thick) = match s.strip_suffix(":thick") {
+        Some(rest) => (rest, true),
+        None => (s, false),
+    };
     match s.rsplit_once(':') {
         Some((p, size)) if !p.is_empty() && parse_size(size).is_ok() => Ok(DeviceSpec {
             path: PathBuf::from(p),
             size: parse_size(size)?,
+            thick,
         }),
+        _ if thick => bail!("--device {s}:thick needs a size (PATH:SIZE:thick)"),
         _ => Ok(DeviceSpec {
             path: PathBuf::from(s),
             size: 0,
+            thick,
         }),
     }
 }

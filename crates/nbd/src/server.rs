@@ -414,9 +414,9 @@ async fn reader_loop<X: Export, R: AsyncRead + Unpin>(
 
         let payload = if req.command == Command::Write {
             // len <= MAX_BLOCK_SIZE was checked above.
-            let mut buf = BytesMut::zeroed(req.len as usize);
-            reader.read_exact(&mut buf).await.map_err(eof_to_abort)?;
-            buf.freeze()
+            read_payload(reader, req.len as usize)
+                .await
+                .map_err(eof_to_abort)?
         } else {
             Bytes::new()
         };
@@ -544,4 +544,16 @@ async fn write_all_vectored<W: AsyncWrite + Unpin>(w: &mut W, chunks: &[Bytes]) 
             }
         }
     }
+}
+
+/// Reads exactly `n` bytes into a fresh buffer, without zeroing it first.
+async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, n: usize) -> std::io::Result<Bytes> {
+    let mut buf = BytesMut::with_capacity(n);
+    while buf.len() < n {
+        let want = n - buf.len();
+        if (&mut *r).take(want as u64).read_buf(&mut buf).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(buf.freeze())
 }

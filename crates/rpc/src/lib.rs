@@ -27,6 +27,22 @@ use std::time::Duration;
 /// own; payloads larger than it are read straight into their buffers.
 pub(crate) const READ_BUFFER: usize = 64 << 10;
 
+/// Reads exactly `n` bytes into a fresh buffer, without zeroing it first.
+pub(crate) async fn read_payload<R: tokio::io::AsyncRead + Unpin>(
+    r: &mut R,
+    n: usize,
+) -> std::io::Result<bytes::Bytes> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = bytes::BytesMut::with_capacity(n);
+    while buf.len() < n {
+        let want = n - buf.len();
+        if (&mut *r).take(want as u64).read_buf(&mut buf).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(buf.freeze())
+}
+
 /// Why a call to a peer did not produce a reply.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RpcError {

@@ -140,15 +140,14 @@ impl Peer {
                     rd.read_exact(&mut body)
                         .await
                         .map_err(|_| RpcError::Closed)?;
-                    let mut payload = vec![0u8; h.payload_len as usize];
-                    rd.read_exact(&mut payload)
+                    let payload = crate::read_payload(&mut rd, h.payload_len as usize)
                         .await
                         .map_err(|_| RpcError::Closed)?;
                     let resp: Response = postcard::from_bytes(&body)
                         .map_err(|e| RpcError::Protocol(format!("bad reply body: {e}")))?;
                     let waiter = w2.lock().ok().and_then(|mut w| w.remove(&h.id));
                     if let Some(tx) = waiter {
-                        let _ = tx.send((resp, Bytes::from(payload)));
+                        let _ = tx.send((resp, payload));
                     }
                 }
             }

@@ -77,10 +77,9 @@ async fn connection<H: Handler>(stream: TcpStream, handler: Arc<H>) -> std::io::
                 .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
             let mut body = vec![0u8; h.body_len as usize];
             rd.read_exact(&mut body).await?;
-            let mut payload = vec![0u8; h.payload_len as usize];
-            rd.read_exact(&mut payload).await?;
+            let payload = crate::read_payload(&mut rd, h.payload_len as usize).await?;
             let fut = match postcard::from_bytes::<Request>(&body) {
-                Ok(req) => handler.handle(req, Bytes::from(payload)),
+                Ok(req) => handler.handle(req, payload),
                 Err(e) => {
                     let msg = format!("undecodable request: {e}");
                     Box::pin(

@@ -85,12 +85,13 @@ pub struct FileDevice {
 impl FileDevice {
     /// Like [`new`](Self::new) but always buffered (no `O_DIRECT`).
     pub fn buffered(file: File, path: &Path, len: u64, block: bool) -> FileDevice {
+        let thick = crate::fully_allocated(&file);
         FileDevice {
             file,
             direct: None,
             len,
             path: path.to_path_buf(),
-            punch: AtomicBool::new(!block),
+            punch: AtomicBool::new(!block && !thick),
         }
     }
 
@@ -110,12 +111,13 @@ impl FileDevice {
             }
             Err(e) => return Err(e),
         };
+        let thick = crate::fully_allocated(&file);
         Ok(FileDevice {
             file,
             direct,
             len,
             path: path.to_path_buf(),
-            punch: AtomicBool::new(!block),
+            punch: AtomicBool::new(!block && !thick),
         })
     }
 }

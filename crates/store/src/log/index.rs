@@ -21,6 +21,9 @@ use std::collections::BTreeMap;
 
 /// Blocks per region.
 pub const RB: usize = 256;
+/// Most extents a region grows to by appending (8 bytes each, a quarter
+/// of a dense region); past it, the general update picks the form.
+const MAX_APPENDED_EXTENTS: usize = 32;
 /// u32 words of a sparse region's bitmap.
 const WORDS: usize = RB / 32;
 
@@ -195,6 +198,12 @@ fn sparse_rank(v: &[u32], i: usize) -> usize {
 pub struct BlockIndex {
     regions: BTreeMap<u32, Region>,
     mapped: u64,
+    /// The region a general update changed last. It is left `Dense`, so a
+    /// run of updates there (rewriting sequential data: each one would
+    /// otherwise expand and re-encode the whole region) costs O(1) each; it
+    /// goes back to its cheapest form when a general update changes another
+    /// region. So at most one region per component is dense beyond need.
+    hot: Option<u32>,
 }
 
 fn split(block: u64) -> (u32, usize) {
@@ -258,6 +267,33 @@ impl BlockIndex {
                     self.mapped += 1;
                     return None;
                 }
+                // A new extent past the last one (sequential data after a
+                // batch header), while extents stay cheaper than a sparse
+                // region (8 bytes an extent against 32 + 4 a block).
+                let blocks: usize = v
+                    .iter()
+                    .map(|&e| {
+                        let (f, l, _) = ext_parts(e);
+                        l - f + 1
+                    })
+                    .sum();
+                if i > l && n < MAX_APPENDED_EXTENTS && 8 * (n + 1) <= 32 + 4 * (blocks + 1) {
+                    let mut nv = v.to_vec();
+                    nv.push(ext(i, i, phys));
+                    *v = nv.into_boxed_slice();
+                    self.mapped += 1;
+                    return None;
+                }
+            }
+            // A second extent after a run.
+            Region::Run { first, last, start } if i > *last as usize => {
+                let v = vec![
+                    ext(*first as usize, *last as usize, *start),
+                    ext(i, i, phys),
+                ];
+                *reg = Region::Extents(v.into_boxed_slice());
+                self.mapped += 1;
+                return None;
             }
             Region::Sparse(v) => {
                 if v[i / 32] & (1 << (i % 32)) != 0 {
@@ -278,15 +314,34 @@ impl BlockIndex {
             }
             _ => {}
         }
-        let mut s = [0u32; RB];
+        let mut s = Box::new([0u32; RB]);
         reg.expand(&mut s);
         let old = std::mem::replace(&mut s[i], phys);
-        *reg = Region::encode(&s).expect("region has a block");
+        *reg = Region::Dense(s);
+        if self.hot != Some(r) {
+            if let Some(h) = self.hot.replace(r) {
+                self.compact(h);
+            }
+        }
         if old == 0 {
             self.mapped += 1;
             None
         } else {
             Some(old)
+        }
+    }
+
+    /// Puts region `r` back in its cheapest form.
+    fn compact(&mut self, r: u32) {
+        if let Some(reg) = self.regions.get_mut(&r) {
+            let mut s = [0u32; RB];
+            reg.expand(&mut s);
+            match Region::encode(&s) {
+                Some(c) => *reg = c,
+                None => {
+                    self.regions.remove(&r);
+                }
+            }
         }
     }
 
@@ -689,11 +744,24 @@ pub(crate) mod tests {
         for k in 0..20u64 {
             ix.set(512 + k * 7, 50 + 2 * k as u32);
         }
-        assert!(matches!(ix.regions[&2], Region::Sparse(_)));
+        // The region a general update changed last stays dense until
+        // another region is changed.
+        assert!(matches!(ix.regions[&2], Region::Dense(_)));
         for k in 0..256u64 {
             ix.set(768 + (k * 37) % 256, 9000 + 3 * k as u32);
         }
+        assert!(matches!(ix.regions[&2], Region::Sparse(_)));
         assert!(matches!(ix.regions[&3], Region::Dense(_)));
+        // Rewriting a sequential region in place (blocks move to new
+        // places one by one) keeps the region dense while it is written,
+        // then compacts it.
+        for b in 0..256u64 {
+            ix.set(b, 20_000 + b as u32);
+        }
+        assert!(matches!(ix.regions[&0], Region::Dense(_)));
+        ix.set(300, 77);
+        assert!(matches!(ix.regions[&0], Region::Run { .. }));
+        assert!(matches!(ix.regions[&1], Region::Dense(_)));
         ix.remove_range(768, 768 + 200, |_, _| {});
         assert!(!matches!(ix.regions[&3], Region::Dense(_)));
         assert_eq!(ix.mapped(), 256 + 2 + 20 + 56);

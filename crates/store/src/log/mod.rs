@@ -259,7 +259,7 @@ impl Flight {
 }
 
 /// Spare batch buffers kept.
-const SPARE_BUFS: usize = 4;
+const SPARE_BUFS: usize = 16;
 
 /// The log-structured component store of one device.
 pub struct LogStore {
@@ -397,8 +397,9 @@ impl LogStore {
         if !block && len < capacity {
             file.set_len(capacity)?;
         }
-        if len > 0 && !block {
-            // Old contents are ignored (new uuid), but give the space back.
+        if len > 0 && !block && !crate::fully_allocated(&file) {
+            // Old contents are ignored (new uuid), but give the space back
+            // (a thick file stays thick).
             let _ = crate::punch_hole(&file, 0, capacity);
         }
         let dev = uring::open_file_device(file, path, capacity, block)?;
@@ -1280,7 +1281,6 @@ impl LogStore {
     /// next [`sync`](Self::sync). A write that needs more space than is
     /// left fails whole with [`StoreError::NoSpace`].
     pub fn write(&self, id: u64, offset: u64, data: &[u8]) -> Result<()> {
-        self.fail_check()?;
         let len = data.len() as u64;
         // Checksums of whole blocks, outside the lock (a range that
         // overflows is refused below).
@@ -1290,6 +1290,21 @@ impl LogStore {
                 .collect(),
             None => Vec::new(),
         };
+        self.write_with_crcs(id, offset, data, crcs)
+    }
+
+    /// [`write`](Self::write) with the CRC of each whole block already
+    /// known (`crcs[i]` for the `i`-th piece of the range, `None` for a
+    /// partial block).
+    fn write_with_crcs(
+        &self,
+        id: u64,
+        offset: u64,
+        data: &[u8],
+        crcs: Vec<Option<u32>>,
+    ) -> Result<()> {
+        self.fail_check()?;
+        let len = data.len() as u64;
         let mut st = self.lock_state();
         let c = st.comps.get(&id).ok_or(StoreError::NoSuchComponent(id))?;
         check_range(id, offset, len, c.size)?;

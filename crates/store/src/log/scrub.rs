@@ -39,7 +39,8 @@ impl LogStore {
                 });
             }
         }
-        self.write(id, offset, data)
+        // Checked: the store keeps the sender's CRCs, computed once.
+        self.write_with_crcs(id, offset, data, crcs.iter().map(|&c| Some(c)).collect())
     }
 
     /// Reads `[offset, offset + len)` of component `id` and returns the

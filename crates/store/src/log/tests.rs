@@ -126,6 +126,49 @@ fn create_is_sparse_and_reopens() {
     s.check().unwrap();
 }
 
+/// A file written in full (thick) stays fully allocated: formatting and
+/// freeing segments never punch holes in it.
+#[test]
+fn thick_files_stay_thick() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = TempDir::new().unwrap();
+    let p = dev_path(&dir);
+    std::fs::write(&p, vec![0u8; MIN_CAPACITY as usize]).unwrap();
+    let allocated = || std::fs::metadata(&p).unwrap().blocks() * 512;
+    assert!(allocated() >= MIN_CAPACITY);
+    let s = LogStore::create(&p, MIN_CAPACITY, "test").unwrap();
+    s.create_component(1, 1, 40 * M).unwrap();
+    for round in 0..3u64 {
+        for i in 0..32 {
+            s.write(1, i * M, &pattern(round * 100 + i, M as usize))
+                .unwrap();
+        }
+        s.sync().unwrap();
+        s.checkpoint().unwrap();
+    }
+    s.trim(1, 0, 40 * M).unwrap();
+    s.checkpoint().unwrap();
+    assert!(s.stats().checkpoints > 0);
+    drop(s);
+    assert!(
+        allocated() >= MIN_CAPACITY,
+        "{} bytes allocated",
+        allocated()
+    );
+    // A sparse file is still given back its freed space.
+    let q = dir.path().join("sparse.img");
+    let s = LogStore::create(&q, MIN_CAPACITY, "test").unwrap();
+    s.create_component(1, 1, 40 * M).unwrap();
+    for i in 0..32 {
+        s.write(1, i * M, &pattern(i, M as usize)).unwrap();
+    }
+    s.sync().unwrap();
+    s.trim(1, 0, 40 * M).unwrap();
+    s.checkpoint().unwrap();
+    drop(s);
+    assert!(std::fs::metadata(&q).unwrap().blocks() * 512 < 16 * M);
+}
+
 #[test]
 fn refuses_small_foreign_and_unformatted_devices() {
     let dir = TempDir::new().unwrap();
