@@ -11,6 +11,7 @@ pub mod exports;
 pub mod flusher;
 pub mod http;
 pub mod liveness;
+pub mod reader;
 pub mod replica;
 pub mod router;
 pub mod scrub;

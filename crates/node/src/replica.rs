@@ -7,6 +7,7 @@
 //! reads run afterwards, concurrently.
 
 use crate::flusher::Flusher;
+use crate::reader::Reader;
 use crate::router::Router;
 use bytes::Bytes;
 use shoal_model::{ComponentId, DeviceId, Generation};
@@ -37,6 +38,8 @@ pub struct Device {
     pub store: Arc<Store>,
     /// The device's group commit, on its own thread.
     pub flusher: Flusher,
+    /// The device's reads, batched on threads of their own.
+    pub reader: Reader,
     /// Bytes of data written to this device by owners (client writes and
     /// resync copies): the backend side of write amplification.
     pub written: std::sync::atomic::AtomicU64,
@@ -60,6 +63,7 @@ impl Device {
         Ok(Device {
             id,
             flusher: Flusher::start(store.clone(), &format!("dev{id}"))?,
+            reader: Reader::start(store.clone(), &format!("dev{id}"))?,
             path,
             store,
             written: Default::default(),
@@ -474,16 +478,9 @@ impl Replicas {
                 let (deps, _) = self.seq.enter(component, offset, end, false);
                 Box::pin(async move {
                     wait_all(deps).await;
-                    let r = tokio::task::spawn_blocking(move || {
-                        let mut buf = vec![0u8; len as usize];
-                        d.note(d.store.read(component, offset, &mut buf))
-                            .map(|_| buf)
-                    })
-                    .await;
-                    match r {
-                        Ok(Ok(buf)) => (Response::Data, Bytes::from(buf)),
-                        Ok(Err(e)) => (Response::Err(remote(e)), Bytes::new()),
-                        Err(e) => (Response::Err(RemoteError::Io(e.to_string())), Bytes::new()),
+                    match d.note(d.reader.read(component, offset, len as usize).await) {
+                        Ok(buf) => (Response::Data, buf),
+                        Err(e) => (Response::Err(remote(e)), Bytes::new()),
                     }
                 })
             }

@@ -135,6 +135,14 @@ impl LogStats {
     }
 }
 
+/// One read of [`LogStore::read_batch`]: `buf.len()` bytes of component
+/// `id` at `offset`.
+pub struct ReadReq<'a> {
+    pub id: u64,
+    pub offset: u64,
+    pub buf: &'a mut [u8],
+}
+
 /// Derived constants of a device's geometry.
 #[derive(Debug, Clone)]
 struct Geo {
@@ -1364,32 +1372,62 @@ impl LogStore {
     /// Reads `buf.len()` bytes at `offset`; unwritten blocks read as zeros.
     /// Every block read from the device is checked against its checksum.
     pub fn read(&self, id: u64, offset: u64, buf: &mut [u8]) -> Result<()> {
-        self.fail_check()?;
-        let len = buf.len() as u64;
-        // (block, within, n, at, device block, header)
-        let mut todo: Vec<(u64, usize, usize, usize, u32, Option<u32>)> = Vec::new();
+        let mut one = [ReadReq { id, offset, buf }];
+        self.read_batch(&mut one)
+            .pop()
+            .unwrap_or_else(|| Err(StoreError::Io(io::Error::other("no read result"))))
+    }
+
+    /// Several reads at once: every block that must come from the device,
+    /// of all of them, goes out in one `read_many` submission. Results are
+    /// per request, in order (a bad block or a bad range fails only its
+    /// own request; a device error fails every request that needed the
+    /// device).
+    pub fn read_batch(&self, reqs: &mut [ReadReq<'_>]) -> Vec<Result<()>> {
+        let mut res: Vec<Result<()>> = (0..reqs.len()).map(|_| Ok(())).collect();
+        if let Err(e) = self.fail_check() {
+            let msg = e.to_string();
+            return (0..reqs.len())
+                .map(|_| Err(StoreError::Io(io::Error::other(msg.clone()))))
+                .collect();
+        }
+        // (request, block, within, n, at, device block, header)
+        let mut todo: Vec<(usize, u64, usize, usize, usize, u32, Option<u32>)> = Vec::new();
         let st = self.lock_state();
-        let c = st.comps.get(&id).ok_or(StoreError::NoSuchComponent(id))?;
-        check_range(id, offset, len, c.size)?;
-        let flight = lock(&self.flight);
-        for (b, within, n, at) in blocks_of(offset, len) {
-            let out = &mut buf[at..at + n];
-            match c.index.get(b) {
-                None => out.fill(0),
-                Some(d) => match st.batch.slot_of(d) {
-                    Some(i) => out.copy_from_slice(&st.batch.data(i)[within..within + n]),
-                    None => match flight.find(d) {
-                        Some((fb, k)) => out.copy_from_slice(
-                            &fb.as_slice()[k * BLOCK + within..k * BLOCK + within + n],
-                        ),
-                        None => todo.push((b, within, n, at, d, st.segs.header_of(d))),
-                    },
-                },
+        {
+            let flight = lock(&self.flight);
+            for (r, q) in reqs.iter_mut().enumerate() {
+                let len = q.buf.len() as u64;
+                let c = match st.comps.get(&q.id) {
+                    Some(c) => c,
+                    None => {
+                        res[r] = Err(StoreError::NoSuchComponent(q.id));
+                        continue;
+                    }
+                };
+                if let Err(e) = check_range(q.id, q.offset, len, c.size) {
+                    res[r] = Err(e);
+                    continue;
+                }
+                for (b, within, n, at) in blocks_of(q.offset, len) {
+                    let out = &mut q.buf[at..at + n];
+                    match c.index.get(b) {
+                        None => out.fill(0),
+                        Some(d) => match st.batch.slot_of(d) {
+                            Some(i) => out.copy_from_slice(&st.batch.data(i)[within..within + n]),
+                            None => match flight.find(d) {
+                                Some((fb, k)) => out.copy_from_slice(
+                                    &fb.as_slice()[k * BLOCK + within..k * BLOCK + within + n],
+                                ),
+                                None => todo.push((r, b, within, n, at, d, st.segs.header_of(d))),
+                            },
+                        },
+                    }
+                }
             }
         }
-        drop(flight);
         if todo.is_empty() {
-            return Ok(());
+            return res;
         }
         // Keep the located blocks from being reused until they are read.
         let gate = self.reuse.read().unwrap_or_else(|e| e.into_inner());
@@ -1397,7 +1435,7 @@ impl LogStore {
         // The headers to check against: cached, or read with the data.
         let mut hs: Vec<u32> = todo
             .iter()
-            .filter_map(|t| t.5.filter(|&h| h < t.4))
+            .filter_map(|t| t.6.filter(|&h| h < t.5))
             .collect();
         hs.sort_unstable();
         hs.dedup();
@@ -1415,41 +1453,55 @@ impl LogStore {
         }
         // One buffer: the data blocks in `todo` order, then the headers.
         let mut io = crate::direct::AlignedBuf::zeroed((todo.len() + missing.len()) * BLOCK);
-        {
+        let read = {
             let (mut data, hdrs) = io.as_mut_slice().split_at_mut(todo.len() * BLOCK);
-            let mut reqs: Vec<(u64, &mut [u8])> = Vec::new();
+            let mut dev_reqs: Vec<(u64, &mut [u8])> = Vec::new();
             let mut k = 0;
             while k < todo.len() {
                 // A run of consecutive device blocks.
                 let mut e = k + 1;
-                while e < todo.len() && e - k < MAX_RUN && todo[e].4 == todo[e - 1].4 + 1 {
+                while e < todo.len() && e - k < MAX_RUN && todo[e].5 == todo[e - 1].5 + 1 {
                     e += 1;
                 }
                 let (run, rest) = std::mem::take(&mut data).split_at_mut((e - k) * BLOCK);
-                reqs.push((byte_off(todo[k].4), run));
+                dev_reqs.push((byte_off(todo[k].5), run));
                 data = rest;
                 k = e;
             }
             for (&i, b) in missing.iter().zip(hdrs.chunks_mut(BLOCK)) {
-                reqs.push((byte_off(hs[i]), b));
+                dev_reqs.push((byte_off(hs[i]), b));
             }
-            self.dev.read_many(&mut reqs)?;
+            self.dev.read_many(&mut dev_reqs)
+        };
+        if let Err(e) = read {
+            let msg = e.to_string();
+            for t in &todo {
+                if res[t.0].is_ok() {
+                    res[t.0] = Err(StoreError::Io(io::Error::new(e.kind(), msg.clone())));
+                }
+            }
+            return res;
         }
         let hdr_at = todo.len() * BLOCK;
         for (j, &i) in missing.iter().enumerate() {
             let b = &io.as_slice()[hdr_at + j * BLOCK..hdr_at + (j + 1) * BLOCK];
             refs[i] = self.parse_header(hs[i], b);
         }
-        for (k, &(b, within, len, at, d, h)) in todo.iter().enumerate() {
+        for (k, &(r, b, within, len, at, d, h)) in todo.iter().enumerate() {
+            if res[r].is_err() {
+                continue;
+            }
             let data = &io.as_slice()[k * BLOCK..(k + 1) * BLOCK];
-            let r = h
+            let hr = h
                 .and_then(|h| hs.binary_search(&h).ok())
                 .and_then(|i| refs[i].as_deref());
-            Self::check_block(id, b, d, h, r, data)?;
-            buf[at..at + len].copy_from_slice(&data[within..within + len]);
+            match Self::check_block(reqs[r].id, b, d, h, hr, data) {
+                Ok(()) => reqs[r].buf[at..at + len].copy_from_slice(&data[within..within + len]),
+                Err(e) => res[r] = Err(e),
+            }
         }
         drop(gate);
-        Ok(())
+        res
     }
 
     /// Zeroes a range: whole blocks are unmapped (free space), partial ones

@@ -144,6 +144,62 @@ mod tests {
     }
 
     #[test]
+    fn batched_reads_keep_errors_to_their_own_request() {
+        let (dev, s) = store();
+        s.create_component(1, 1, 8 * M).unwrap();
+        s.create_component(2, 1, 8 * M).unwrap();
+        let a: Vec<u8> = (0..64 * 1024).map(|i| (i % 249) as u8).collect();
+        let b: Vec<u8> = (0..64 * 1024).map(|i| (i % 241) as u8 ^ 0x5a).collect();
+        s.write(1, 0, &a).unwrap();
+        s.write(2, 4096, &b).unwrap();
+        s.sync().unwrap();
+        // Rot in component 2's third block.
+        let at = locate(&dev, &b[2 * 4096..3 * 4096]);
+        dev.flip_bit(at * 8 + 3);
+        let (mut x, mut y, mut z, mut w) = (
+            vec![0u8; a.len()],
+            vec![0u8; 8192],
+            vec![0u8; 100],
+            vec![0u8; 4096],
+        );
+        let mut reqs = [
+            super::super::ReadReq {
+                id: 1,
+                offset: 0,
+                buf: &mut x,
+            },
+            super::super::ReadReq {
+                id: 2,
+                offset: 2 * 4096,
+                buf: &mut y,
+            },
+            super::super::ReadReq {
+                id: 9,
+                offset: 0,
+                buf: &mut z,
+            },
+            super::super::ReadReq {
+                id: 1,
+                offset: 8 * M - 100,
+                buf: &mut w,
+            },
+        ];
+        let r = s.read_batch(&mut reqs);
+        assert!(r[0].is_ok());
+        assert!(matches!(
+            r[1],
+            Err(crate::StoreError::Checksum { offset: 12288, .. })
+        ));
+        assert!(matches!(r[2], Err(crate::StoreError::NoSuchComponent(9))));
+        assert!(matches!(r[3], Err(crate::StoreError::OutOfRange { .. })));
+        assert_eq!(x, a);
+        // The batch equals the reads one by one.
+        let mut one = vec![0u8; 4096];
+        s.read(2, 4096, &mut one).unwrap();
+        assert_eq!(one, b[..4096]);
+    }
+
+    #[test]
     fn checked_writes_refuse_damaged_blocks_and_write_nothing() {
         let (_dev, s) = store();
         s.create_component(1, 1, M).unwrap();
