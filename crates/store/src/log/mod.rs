@@ -135,6 +135,11 @@ impl LogStats {
     }
 }
 
+/// A block [`LogStore::read_batch`] reads from the device: (request,
+/// block, byte offset in the block, length, offset in the request's
+/// buffer, device block, header block).
+type ToRead = (usize, u64, usize, usize, usize, u32, Option<u32>);
+
 /// One read of [`LogStore::read_batch`]: `buf.len()` bytes of component
 /// `id` at `offset`.
 pub struct ReadReq<'a> {
@@ -1391,8 +1396,7 @@ impl LogStore {
                 .map(|_| Err(StoreError::Io(io::Error::other(msg.clone()))))
                 .collect();
         }
-        // (request, block, within, n, at, device block, header)
-        let mut todo: Vec<(usize, u64, usize, usize, usize, u32, Option<u32>)> = Vec::new();
+        let mut todo: Vec<ToRead> = Vec::new();
         let st = self.lock_state();
         {
             let flight = lock(&self.flight);
