@@ -3,6 +3,8 @@
 //! stopped (kill -9 of leftovers) when dropped.
 #![allow(dead_code)]
 
+pub mod fio;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
