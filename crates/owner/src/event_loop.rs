@@ -446,9 +446,9 @@ async fn read_from(
 
 fn state_for(e: &RpcError) -> ComponentState {
     match e {
-        RpcError::Remote(RemoteError::Io(_) | RemoteError::Checksum { .. }) => {
-            ComponentState::Degraded
-        }
+        RpcError::Remote(
+            RemoteError::Io(_) | RemoteError::Checksum { .. } | RemoteError::NoSpace,
+        ) => ComponentState::Degraded,
         _ => ComponentState::Absent,
     }
 }
@@ -918,17 +918,26 @@ impl<C: Control> Loop<C> {
                 self.inflight.remove(&seq);
                 let mut ok = Vec::new();
                 let mut waiting = HashSet::new();
+                // A copy that ran out of space while another took the write
+                // now differs from it: it leaves service (degraded) like a
+                // copy with a device error, rather than failing the write
+                // and leaving the copies different.
+                let any_ok = results.iter().any(|(_, r)| r.is_ok());
                 for (i, res) in results {
                     match res {
                         Ok(()) => ok.push(i),
                         Err(e) => {
-                            if let Some(oe) = owner_error(&e) {
-                                if oe == OwnerError::Deposed {
-                                    let _ = reply.send(Err(oe));
+                            match owner_error(&e) {
+                                Some(OwnerError::Deposed) => {
+                                    let _ = reply.send(Err(OwnerError::Deposed));
                                     return false;
                                 }
-                                let _ = reply.send(Err(oe));
-                                return true;
+                                Some(OwnerError::NoSpace) if any_ok => {}
+                                Some(oe) => {
+                                    let _ = reply.send(Err(oe));
+                                    return true;
+                                }
+                                None => {}
                             }
                             self.fail(i, state_for(&e));
                             if self.replicas[i].mode == Mode::Failing {
