@@ -105,8 +105,14 @@ pub struct LogStats {
     pub checkpoint_blocks: u64,
     pub batches: u64,
     pub checkpoints: u64,
-    /// Segments the cleaner emptied.
+    /// Segments the cleaner emptied (background and inline).
     pub cleaned_segments: u64,
+    /// Of those, segments the background cleaner emptied (the rest were
+    /// cleaned inline, by a writer that found too few free segments).
+    pub cleaned_segments_background: u64,
+    /// Times a client write waited for a step of the background cleaner
+    /// (free segments within one step of inline cleaning).
+    pub cleaner_waits: u64,
     pub flushes: u64,
     /// Batches and log blocks (headers and data) replayed by the open.
     pub replayed_batches: u64,
@@ -146,6 +152,13 @@ struct Geo {
     dense: u64,
     clean_low: usize,
     clean_high: usize,
+    /// Background cleaner: woken when free segments fall below `bg_wake`,
+    /// cleans one segment per step until `bg_high` are free; a client write
+    /// that leaves fewer than `bg_throttle` free waits for one of its steps
+    /// (all in segments; see `Geo::new`).
+    bg_wake: usize,
+    bg_high: usize,
+    bg_throttle: usize,
     /// Most live blocks (the capacity).
     max_live: u64,
     /// Most data blocks one step of an operation appends.
@@ -167,11 +180,26 @@ impl Geo {
             dense: dense_per_segment(sb.seg_blocks),
             clean_low,
             clean_high: clean_low + (sb.nsegs as usize / 64).max(2),
+            bg_wake: 0,
+            bg_high: 0,
+            bg_throttle: 0,
             max_live: 0,
             piece,
             ckpt_min: (16384u64).min(sb.nsegs as u64 * seg / 4),
         };
-        let reserve = (clean_low + 2 + g.rotations(piece, 0)) as u64;
+        let step = g.rotations(piece, 0);
+        let reserve = (clean_low + 2 + step) as u64;
+        // A write of one step (`piece` blocks) cleans inline when fewer than
+        // `clean_low + step` segments are free. The background cleaner
+        // starts a full step above the inline cleaner's goal (`clean_high`),
+        // so writers find room without cleaning, and cleans the same
+        // distance as an inline round (`clean_high - clean_low`, at least 2
+        // segments) before its checkpoint frees them: one checkpoint per
+        // round, not per segment. Writers wait for one of its steps only
+        // within one segment of cleaning inline themselves.
+        g.bg_wake = g.clean_high + step;
+        g.bg_high = g.bg_wake + (g.clean_high - clean_low);
+        g.bg_throttle = clean_low + step + 1;
         g.max_live =
             (sb.nsegs as u64).saturating_sub(reserve) * g.dense * sb.fill_permille as u64 / 1000;
         g
@@ -285,6 +313,9 @@ pub struct LogStore {
     /// state, then flight); `landed` is signalled when one completes.
     flight: Mutex<Flight>,
     landed: Condvar,
+    /// The background cleaner's flags (lock order: state, then this).
+    bg: Arc<cleaner::Bg>,
+    bg_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -558,6 +589,11 @@ impl LogStore {
         {
             let mut st = s.lock_state();
             st.epoch += 1;
+            // Segment ages are not logged: count them from now.
+            for seg in 0..st.segs.count() {
+                let seq = st.seq;
+                st.segs.set_used_at(seg, seq);
+            }
             s.checkpoint_locked(&mut st)?;
         }
         Ok(s)
@@ -579,6 +615,8 @@ impl LogStore {
             ckpt_every: AtomicU64::new(0),
             flight: Mutex::new(Flight::default()),
             landed: Condvar::new(),
+            bg: Arc::new(cleaner::Bg::default()),
+            bg_thread: Mutex::new(None),
         }
     }
 
@@ -850,6 +888,10 @@ impl LogStore {
             )));
         };
         st.next_seg = next;
+        st.segs.set_used_at(old, st.seq);
+        if st.segs.free_count() < self.geo.bg_wake {
+            self.bg.wake();
+        }
         let base = st.segs.block(head, 0);
         st.batch.reset(head, 0, base, self.geo.seg_blocks);
         if st.log_since_ckpt >= self.ckpt_interval(st) {
@@ -1356,9 +1398,15 @@ impl LogStore {
         }
         st.stats.client_bytes += len;
         self.after_op(&mut st)?;
+        let short = st.segs.free_count() < self.geo.bg_throttle;
         drop(st);
         // Batches this write filled go to the device outside the lock.
-        self.write_sealed(false).map(|_| ())
+        self.write_sealed(false)?;
+        if short && self.bg.wait_step() {
+            // Back-pressure: the background cleaner is behind.
+            self.lock_state().stats.cleaner_waits += 1;
+        }
+        Ok(())
     }
 
     /// Reads `buf.len()` bytes at `offset`; unwritten blocks read as zeros.
@@ -1702,6 +1750,15 @@ fn self_locate(sb: &LogSuper, d: u32) -> Option<(u32, u32)> {
 
 impl Drop for LogStore {
     fn drop(&mut self) {
+        // The background cleaner holds only a `Weak` between steps, so it
+        // is never inside one here; it may be the thread running this drop
+        // (it held the last reference), which must not join itself.
+        self.bg.stop();
+        if let Some(h) = lock(&self.bg_thread).take() {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
         if lock(&self.failed).is_some() {
             return;
         }
