@@ -10,12 +10,14 @@
 //! it gains at least a tenth of a segment.
 //!
 //! The background cleaner ([`LogStore::start_background`]) keeps free
-//! segments ahead of the writers: woken when they fall below `bg_wake`
+//! segments ahead of the writers: woken when they fall below `bg_high`
 //! (from `rotate`), it cleans in steps — each takes the state lock,
 //! relocates the live blocks of one victim (or checkpoints, which frees
-//! the emptied segments) and releases it — until `bg_high` are free, so
-//! client writes interleave between steps. The inline cleaning in
-//! `ensure_space` stays as the fallback when it falls behind.
+//! the emptied segments) and releases it — until free plus emptied
+//! segments reach `bg_high`, so client writes interleave between steps.
+//! Writers wait for its steps when free segments fall near the inline
+//! threshold; the inline cleaning in `ensure_space` stays as the fallback
+//! when it is stuck or not running.
 
 use super::format::{BatchHeader, Entry, BLOCK};
 use super::segment::SegState;
@@ -242,7 +244,7 @@ impl LogStore {
                 *t = Some(h);
                 drop(t);
                 // Start ahead of the writers if space is already short.
-                if self.lock_state().segs.free_count() < self.geo.bg_wake {
+                if self.lock_state().segs.free_count() < self.geo.bg_high {
                     self.bg.wake();
                 }
                 Ok(())
@@ -250,6 +252,20 @@ impl LogStore {
             Err(e) => {
                 lock(&self.bg.m).running = false;
                 Err(e)
+            }
+        }
+    }
+
+    /// Stops the background cleaner and waits for its thread to end (it
+    /// ends on its own when the last `Arc` is dropped, but its current step
+    /// may hold one for a moment: whoever must know the store closed when
+    /// dropping its `Arc`, e.g. to reopen the device in this process,
+    /// calls this first). Returns at once without a thread.
+    pub fn stop_background(&self) {
+        self.bg.stop();
+        if let Some(h) = lock(&self.bg_thread).take() {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
             }
         }
     }
@@ -267,19 +283,17 @@ impl LogStore {
 
     fn clean_step_locked(&self, st: &mut State) -> Result<Step> {
         let free = st.segs.free_count();
-        let high = self.geo.bg_high;
-        if free >= high {
-            return Ok(Step::Done);
-        }
-        // Emptied segments become free at a checkpoint: take one when they
-        // reach the goal, or a round's worth (as many as an inline round
-        // cleans: one checkpoint per round, not per segment), or when the
-        // writers are about to wait.
+        // Emptied segments become free at a checkpoint: take one after a
+        // round's worth (as many as an inline round cleans: one checkpoint
+        // per round, not per segment), or when no victim can be moved.
         let recl = st.segs.reclaimable().len();
         let round = self.geo.clean_high - self.geo.clean_low;
-        if recl > 0 && (free + recl >= high || recl >= round || free < self.geo.bg_throttle) {
+        if recl >= round.max(1) {
             self.checkpoint_locked(st)?;
             return Ok(Step::Progress);
+        }
+        if free + recl >= self.geo.bg_high {
+            return Ok(Step::Done);
         }
         match self.best_victim(st) {
             Some(v) if free > self.geo.rotations(st.segs.live(v) as u64, 0) => {
@@ -295,31 +309,17 @@ impl LogStore {
         }
     }
 
-    /// The used segment worth cleaning with the best benefit per cost
-    /// (LFS cost-benefit: free space gained × age ÷ cost, where moving a
-    /// segment with utilisation u costs reading it and writing u of it:
-    /// (1 − u) × age / (1 + u)); one scan of the segment table, no sort.
-    /// Age is in batches since the log left the segment (+1, so segments
-    /// from before this open compare as the oldest, equally).
+    /// The used segment worth cleaning with the fewest live blocks
+    /// (greedy, as the inline cleaner), in one scan of the segment table.
+    /// LFS cost-benefit ((1 − u) × age ÷ (1 + u)) was tried and measured
+    /// no better here (docs/store-log-format.md).
     fn best_victim(&self, st: &State) -> Option<u32> {
-        let dense = self.geo.dense as f64;
-        let mut best: Option<(f64, u32)> = None;
-        for s in 0..st.segs.count() {
-            if st.segs.state(s) != SegState::Used {
-                continue;
-            }
-            let live = st.segs.live(s);
-            if live == 0 || live as u64 >= self.geo.dense {
-                continue;
-            }
-            let u = live as f64 / dense;
-            let age = (st.seq.saturating_sub(st.segs.used_at(s)) + 1) as f64;
-            let score = (1.0 - u) * age / (1.0 + u);
-            if best.is_none_or(|(b, _)| score > b) {
-                best = Some((score, s));
-            }
-        }
-        best.map(|(_, s)| s)
+        (0..st.segs.count())
+            .filter(|&s| st.segs.state(s) == SegState::Used)
+            .map(|s| (st.segs.live(s), s))
+            .filter(|&(live, _)| live > 0 && (live as u64) < self.geo.dense)
+            .min()
+            .map(|(_, s)| s)
     }
 
     /// Runs one cleaning round if free segments are below the cleaner's

@@ -23,9 +23,6 @@ pub struct Segments {
     pub seg_off: u32,
     state: Vec<SegState>,
     live: Vec<u32>,
-    /// Seq of the open batch when the log left the segment (0: before this
-    /// open): its age for the cleaner's cost-benefit choice.
-    used_at: Vec<u64>,
     hdr: Vec<u64>,
     words: usize,
     free: BTreeSet<u32>,
@@ -39,7 +36,6 @@ impl Segments {
             seg_off,
             state: vec![SegState::Free; nsegs as usize],
             live: vec![0; nsegs as usize],
-            used_at: vec![0; nsegs as usize],
             hdr: vec![0; nsegs as usize * words],
             words,
             free: (0..nsegs).collect(),
@@ -76,14 +72,6 @@ impl Segments {
 
     pub fn live(&self, s: u32) -> u32 {
         self.live[s as usize]
-    }
-
-    pub fn used_at(&self, s: u32) -> u64 {
-        self.used_at[s as usize]
-    }
-
-    pub fn set_used_at(&mut self, s: u32, seq: u64) {
-        self.used_at[s as usize] = seq;
     }
 
     /// A data block at device block `d` became live.
@@ -185,7 +173,7 @@ impl Segments {
 
     /// Heap bytes of the table.
     pub fn heap_bytes(&self) -> usize {
-        self.state.len() * (1 + 4 + 8 + 8 * self.words) + self.free.len() * 8
+        self.state.len() * (1 + 4 + 8 * self.words) + self.free.len() * 8
     }
 }
 
