@@ -41,8 +41,9 @@ struct BgFlags {
     wake: bool,
     /// The store is going away.
     stop: bool,
-    /// The last step could not make progress (no victim worth moving):
-    /// writers do not wait for it until the next wake-up.
+    /// The last step could not make progress (no victim worth moving) or
+    /// found nothing to do: writers do not wait for it until the next
+    /// wake-up (they clean inline if they must).
     stuck: bool,
     /// Steps finished (writers waiting for one watch it change).
     steps: u64,
@@ -99,8 +100,7 @@ impl Bg {
         g.steps += 1;
         match step {
             Ok(Step::Progress) => {}
-            Ok(Step::Done) => {}
-            Ok(Step::Stuck) => g.stuck = true,
+            Ok(Step::Done) | Ok(Step::Stuck) => g.stuck = true,
             Err(_) => g.running = false,
         }
         self.cv.notify_all();
