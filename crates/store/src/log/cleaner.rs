@@ -263,7 +263,8 @@ impl LogStore {
     /// calls this first). Returns at once without a thread.
     pub fn stop_background(&self) {
         self.bg.stop();
-        if let Some(h) = lock(&self.bg_thread).take() {
+        let handle = lock(&self.bg_thread).take();
+        if let Some(h) = handle {
             if h.thread().id() != std::thread::current().id() {
                 let _ = h.join();
             }
