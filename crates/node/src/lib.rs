@@ -189,7 +189,11 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
         }
         let s = replica::Store::open_or_create(&d.path, d.size, &cluster_id)
             .with_context(|| format!("device {}", d.path.display()))?;
-        stores.push((d.path.display().to_string(), Arc::new(s)));
+        let s = Arc::new(s);
+        // The store's background cleaner (ends when the last Arc goes).
+        s.start_background()
+            .with_context(|| format!("cleaner thread for {}", d.path.display()))?;
+        stores.push((d.path.display().to_string(), s));
     }
 
     // Bind every port now so that a port in use fails the start clearly.

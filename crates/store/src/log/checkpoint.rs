@@ -194,6 +194,8 @@ impl LogStore {
                 }
             }
         }
+        self.free_hint
+            .store(st.segs.free_count(), std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 

@@ -8,12 +8,153 @@
 //! reserve is left free; then the used segments hold on average at most
 //! 90 % of a segment of live data, so the emptiest one does too, and moving
 //! it gains at least a tenth of a segment.
+//!
+//! The background cleaner ([`LogStore::start_background`]) keeps free
+//! segments ahead of the writers: woken when they fall below `bg_high`
+//! (from `rotate`), it cleans in steps — each takes the state lock,
+//! relocates the live blocks of one victim (or checkpoints, which frees
+//! the emptied segments) and releases it — until free plus emptied
+//! segments reach `bg_high`, so client writes interleave between steps.
+//! Writers wait for its steps when free segments fall near the inline
+//! threshold; the inline cleaning in `ensure_space` stays as the fallback
+//! when it is stuck or not running.
 
 use super::format::{BatchHeader, Entry, BLOCK};
 use super::segment::SegState;
-use super::{byte_off, LogStore, Need, Result, State};
+use super::{byte_off, lock, LogStore, Need, Result, State};
 use crate::direct::AlignedBuf;
 use crate::StoreError;
+use std::sync::{Arc, Condvar, Mutex, Weak};
+
+/// Flags shared by the store and its background cleaner thread.
+#[derive(Default)]
+pub(super) struct Bg {
+    m: Mutex<BgFlags>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct BgFlags {
+    /// The thread runs (started and not stopped or failed).
+    running: bool,
+    /// Work was asked for since the thread last looked.
+    wake: bool,
+    /// The store is going away.
+    stop: bool,
+    /// The last step could not make progress (no victim worth moving) or
+    /// found nothing to do: writers do not wait for it until the next
+    /// wake-up (they clean inline if they must).
+    stuck: bool,
+    /// Steps finished (writers waiting for one watch it change).
+    steps: u64,
+}
+
+/// What one step of the background cleaner did.
+#[derive(Debug, PartialEq, Eq)]
+enum Step {
+    /// Moved a victim or checkpointed: call again.
+    Progress,
+    /// `bg_high` segments are free.
+    Done,
+    /// Nothing worth doing now.
+    Stuck,
+}
+
+impl Bg {
+    /// Asks the thread (if any) for a cleaning round. Called under the
+    /// state lock (lock order: state, then `m`).
+    pub(super) fn wake(&self) {
+        let mut g = lock(&self.m);
+        if g.running && !g.wake {
+            g.wake = true;
+            g.stuck = false;
+            self.cv.notify_all();
+        }
+    }
+
+    /// Waits until the thread finishes one step (waking it first). Returns
+    /// false at once if there is no thread or it is stuck. Call without
+    /// the state lock.
+    pub(super) fn wait_step(&self) -> bool {
+        let mut g = lock(&self.m);
+        if !g.running || g.stop || g.stuck {
+            return false;
+        }
+        let s0 = g.steps;
+        g.wake = true;
+        self.cv.notify_all();
+        while g.steps == s0 && g.running && !g.stop && !g.stuck {
+            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        true
+    }
+
+    pub(super) fn stop(&self) {
+        let mut g = lock(&self.m);
+        g.stop = true;
+        self.cv.notify_all();
+    }
+
+    fn finished_step(&self, step: &Result<Step>) {
+        let mut g = lock(&self.m);
+        g.steps += 1;
+        match step {
+            Ok(Step::Progress) => {}
+            Ok(Step::Done) | Ok(Step::Stuck) => g.stuck = true,
+            Err(_) => g.running = false,
+        }
+        self.cv.notify_all();
+    }
+
+    /// Sleeps until woken; false when the thread must end.
+    fn sleep(&self) -> bool {
+        let mut g = lock(&self.m);
+        while !g.wake && !g.stop {
+            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        g.wake = false;
+        !g.stop
+    }
+
+    fn stopping(&self) -> bool {
+        lock(&self.m).stop
+    }
+
+    fn exit(&self) {
+        let mut g = lock(&self.m);
+        g.running = false;
+        self.cv.notify_all();
+    }
+}
+
+/// The background cleaner thread: holds the store only between its wake-up
+/// and the end of each step, so dropping the last `Arc` elsewhere ends it.
+fn bg_loop(store: Weak<LogStore>, bg: Arc<Bg>) {
+    while bg.sleep() {
+        loop {
+            let Some(s) = store.upgrade() else {
+                bg.exit();
+                return;
+            };
+            let r = s.clean_step();
+            if let Err(e) = &r {
+                tracing::warn!(device = %s.dev.name().display(), error = %e, "background cleaner stopped");
+            }
+            // May be the last reference: the store's drop then runs here.
+            drop(s);
+            bg.finished_step(&r);
+            match r {
+                Ok(Step::Progress) if !bg.stopping() => continue,
+                Ok(_) => break,
+                Err(_) => {
+                    bg.exit();
+                    return;
+                }
+            }
+        }
+    }
+    bg.exit();
+}
 
 impl LogStore {
     /// Makes room for appending `data` blocks and `slots` other entries:
@@ -81,6 +222,105 @@ impl LogStore {
             }
         }
         Ok(())
+    }
+
+    /// Starts the background cleaner thread of this store (once; later
+    /// calls do nothing). It ends when the last `Arc` is dropped. Without
+    /// it (tests over `FaultyDevice`, tools) the store cleans inline only,
+    /// deterministically.
+    pub fn start_background(self: &Arc<Self>) -> std::io::Result<()> {
+        let mut t = lock(&self.bg_thread);
+        if t.is_some() {
+            return Ok(());
+        }
+        lock(&self.bg.m).running = true;
+        let (w, bg) = (Arc::downgrade(self), self.bg.clone());
+        let name = format!("shoal-cleaner-{:x}", self.sb.uuid & 0xffff);
+        match std::thread::Builder::new()
+            .name(name)
+            .spawn(move || bg_loop(w, bg))
+        {
+            Ok(h) => {
+                *t = Some(h);
+                drop(t);
+                // Start ahead of the writers if space is already short.
+                if self.lock_state().segs.free_count() < self.geo.bg_high {
+                    self.bg.wake();
+                }
+                Ok(())
+            }
+            Err(e) => {
+                lock(&self.bg.m).running = false;
+                Err(e)
+            }
+        }
+    }
+
+    /// Stops the background cleaner and waits for its thread to end (it
+    /// ends on its own when the last `Arc` is dropped, but its current step
+    /// may hold one for a moment: whoever must know the store closed when
+    /// dropping its `Arc`, e.g. to reopen the device in this process,
+    /// calls this first). Returns at once without a thread.
+    pub fn stop_background(&self) {
+        self.bg.stop();
+        let handle = lock(&self.bg_thread).take();
+        if let Some(h) = handle {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+    }
+
+    /// One step of the background cleaner: under the state lock, relocates
+    /// one victim or checkpoints; writes what it sealed outside the lock.
+    fn clean_step(&self) -> Result<Step> {
+        self.fail_check()?;
+        let mut st = self.lock_state();
+        let r = self.clean_step_locked(&mut st);
+        drop(st);
+        self.write_sealed(false)?;
+        r
+    }
+
+    fn clean_step_locked(&self, st: &mut State) -> Result<Step> {
+        let free = st.segs.free_count();
+        // Emptied segments become free at a checkpoint: take one after a
+        // round's worth (as many as an inline round cleans: one checkpoint
+        // per round, not per segment), or when no victim can be moved.
+        let recl = st.segs.reclaimable().len();
+        let round = self.geo.clean_high - self.geo.clean_low;
+        if recl >= round.max(1) {
+            self.checkpoint_locked(st)?;
+            return Ok(Step::Progress);
+        }
+        if free + recl >= self.geo.bg_high {
+            return Ok(Step::Done);
+        }
+        match self.best_victim(st) {
+            Some(v) if free > self.geo.rotations(st.segs.live(v) as u64, 0) => {
+                self.relocate(st, v)?;
+                st.stats.cleaned_segments_background += 1;
+                Ok(Step::Progress)
+            }
+            _ if recl > 0 => {
+                self.checkpoint_locked(st)?;
+                Ok(Step::Progress)
+            }
+            _ => Ok(Step::Stuck),
+        }
+    }
+
+    /// The used segment worth cleaning with the fewest live blocks
+    /// (greedy, as the inline cleaner), in one scan of the segment table.
+    /// LFS cost-benefit ((1 − u) × age ÷ (1 + u)) was tried and measured
+    /// no better here (docs/store-log-format.md).
+    fn best_victim(&self, st: &State) -> Option<u32> {
+        (0..st.segs.count())
+            .filter(|&s| st.segs.state(s) == SegState::Used)
+            .map(|s| (st.segs.live(s), s))
+            .filter(|&(live, _)| live > 0 && (live as u64) < self.geo.dense)
+            .min()
+            .map(|(_, s)| s)
     }
 
     /// Runs one cleaning round if free segments are below the cleaner's
