@@ -10,7 +10,8 @@
 #
 # Settings (environment): BENCH_DIR (default /work/bench-store: the store's
 # device file and fio's file, both removed at the end unless KEEP=1), SIZE
-# (store device, default 4G, sparse), SPAN (component / fio file, default 2G),
+# (store device, default 4G, written in full like fio's file; THICK=0 keeps
+# it sparse), SPAN (component / fio file, default 2G),
 # RUNS, RUNTIME, RAMP, JOBS, RECOVERY=0 to skip the recovery measurement,
 # RECOVERY_GIB (default 1).
 set -euo pipefail
@@ -37,6 +38,7 @@ JOBS="${JOBS:-4k-randwrite 4k-randread 1m-seqwrite 512k-seqread-scattered}"
 RECOVERY="${RECOVERY:-1}"
 RECOVERY_GIB="${RECOVERY_GIB:-1}"
 KEEP="${KEEP:-0}"
+THICK="${THICK:-1}"
 
 # job -> "store args|fio args|target ratio|metric"
 # Durability: the store acknowledges a write after its group commit, so
@@ -130,7 +132,7 @@ trap cleanup EXIT
     echo "fs: $(df -T "$BENCH_DIR" | tail -1)"
     echo "fio: $(fio --version)"
     echo "git: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
-    echo "settings: SIZE=$SIZE SPAN=$SPAN RUNS=$RUNS RUNTIME=$RUNTIME RAMP=$RAMP"
+    echo "settings: SIZE=$SIZE SPAN=$SPAN RUNS=$RUNS RUNTIME=$RUNTIME RAMP=$RAMP THICK=$THICK"
 } >"$out/env.txt"
 
 for run in $(seq 1 "$RUNS"); do
@@ -139,9 +141,18 @@ for run in $(seq 1 "$RUNS"); do
         echo "run $run/$RUNS: $job (store)" >&2
         mode="${sargs%% *}"
         rest="${sargs#* }"
+        keep=()
+        if [[ "$THICK" == 1 ]]; then
+            # Written in full like fio's laid-out file: no block allocation
+            # in the file system on the data path (the store keeps it thick).
+            rm -f "$img"
+            dd if=/dev/zero of="$img" bs=8M count=$(( $(numfmt --from=iec "$SIZE") / 8388608 )) \
+                conv=fsync status=none
+            keep=(--keep)
+        fi
         # The job's own options come last, so its --span wins.
         # shellcheck disable=SC2086
-        "$bin" "$mode" --file "$img" --size "$SIZE" --span "$SPAN" \
+        "$bin" "$mode" --file "$img" --size "$SIZE" --span "$SPAN" "${keep[@]}" \
             --runtime "$RUNTIME" --ramp "$RAMP" $rest \
             >"$out/${job}__store__${run}.json" 2>>"$out/store.log" || true
         rm -f "$img"
