@@ -1212,21 +1212,36 @@ impl LogStore {
                 }
                 self.trim_blocks(&mut st, id, keep, old.div_ceil(BLOCK_U64))?;
             }
-            self.append(
-                &mut st,
-                Entry::Put {
-                    comp: id,
-                    volume,
-                    size,
-                    generation,
-                },
-                None,
-            )?;
-            if let Some(c) = st.comps.get_mut(&id) {
-                c.size = size;
-            }
+            self.log_put(&mut st, id, volume, size, generation)?;
         }
         self.sync()
+    }
+
+    /// Logs a component's metadata (a put entry) and applies its size and
+    /// generation in memory.
+    fn log_put(
+        &self,
+        st: &mut State,
+        id: u64,
+        volume: u64,
+        size: u64,
+        generation: u64,
+    ) -> Result<()> {
+        self.append(
+            st,
+            Entry::Put {
+                comp: id,
+                volume,
+                size,
+                generation,
+            },
+            None,
+        )?;
+        if let Some(c) = st.comps.get_mut(&id) {
+            c.size = size;
+            c.generation = generation;
+        }
+        Ok(())
     }
 
     /// Zeroes bytes `from..to` of block `b` (if mapped): rewrites it, or
@@ -1304,19 +1319,7 @@ impl LogStore {
             self.fail_check()?;
             let (volume, size) = (c.volume, c.size);
             self.ensure_space(&mut st, 0, 2, Need::Freeing)?;
-            self.append(
-                &mut st,
-                Entry::Put {
-                    comp: id,
-                    volume,
-                    size,
-                    generation,
-                },
-                None,
-            )?;
-            if let Some(c) = st.comps.get_mut(&id) {
-                c.generation = generation;
-            }
+            self.log_put(&mut st, id, volume, size, generation)?;
         }
         self.sync()
     }
