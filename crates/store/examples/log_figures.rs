@@ -1,6 +1,7 @@
 //! Measures the log store's figures: index memory per TiB of data (random
 //! and sequential 4 KiB blocks) and the cleaner's write amplification under
-//! random 4 KiB overwrites at several fill levels.
+//! random 4 KiB overwrites at several fill levels (uniform and 90/10
+//! hot/cold, inline cleaning against the background cleaner).
 //!
 //!     cargo run --release -p shoal-store --example log_figures
 
@@ -108,50 +109,74 @@ fn index_memory(n: u64) {
 
 fn write_amplification() {
     println!("write amplification, random 4 KiB overwrites (sync every 32 writes):");
-    for fill in [0.5, 0.7, 0.8, 0.9, 0.95, 1.0] {
-        let dev = Arc::new(FaultyDevice::new(256 << 20));
-        let cfg = LogConfig {
-            min_capacity: 0,
-            ..LogConfig::default()
-        };
-        let s = LogStore::format_device(dev, "wa", &cfg).unwrap();
-        let cap = s.capacity() / 4096;
-        let n = (cap as f64 * fill) as u64;
-        s.create_component(1, 1, n * 4096).unwrap();
-        let data = vec![7u8; 1 << 20];
-        let mut off = 0;
-        while off < n * 4096 {
-            let len = (n * 4096 - off).min(1 << 20);
-            s.write(1, off, &data[..len as usize]).unwrap();
-            off += len;
-        }
-        s.sync().unwrap();
-        let seq = s.stats();
-        let mut rng = SimRng::new(7);
-        let block = [9u8; 4096];
-        for k in 0..6 * cap {
-            s.write(1, rng.below(n) * 4096, &block).unwrap();
-            if k % 32 == 31 {
-                s.sync().unwrap();
+    for hot in [false, true] {
+        for fill in [0.5, 0.7, 0.8, 0.9, 0.95, 1.0] {
+            for background in [false, true] {
+                overwrites(fill, hot, background);
             }
         }
-        s.sync().unwrap();
-        let st = s.stats();
-        let client = (st.client_bytes - seq.client_bytes) as f64;
-        let data_blocks = st.data_blocks - seq.data_blocks;
-        let cleaner = st.cleaner_blocks - seq.cleaner_blocks;
-        let dev = (data_blocks + st.header_blocks - seq.header_blocks + st.checkpoint_blocks
-            - seq.checkpoint_blocks) as f64
-            * 4096.0;
-        println!(
-            "  live data {:>4.0}% of capacity: total {:5.2} (cleaner {:5.2}, headers+checkpoints {:4.2}); initial sequential fill {:.3}",
-            fill * 100.0,
-            dev / client,
-            data_blocks as f64 / (data_blocks - cleaner) as f64,
-            dev / client - data_blocks as f64 * 4096.0 / client,
-            seq.write_amplification()
-        );
     }
+}
+
+/// Fills `fill` of a 256 MiB device, then overwrites random blocks (90%
+/// of them in a tenth of the data with `hot`), cleaning inline only or
+/// with the background cleaner.
+fn overwrites(fill: f64, hot: bool, background: bool) {
+    let dev = Arc::new(FaultyDevice::new(256 << 20));
+    let cfg = LogConfig {
+        min_capacity: 0,
+        ..LogConfig::default()
+    };
+    let s = Arc::new(LogStore::format_device(dev, "wa", &cfg).unwrap());
+    if background {
+        s.start_background().unwrap();
+    }
+    let cap = s.capacity() / 4096;
+    let n = (cap as f64 * fill) as u64;
+    s.create_component(1, 1, n * 4096).unwrap();
+    let data = vec![7u8; 1 << 20];
+    let mut off = 0;
+    while off < n * 4096 {
+        let len = (n * 4096 - off).min(1 << 20);
+        s.write(1, off, &data[..len as usize]).unwrap();
+        off += len;
+    }
+    s.sync().unwrap();
+    let seq = s.stats();
+    let mut rng = SimRng::new(7);
+    let block = [9u8; 4096];
+    for k in 0..6 * cap {
+        let b = if hot && rng.chance(9, 10) {
+            rng.below(n / 10)
+        } else {
+            rng.below(n)
+        };
+        s.write(1, b * 4096, &block).unwrap();
+        if k % 32 == 31 {
+            s.sync().unwrap();
+        }
+    }
+    s.sync().unwrap();
+    s.stop_background();
+    let st = s.stats();
+    let client = (st.client_bytes - seq.client_bytes) as f64;
+    let data_blocks = st.data_blocks - seq.data_blocks;
+    let cleaner = st.cleaner_blocks - seq.cleaner_blocks;
+    let dev = (data_blocks + st.header_blocks - seq.header_blocks + st.checkpoint_blocks
+        - seq.checkpoint_blocks) as f64
+        * 4096.0;
+    let cleaned = st.cleaned_segments - seq.cleaned_segments;
+    let in_bg = st.cleaned_segments_background - seq.cleaned_segments_background;
+    println!(
+        "  {} live data {:>4.0}%, {}: total {:5.2} (cleaner {:5.2}); segments cleaned {} ({} inline)",
+        if hot { "90/10 hot/cold" } else { "uniform       " },
+        fill * 100.0,
+        if background { "background cleaner" } else { "inline cleaning   " },
+        dev / client,
+        data_blocks as f64 / (data_blocks - cleaner) as f64,
+        cleaned,
+        cleaned - in_bg,
+    );
 }
 
 fn main() {

@@ -1597,19 +1597,11 @@ fn io_errors_stop_the_store_and_reopen_recovers() {
 /// Random 4 KiB overwrites over live data filling `fill` of the capacity:
 /// returns the stats after `rounds` × capacity writes.
 fn overwrite_workload(seg: u32, nsegs: u64, fill: f64, rounds: u64) -> LogStats {
-    overwrite_workload_with(seg, nsegs, fill, rounds, false, false)
+    overwrite_workload_with(seg, nsegs, fill, rounds, false)
 }
 
-/// [`overwrite_workload`], with the background cleaner running if `bg`;
-/// `hot`: 90% of the writes go to 10% of the blocks.
-fn overwrite_workload_with(
-    seg: u32,
-    nsegs: u64,
-    fill: f64,
-    rounds: u64,
-    bg: bool,
-    hot: bool,
-) -> LogStats {
+/// [`overwrite_workload`], with the background cleaner running if `bg`.
+fn overwrite_workload_with(seg: u32, nsegs: u64, fill: f64, rounds: u64, bg: bool) -> LogStats {
     let (d, s) = mem_store(seg, nsegs);
     let s = Arc::new(s);
     if bg {
@@ -1627,11 +1619,7 @@ fn overwrite_workload_with(
     let base = s.stats();
     let mut rng = SimRng::new(42);
     for k in 0..rounds * cap {
-        let b = if hot && rng.chance(9, 10) {
-            rng.below(n / 10)
-        } else {
-            rng.below(n)
-        };
+        let b = rng.below(n);
         let v = 1_000_000 + k;
         s.write(1, b * B, &pattern(v, BLOCK)).unwrap();
         model[b as usize] = v;
@@ -1689,7 +1677,7 @@ fn cleaner_write_amplification_is_bounded() {
 #[test]
 fn background_cleaner_keeps_ahead_of_writers() {
     for (fill, bound) in [(0.5, 2.5), (0.95, 8.0)] {
-        let st = overwrite_workload_with(64, 64, fill, 3, true, false);
+        let st = overwrite_workload_with(64, 64, fill, 3, true);
         let inline = st.cleaned_segments - st.cleaned_segments_background;
         eprintln!(
             "background cleaner, random 4K overwrites at {:.0}% of capacity: write amplification {:.2} (cleaner {:.2}), segments cleaned {} in the background, {inline} inline; {} writes waited; {:?}",
@@ -1790,30 +1778,6 @@ fn power_cut_while_the_background_cleaner_runs() {
     }
     eprintln!("the background cleaner moved {moved} segments over 40 power cuts");
     assert!(moved > 0);
-}
-
-/// The write amplification table of `docs/store-log-format.md`: inline
-/// against background cleaning, uniform and hot/cold overwrites (run with
-/// `--ignored --nocapture`, release).
-#[test]
-#[ignore]
-fn cleaner_write_amplification_table() {
-    for hot in [false, true] {
-        for fill in [0.5, 0.7, 0.8, 0.9, 0.95, 1.0] {
-            for bg in [false, true] {
-                let st = overwrite_workload_with(256, 256, fill, 3, bg, hot);
-                eprintln!(
-                    "hot/cold {hot}, {:.0}% full, background {bg}: write amplification {:.2} (cleaner {:.2}), segments cleaned {} in the background, {} inline, {} writes waited",
-                    fill * 100.0,
-                    st.write_amplification(),
-                    st.cleaner_amplification(),
-                    st.cleaned_segments_background,
-                    st.cleaned_segments - st.cleaned_segments_background,
-                    st.cleaner_waits
-                );
-            }
-        }
-    }
 }
 
 #[test]
