@@ -128,12 +128,6 @@ impl FileDevice {
         use std::os::fd::AsRawFd;
         self.direct.as_ref().unwrap_or(&self.file).as_raw_fd()
     }
-
-    /// The descriptor flushes go through.
-    pub(super) fn flush_fd(&self) -> std::os::fd::RawFd {
-        use std::os::fd::AsRawFd;
-        self.file.as_raw_fd()
-    }
 }
 
 impl BlockDevice for FileDevice {
