@@ -122,7 +122,15 @@ pub fn running(n: &LocalNode) -> Option<i32> {
     (alive && !zombie && ours).then_some(pid)
 }
 
-fn start_node(n: &LocalNode, join: Option<&str>) -> Result<i32> {
+/// Runtime threads of each node of a local cluster of `nodes` nodes: the
+/// machine's cores shared among them, at least one each (more threads than
+/// cores only adds wake-ups of idle workers to every I/O).
+fn workers_per_node(nodes: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / nodes.max(1)).max(1)
+}
+
+fn start_node(n: &LocalNode, join: Option<&str>, workers: usize) -> Result<i32> {
     std::fs::create_dir_all(&n.dir)?;
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -142,7 +150,9 @@ fn start_node(n: &LocalNode, join: Option<&str>) -> Result<i32> {
         .arg("--nbd")
         .arg(&n.nbd)
         .arg("--peer")
-        .arg(&n.peer);
+        .arg(&n.peer)
+        .arg("--workers")
+        .arg(workers.to_string());
     if let Some(j) = join {
         cmd.arg("--join").arg(j);
     }
@@ -211,7 +221,7 @@ pub async fn up(a: UpArgs) -> Result<()> {
             continue;
         }
         let join = (n.id != cluster.nodes[0].id).then_some(first_api.as_str());
-        let pid = start_node(n, join)?;
+        let pid = start_node(n, join, workers_per_node(cluster.nodes.len()))?;
         println!(
             "started node {} (pid {pid}) api {} nbd {}",
             n.id, n.api, n.nbd
