@@ -4,9 +4,16 @@
 //! write the open batch, flush the device). A writer takes a *ticket* after
 //! its write is in the store, and awaits it on the async runtime: no
 //! blocking thread is held per waiting write, and one sync covers every
-//! ticket taken before it started. At queue depth 1 this costs the same
-//! two thread hand-offs as running the sync on a blocking thread; at high
-//! queue depth it replaces one thread wake-up per write with one per sync.
+//! ticket taken before it started. At high queue depth this replaces one
+//! thread wake-up per write with one per sync.
+//!
+//! When the node is quiet (the caller says so: its request is the only one
+//! in flight) and no sync is running, [`Flusher::commit_or_sync`] syncs on
+//! the caller's own thread instead: a lone write then pays no hand-off to
+//! the flusher thread and back, two wake-ups that cost more than the
+//! flush itself on a virtual machine. Blocking the async worker is harmless
+//! then: nothing else is waiting for it, and whatever arrives meanwhile
+//! would have waited for this sync anyway.
 //!
 //! Owns only the durability counters of its device; never touches the
 //! store's contents.
@@ -14,7 +21,7 @@
 use shoal_store::{LogStore, StoreError};
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use tokio::sync::watch;
 
 /// What is durable, as the flusher publishes it.
@@ -26,44 +33,110 @@ struct Durable {
     failed: Option<(u64, io::ErrorKind, String)>,
 }
 
+/// Tickets and who is syncing, under one lock.
+#[derive(Debug, Default)]
+struct Tickets {
+    /// Last ticket handed out.
+    issued: u64,
+    /// Every ticket up to this one is covered by a finished sync.
+    done: u64,
+    /// A sync is running (on the flusher thread or inline).
+    syncing: bool,
+    /// The flusher thread should exit.
+    exit: bool,
+}
+
 struct Shared {
-    /// Last ticket handed out, and whether the flusher should exit.
-    issued: Mutex<(u64, bool)>,
+    tickets: Mutex<Tickets>,
     wake: Condvar,
     durable: watch::Sender<Durable>,
     syncs: AtomicU64,
+    inline_syncs: AtomicU64,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Tickets> {
+        self.tickets.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Syncs for every ticket up to `target` (taken before this call) and
+    /// publishes the outcome. Called with `syncing` set by the caller.
+    fn sync_upto(&self, store: &LogStore, target: u64) {
+        let r = store.sync();
+        self.syncs.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut t = self.lock();
+            assert!(t.syncing, "sync without the syncing flag");
+            assert!(target > t.done, "durable point moved back");
+            t.done = target;
+            t.syncing = false;
+            if t.issued > t.done {
+                // Tickets taken during this sync: the thread covers them.
+                self.wake.notify_one();
+            }
+        }
+        self.durable.send_modify(|d| match r {
+            Ok(()) => d.upto = d.upto.max(target),
+            Err(e) => {
+                let (kind, msg) = match &e {
+                    StoreError::Io(io) => (io.kind(), io.to_string()),
+                    other => (io::ErrorKind::Other, other.to_string()),
+                };
+                tracing::error!("device sync failed: {msg}");
+                d.failed = Some((target, kind, msg));
+            }
+        });
+    }
 }
 
 /// Handle to a device's flusher thread. Dropping the last handle stops it.
 pub struct Flusher {
     shared: Arc<Shared>,
+    store: Arc<LogStore>,
 }
 
 impl Flusher {
     /// Starts the flusher thread of `store`.
     pub fn start(store: Arc<LogStore>, name: &str) -> io::Result<Flusher> {
         let shared = Arc::new(Shared {
-            issued: Mutex::new((0, false)),
+            tickets: Mutex::new(Tickets::default()),
             wake: Condvar::new(),
             durable: watch::channel(Durable::default()).0,
             syncs: AtomicU64::new(0),
+            inline_syncs: AtomicU64::new(0),
         });
-        let sh = shared.clone();
+        let (sh, st) = (shared.clone(), store.clone());
         std::thread::Builder::new()
             .name(format!("flush-{name}"))
-            .spawn(move || run(&sh, &store))?;
-        Ok(Flusher { shared })
+            .spawn(move || run(&sh, &st))?;
+        Ok(Flusher { shared, store })
     }
 
     /// Waits until everything written to the store before this call is
     /// durable.
     pub async fn commit(&self) -> Result<(), StoreError> {
-        let ticket = {
-            let mut g = self.shared.issued.lock().unwrap_or_else(|e| e.into_inner());
-            g.0 += 1;
-            g.0
+        self.commit_or_sync(false).await
+    }
+
+    /// [`commit`](Self::commit), syncing on this thread if `quiet` (the
+    /// caller's request is the only one in flight on the node) and no sync
+    /// is running or waited for.
+    pub async fn commit_or_sync(&self, quiet: bool) -> Result<(), StoreError> {
+        let (ticket, inline) = {
+            let mut t = self.shared.lock();
+            t.issued += 1;
+            let inline = quiet && !t.syncing && t.done + 1 == t.issued;
+            if inline {
+                t.syncing = true;
+            }
+            (t.issued, inline)
         };
-        self.shared.wake.notify_one();
+        if inline {
+            self.shared.inline_syncs.fetch_add(1, Ordering::Relaxed);
+            self.shared.sync_upto(&self.store, ticket);
+        } else {
+            self.shared.wake.notify_one();
+        }
         let mut rx = self.shared.durable.subscribe();
         loop {
             {
@@ -83,51 +156,40 @@ impl Flusher {
         }
     }
 
-    /// Syncs issued so far.
+    /// Syncs issued so far (on the thread and inline).
     pub fn syncs(&self) -> u64 {
         self.shared.syncs.load(Ordering::Relaxed)
+    }
+
+    /// Syncs run on a committer's own thread.
+    pub fn inline_syncs(&self) -> u64 {
+        self.shared.inline_syncs.load(Ordering::Relaxed)
     }
 }
 
 impl Drop for Flusher {
     fn drop(&mut self) {
-        if let Ok(mut g) = self.shared.issued.lock() {
-            g.1 = true;
-        }
+        self.shared.lock().exit = true;
         self.shared.wake.notify_one();
     }
 }
 
 fn run(sh: &Shared, store: &LogStore) {
-    let mut done = 0u64;
     loop {
         let target = {
-            let mut g = sh.issued.lock().unwrap_or_else(|e| e.into_inner());
-            while g.0 == done && !g.1 {
-                g = sh.wake.wait(g).unwrap_or_else(|e| e.into_inner());
+            let mut t = sh.lock();
+            while (t.issued == t.done || t.syncing) && !t.exit {
+                t = sh.wake.wait(t).unwrap_or_else(|e| e.into_inner());
             }
-            if g.1 && g.0 == done {
+            if t.exit && (t.issued == t.done || t.syncing) {
                 return;
             }
-            g.0
+            t.syncing = true;
+            t.issued
         };
         // Every ticket up to `target` was taken after its write was in the
         // store, and this sync starts after that: it covers them all.
-        let r = store.sync();
-        sh.syncs.fetch_add(1, Ordering::Relaxed);
-        assert!(target > done, "durable point moved back");
-        done = target;
-        sh.durable.send_modify(|d| match r {
-            Ok(()) => d.upto = target,
-            Err(e) => {
-                let (kind, msg) = match &e {
-                    StoreError::Io(io) => (io.kind(), io.to_string()),
-                    other => (io::ErrorKind::Other, other.to_string()),
-                };
-                tracing::error!("device sync failed: {msg}");
-                d.failed = Some((target, kind, msg));
-            }
-        });
+        sh.sync_upto(store, target);
     }
 }
 
@@ -154,6 +216,7 @@ mod tests {
             t.await.unwrap();
         }
         assert!(f.syncs() >= 1 && f.syncs() <= 64, "{}", f.syncs());
+        assert_eq!(f.inline_syncs(), 0, "commit() never syncs inline");
         drop(f);
         // Everything committed survives a crash (no close: reopen the
         // device as it is on disk).
@@ -163,6 +226,45 @@ mod tests {
         let s = LogStore::open(&p).unwrap();
         for i in 0..64u64 {
             let mut b = [0u8; 4096];
+            s.read(1, i * 4096, &mut b).unwrap();
+            assert_eq!(b, [i as u8 + 1; 4096]);
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn quiet_commits_sync_inline_and_mix_with_the_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("dev.img");
+        let store = Arc::new(LogStore::create(&p, 64 << 20, "t").unwrap());
+        store.create_component(1, 1, 16 << 20).unwrap();
+        let f = Arc::new(Flusher::start(store.clone(), "t").unwrap());
+        // Alone: the sync runs on this thread.
+        store.write(1, 0, &[9u8; 4096]).unwrap();
+        f.commit_or_sync(true).await.unwrap();
+        assert_eq!((f.syncs(), f.inline_syncs()), (1, 1));
+        // Quiet and not quiet committers at once: every one returns only
+        // once its write is durable, whoever synced.
+        let mut tasks = Vec::new();
+        for i in 1..64u64 {
+            let (s, f) = (store.clone(), f.clone());
+            tasks.push(tokio::spawn(async move {
+                s.write(1, i * 4096, &[i as u8 + 1; 4096]).unwrap();
+                f.commit_or_sync(i % 2 == 0).await.unwrap();
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert!(f.syncs() > f.inline_syncs(), "{} {}", f.syncs(), f.inline_syncs());
+        drop(f);
+        let image = std::fs::read(&p).unwrap();
+        drop(store);
+        std::fs::write(&p, &image).unwrap();
+        let s = LogStore::open(&p).unwrap();
+        let mut b = [0u8; 4096];
+        s.read(1, 0, &mut b).unwrap();
+        assert_eq!(b, [9u8; 4096]);
+        for i in 1..64u64 {
             s.read(1, i * 4096, &mut b).unwrap();
             assert_eq!(b, [i as u8 + 1; 4096]);
         }

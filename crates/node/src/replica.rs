@@ -18,6 +18,7 @@ use shoal_store::StoreError;
 /// (`docs/store-log-format.md`).
 pub type Store = shoal_store::LogStore;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use tokio::sync::watch;
 
@@ -199,6 +200,23 @@ pub struct Replicas {
     dirty: Mutex<DirtyMap>,
     /// Set once the node's router exists; serves forwarded volume I/O.
     pub router: OnceLock<Arc<Router>>,
+    /// Requests being served now (all devices): a write alone in flight
+    /// syncs on its own thread ([`Flusher::commit_or_sync`]).
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// Whether a write alone in flight may sync on its own thread; off with
+/// `SHOAL_INLINE_SYNC=0` (for measuring).
+static INLINE_SYNC: std::sync::LazyLock<bool> =
+    std::sync::LazyLock::new(|| !std::env::var("SHOAL_INLINE_SYNC").is_ok_and(|v| v == "0"));
+
+/// Counts a request in [`Replicas::in_flight`] until dropped.
+struct InFlight(Arc<AtomicUsize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 fn remote(e: StoreError) -> RemoteError {
@@ -237,6 +255,7 @@ impl Replicas {
             placement: Mutex::new(placement),
             dirty: Mutex::new(HashMap::new()),
             router: OnceLock::new(),
+            in_flight: Arc::default(),
         }
     }
 
@@ -303,12 +322,14 @@ impl Replicas {
     /// copy into the store's open batch: they run on the async worker, with
     /// no thread hand-off; large ones run on a blocking thread.
     fn apply_then_commit(
+        &self,
         d: Arc<Device>,
         deps: Vec<watch::Receiver<bool>>,
         guard: Option<SeqGuard>,
         inline: bool,
         apply: impl FnOnce(&Device) -> Result<(), StoreError> + Send + 'static,
     ) -> Reply {
+        let in_flight = self.in_flight.clone();
         Box::pin(async move {
             wait_all(deps).await;
             let r = if inline {
@@ -325,8 +346,9 @@ impl Replicas {
                 .await
                 .unwrap_or_else(|e| Err(StoreError::Io(std::io::Error::other(e.to_string()))))
             };
+            let quiet = *INLINE_SYNC && in_flight.load(Ordering::Relaxed) <= 1;
             let r = d.note(match r {
-                Ok(()) => d.flusher.commit().await,
+                Ok(()) => d.flusher.commit_or_sync(quiet).await,
                 Err(e) => Err(e),
             });
             match r {
@@ -365,7 +387,7 @@ impl Replicas {
         let end = offset.saturating_add(payload.len() as u64);
         let (deps, guard) = self.seq.enter(component, offset, end, true);
         let inline = payload.len() <= INLINE_WRITE_MAX;
-        Ok(Self::apply_then_commit(d, deps, guard, inline, move |d| {
+        Ok(self.apply_then_commit(d, deps, guard, inline, move |d| {
             crate::space::admit(d, component, offset, payload.len() as u64)?;
             apply(d, component, offset, &payload)
         }))
@@ -459,7 +481,7 @@ impl Replicas {
                 self.fence(&d, component, generation)?;
                 let end = offset.saturating_add(len);
                 let (deps, guard) = self.seq.enter(component, offset, end, true);
-                Self::apply_then_commit(d, deps, guard, false, move |d| {
+                self.apply_then_commit(d, deps, guard, false, move |d| {
                     d.store.write_zeroes(component, offset, len)
                 })
             }
@@ -602,8 +624,14 @@ impl Replicas {
 
 impl Handler for Replicas {
     fn handle(&self, req: Request, payload: Bytes) -> Reply {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        let counted = InFlight(self.in_flight.clone());
         match self.execute(req, payload) {
-            Ok(r) => r,
+            Ok(r) => Box::pin(async move {
+                let out = r.await;
+                drop(counted);
+                out
+            }),
             Err(e) => done(Err(e)),
         }
     }
