@@ -44,6 +44,10 @@ struct Tickets {
     syncing: bool,
     /// The flusher thread should exit.
     exit: bool,
+    /// The flusher thread is waiting for tickets: only then does a new
+    /// ticket notify it (a notify is a system call even with nobody
+    /// waiting, once per write at high queue depth).
+    idle: bool,
 }
 
 struct Shared {
@@ -70,8 +74,9 @@ impl Shared {
             assert!(target > t.done, "durable point moved back");
             t.done = target;
             t.syncing = false;
-            if t.issued > t.done {
-                // Tickets taken during this sync: the thread covers them.
+            if t.issued > t.done && t.idle {
+                // Tickets taken during this inline sync: the thread covers
+                // them.
                 self.wake.notify_one();
             }
         }
@@ -122,19 +127,20 @@ impl Flusher {
     /// caller's request is the only one in flight on the node) and no sync
     /// is running or waited for.
     pub async fn commit_or_sync(&self, quiet: bool) -> Result<(), StoreError> {
-        let (ticket, inline) = {
+        let (ticket, inline, notify) = {
             let mut t = self.shared.lock();
             t.issued += 1;
             let inline = quiet && !t.syncing && t.done + 1 == t.issued;
             if inline {
                 t.syncing = true;
             }
-            (t.issued, inline)
+            // A busy flusher looks for new tickets when its sync ends.
+            (t.issued, inline, !inline && t.idle)
         };
         if inline {
             self.shared.inline_syncs.fetch_add(1, Ordering::Relaxed);
             self.shared.sync_upto(&self.store, ticket);
-        } else {
+        } else if notify {
             self.shared.wake.notify_one();
         }
         let mut rx = self.shared.durable.subscribe();
@@ -179,7 +185,9 @@ fn run(sh: &Shared, store: &LogStore) {
         let target = {
             let mut t = sh.lock();
             while (t.issued == t.done || t.syncing) && !t.exit {
+                t.idle = true;
                 t = sh.wake.wait(t).unwrap_or_else(|e| e.into_inner());
+                t.idle = false;
             }
             if t.exit && (t.issued == t.done || t.syncing) {
                 return;
@@ -255,7 +263,12 @@ mod tests {
         for t in tasks {
             t.await.unwrap();
         }
-        assert!(f.syncs() > f.inline_syncs(), "{} {}", f.syncs(), f.inline_syncs());
+        assert!(
+            f.syncs() > f.inline_syncs(),
+            "{} {}",
+            f.syncs(),
+            f.inline_syncs()
+        );
         drop(f);
         let image = std::fs::read(&p).unwrap();
         drop(store);

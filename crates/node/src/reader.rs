@@ -33,6 +33,10 @@ struct Job {
 struct Queue {
     jobs: Vec<Job>,
     stop: bool,
+    /// Reader threads waiting for jobs: a new job notifies only if one is
+    /// (a notify is a system call even with nobody waiting); busy threads
+    /// look at the queue when their batch is done.
+    idle: usize,
 }
 
 struct Shared {
@@ -51,6 +55,7 @@ impl Reader {
             queue: Mutex::new(Queue {
                 jobs: Vec::new(),
                 stop: false,
+                idle: 0,
             }),
             wake: Condvar::new(),
         });
@@ -71,7 +76,7 @@ impl Reader {
         len: usize,
     ) -> Result<Bytes, StoreError> {
         let (tx, rx) = oneshot::channel();
-        {
+        let notify = {
             let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
             q.jobs.push(Job {
                 component,
@@ -79,8 +84,11 @@ impl Reader {
                 len,
                 reply: tx,
             });
+            q.idle > 0
+        };
+        if notify {
+            self.shared.wake.notify_one();
         }
-        self.shared.wake.notify_one();
         rx.await
             .unwrap_or_else(|_| Err(StoreError::Io(io::Error::other("device reader stopped"))))
     }
@@ -100,7 +108,9 @@ fn run(sh: &Shared, store: &LogStore) {
         let jobs: Vec<Job> = {
             let mut q = sh.queue.lock().unwrap_or_else(|e| e.into_inner());
             while q.jobs.is_empty() && !q.stop {
+                q.idle += 1;
                 q = sh.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+                q.idle -= 1;
             }
             if q.stop && q.jobs.is_empty() {
                 return;
