@@ -22,6 +22,7 @@ use shoal_store::{LogStore, StoreError};
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 /// What is durable, as the flusher publishes it.
@@ -48,6 +49,41 @@ struct Tickets {
     /// ticket notify it (a notify is a system call even with nobody
     /// waiting, once per write at high queue depth).
     idle: bool,
+    /// Writes accepted and not yet applied and ticketed ([`Applying`]).
+    applying: usize,
+    /// The flusher thread waits for `applying` to reach 0 before it syncs.
+    gathering: bool,
+}
+
+/// Longest wait of the flusher for writes that arrived with the ones it is
+/// about to sync (already accepted, still being applied), in
+/// microseconds: a burst of writes read from one connection is applied
+/// within a few microseconds, and a sync that waits for it covers it all
+/// instead of the first one or two.
+const GATHER_US: u64 = 100;
+
+/// [`GATHER_US`], or `SHOAL_GATHER_US` (0: no waiting; for measuring).
+static GATHER: std::sync::LazyLock<u64> = std::sync::LazyLock::new(|| {
+    std::env::var("SHOAL_GATHER_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(GATHER_US)
+});
+
+/// A write accepted by the node and not yet in its device's store: the
+/// flusher's next sync waits a little for it. Released when its commit
+/// takes a ticket, or when dropped (the write failed).
+pub struct Applying {
+    shared: Arc<Shared>,
+    live: bool,
+}
+
+impl Drop for Applying {
+    fn drop(&mut self) {
+        if self.live {
+            self.shared.applied(&mut self.shared.lock());
+        }
+    }
 }
 
 struct Shared {
@@ -61,6 +97,16 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Tickets> {
         self.tickets.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// One accepted write is applied (or failed): the flusher stops waiting
+    /// once none is left.
+    fn applied(&self, t: &mut Tickets) {
+        assert!(t.applying > 0, "more writes applied than accepted");
+        t.applying -= 1;
+        if t.applying == 0 && t.gathering {
+            self.wake.notify_one();
+        }
     }
 
     /// Syncs for every ticket up to `target` (taken before this call) and
@@ -120,15 +166,34 @@ impl Flusher {
     /// Waits until everything written to the store before this call is
     /// durable.
     pub async fn commit(&self) -> Result<(), StoreError> {
-        self.commit_or_sync(false).await
+        self.commit_or_sync(false, None).await
+    }
+
+    /// Declares a write accepted (in arrival order, before it is applied):
+    /// a sync about to start waits up to [`GATHER_US`] for it.
+    pub fn begin(&self) -> Applying {
+        self.shared.lock().applying += 1;
+        Applying {
+            shared: self.shared.clone(),
+            live: true,
+        }
     }
 
     /// [`commit`](Self::commit), syncing on this thread if `quiet` (the
     /// caller's request is the only one in flight on the node) and no sync
-    /// is running or waited for.
-    pub async fn commit_or_sync(&self, quiet: bool) -> Result<(), StoreError> {
+    /// is running or waited for. `applying` is the write's own
+    /// [`begin`](Self::begin), released here.
+    pub async fn commit_or_sync(
+        &self,
+        quiet: bool,
+        applying: Option<Applying>,
+    ) -> Result<(), StoreError> {
         let (ticket, inline, notify) = {
             let mut t = self.shared.lock();
+            if let Some(mut a) = applying {
+                a.live = false;
+                self.shared.applied(&mut t);
+            }
             t.issued += 1;
             let inline = quiet && !t.syncing && t.done + 1 == t.issued;
             if inline {
@@ -192,6 +257,28 @@ fn run(sh: &Shared, store: &LogStore) {
             if t.exit && (t.issued == t.done || t.syncing) {
                 return;
             }
+            // Writes accepted with these are still being applied: give
+            // them a moment to join this sync.
+            if t.applying > 0 && !t.exit && *GATHER > 0 {
+                let until = Instant::now() + Duration::from_micros(*GATHER);
+                t.gathering = true;
+                while t.applying > 0 {
+                    let left = until.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        break;
+                    }
+                    t = sh
+                        .wake
+                        .wait_timeout(t, left)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+                t.gathering = false;
+            }
+            if t.syncing {
+                // An inline sync started meanwhile: it covers these.
+                continue;
+            }
             t.syncing = true;
             t.issued
         };
@@ -248,7 +335,7 @@ mod tests {
         let f = Arc::new(Flusher::start(store.clone(), "t").unwrap());
         // Alone: the sync runs on this thread.
         store.write(1, 0, &[9u8; 4096]).unwrap();
-        f.commit_or_sync(true).await.unwrap();
+        f.commit_or_sync(true, None).await.unwrap();
         assert_eq!((f.syncs(), f.inline_syncs()), (1, 1));
         // Quiet and not quiet committers at once: every one returns only
         // once its write is durable, whoever synced.
@@ -256,8 +343,11 @@ mod tests {
         for i in 1..64u64 {
             let (s, f) = (store.clone(), f.clone());
             tasks.push(tokio::spawn(async move {
+                let a = f.begin();
                 s.write(1, i * 4096, &[i as u8 + 1; 4096]).unwrap();
-                f.commit_or_sync(i % 2 == 0).await.unwrap();
+                f.commit_or_sync(i % 2 == 0, (i % 3 != 0).then_some(a))
+                    .await
+                    .unwrap();
             }));
         }
         for t in tasks {

@@ -330,6 +330,9 @@ impl Replicas {
         apply: impl FnOnce(&Device) -> Result<(), StoreError> + Send + 'static,
     ) -> Reply {
         let in_flight = self.in_flight.clone();
+        // Accepted now, in arrival order: the device's next sync waits a
+        // moment for this write to be applied.
+        let applying = d.flusher.begin();
         Box::pin(async move {
             wait_all(deps).await;
             let r = if inline {
@@ -348,7 +351,7 @@ impl Replicas {
             };
             let quiet = *INLINE_SYNC && in_flight.load(Ordering::Relaxed) <= 1;
             let r = d.note(match r {
-                Ok(()) => d.flusher.commit_or_sync(quiet).await,
+                Ok(()) => d.flusher.commit_or_sync(quiet, Some(applying)).await,
                 Err(e) => Err(e),
             });
             match r {
