@@ -292,13 +292,19 @@ fn run(sh: &Shared, store: &LogStore) {
 mod tests {
     use super::*;
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn concurrent_commits_share_syncs_and_see_their_writes_durable() {
+    /// A store on a 64 MiB file with component 1, and its flusher.
+    fn setup() -> (tempfile::TempDir, Arc<LogStore>, Arc<Flusher>) {
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("dev.img");
-        let store = Arc::new(LogStore::create(&p, 64 << 20, "t").unwrap());
+        let store = Arc::new(LogStore::create(&dir.path().join("dev.img"), 64 << 20, "t").unwrap());
         store.create_component(1, 1, 16 << 20).unwrap();
         let f = Arc::new(Flusher::start(store.clone(), "t").unwrap());
+        (dir, store, f)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_commits_share_syncs_and_see_their_writes_durable() {
+        let (dir, store, f) = setup();
+        let p = dir.path().join("dev.img");
         let mut tasks = Vec::new();
         for i in 0..64u64 {
             let (s, f) = (store.clone(), f.clone());
@@ -328,11 +334,8 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn quiet_commits_sync_inline_and_mix_with_the_thread() {
-        let dir = tempfile::tempdir().unwrap();
+        let (dir, store, f) = setup();
         let p = dir.path().join("dev.img");
-        let store = Arc::new(LogStore::create(&p, 64 << 20, "t").unwrap());
-        store.create_component(1, 1, 16 << 20).unwrap();
-        let f = Arc::new(Flusher::start(store.clone(), "t").unwrap());
         // Alone: the sync runs on this thread.
         store.write(1, 0, &[9u8; 4096]).unwrap();
         f.commit_or_sync(true, None).await.unwrap();
