@@ -331,8 +331,9 @@ impl Replicas {
     ) -> Reply {
         let in_flight = self.in_flight.clone();
         // Accepted now, in arrival order: the device's next sync waits a
-        // moment for this write to be applied.
-        let applying = d.flusher.begin();
+        // moment for this write to be applied. Not a write that must wait
+        // for earlier overlapping ones: every sync would wait for it.
+        let applying = deps.is_empty().then(|| d.flusher.begin());
         Box::pin(async move {
             wait_all(deps).await;
             let r = if inline {
@@ -351,7 +352,7 @@ impl Replicas {
             };
             let quiet = *INLINE_SYNC && in_flight.load(Ordering::Relaxed) <= 1;
             let r = d.note(match r {
-                Ok(()) => d.flusher.commit_or_sync(quiet, Some(applying)).await,
+                Ok(()) => d.flusher.commit_or_sync(quiet, applying).await,
                 Err(e) => Err(e),
             });
             match r {
