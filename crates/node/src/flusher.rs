@@ -18,7 +18,7 @@
 //! Owns only the durability counters of its device; never touches the
 //! store's contents.
 
-use shoal_store::{LogStore, StoreError};
+use shoal_store::{LogStore, StoreError, SyncFailure};
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -30,8 +30,8 @@ use tokio::sync::watch;
 struct Durable {
     /// Every ticket up to this one is durable.
     upto: u64,
-    /// The last failed sync: tickets up to `.0` get its error.
-    failed: Option<(u64, io::ErrorKind, String)>,
+    /// The last failed sync.
+    failed: Option<SyncFailure>,
 }
 
 /// Tickets and who is syncing, under one lock.
@@ -128,14 +128,7 @@ impl Shared {
         }
         self.durable.send_modify(|d| match r {
             Ok(()) => d.upto = d.upto.max(target),
-            Err(e) => {
-                let (kind, msg) = match &e {
-                    StoreError::Io(io) => (io.kind(), io.to_string()),
-                    other => (io::ErrorKind::Other, other.to_string()),
-                };
-                tracing::error!("device sync failed: {msg}");
-                d.failed = Some((target, kind, msg));
-            }
+            Err(e) => d.failed = Some(SyncFailure::new(target, &e)),
         });
     }
 }
@@ -212,10 +205,8 @@ impl Flusher {
         loop {
             {
                 let d = rx.borrow_and_update();
-                if let Some((upto, kind, msg)) = &d.failed {
-                    if ticket <= *upto && d.upto < ticket {
-                        return Err(StoreError::Io(io::Error::new(*kind, msg.clone())));
-                    }
+                if let Some(e) = d.failed.as_ref().and_then(|f| f.error_for(ticket, d.upto)) {
+                    return Err(e);
                 }
                 if d.upto >= ticket {
                     return Ok(());

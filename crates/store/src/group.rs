@@ -20,8 +20,36 @@ struct State {
     /// Every ticket up to this one is durable.
     durable: u64,
     syncing: bool,
-    /// The last failed sync: tickets up to `.0` get its error.
-    failed: Option<(u64, io::ErrorKind, String)>,
+    failed: Option<SyncFailure>,
+}
+
+/// The last failed sync of a device: every ticket it was to cover gets its
+/// error. Shared by [`GroupCommit`] and the node's asynchronous flusher.
+#[derive(Debug, Clone)]
+pub struct SyncFailure {
+    /// Tickets up to this one were to be covered.
+    upto: u64,
+    kind: io::ErrorKind,
+    msg: String,
+}
+
+impl SyncFailure {
+    /// Records (and logs) that the sync for tickets up to `upto` failed.
+    pub fn new(upto: u64, e: &StoreError) -> SyncFailure {
+        let (kind, msg) = match e {
+            StoreError::Io(io) => (io.kind(), io.to_string()),
+            other => (io::ErrorKind::Other, other.to_string()),
+        };
+        tracing::error!("device sync failed: {msg}");
+        SyncFailure { upto, kind, msg }
+    }
+
+    /// The error for `ticket`, if this failure covered it and it is not
+    /// durable (every ticket up to `durable` is).
+    pub fn error_for(&self, ticket: u64, durable: u64) -> Option<StoreError> {
+        (ticket <= self.upto && durable < ticket)
+            .then(|| StoreError::Io(io::Error::new(self.kind, self.msg.clone())))
+    }
 }
 
 /// A store whose writes become durable with `sync`.
@@ -82,10 +110,12 @@ impl<S: Durable> GroupCommit<S> {
         st.issued += 1;
         let ticket = st.issued;
         loop {
-            if let Some((upto, kind, msg)) = &st.failed {
-                if ticket <= *upto {
-                    return Err(StoreError::Io(io::Error::new(*kind, msg.clone())));
-                }
+            if let Some(e) = st
+                .failed
+                .as_ref()
+                .and_then(|f| f.error_for(ticket, st.durable))
+            {
+                return Err(e);
             }
             if st.durable >= ticket {
                 return Ok(());
@@ -104,14 +134,7 @@ impl<S: Durable> GroupCommit<S> {
                         assert!(target >= st.durable, "durable point moved back");
                         st.durable = target;
                     }
-                    Err(e) => {
-                        let (kind, msg) = match &e {
-                            StoreError::Io(io) => (io.kind(), io.to_string()),
-                            other => (io::ErrorKind::Other, other.to_string()),
-                        };
-                        tracing::error!("device sync failed: {msg}");
-                        st.failed = Some((target, kind, msg));
-                    }
+                    Err(e) => st.failed = Some(SyncFailure::new(target, &e)),
                 }
                 sh.cv.notify_all();
                 continue;
@@ -131,5 +154,23 @@ impl<S: Durable> GroupCommit<S> {
     /// Number of syncs issued so far.
     pub fn syncs(&self) -> u64 {
         self.shared.syncs.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_sync_fails_exactly_the_tickets_it_covered_and_not_durable() {
+        let f = SyncFailure::new(10, &StoreError::Io(io::Error::other("disk gone")));
+        // Covered and not durable: the sync's error.
+        let e = f.error_for(7, 5).expect("ticket 7 was covered");
+        assert!(e.to_string().contains("disk gone"), "{e}");
+        assert!(f.error_for(10, 9).is_some());
+        // Durable by an earlier sync: fine.
+        assert!(f.error_for(5, 5).is_none());
+        // Taken after the failed sync started: for a later sync to decide.
+        assert!(f.error_for(11, 5).is_none());
     }
 }

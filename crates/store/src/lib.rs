@@ -19,7 +19,7 @@ pub mod log;
 
 pub use direct::AlignedBuf;
 pub use format::MIN_CAPACITY;
-pub use group::{Durable, GroupCommit};
+pub use group::{Durable, GroupCommit, SyncFailure};
 pub use log::{LogConfig, LogStats, LogStore, ReadReq};
 
 use shoal_model::human_size;
