@@ -92,6 +92,12 @@ pub trait Export: Send + Sync + 'static {
         fua: bool,
         may_trim: bool,
     ) -> impl Future<Output = Result<(), IoError>> + Send;
+    /// A request was read from the client and will be served: called in
+    /// arrival order, before any of its work starts, so the export can
+    /// tell how many requests are waiting even before their tasks run.
+    fn request_started(&self);
+    /// The request's answer is queued for the client.
+    fn request_ended(&self);
 }
 
 /// The set of exports a server offers.
@@ -146,6 +152,12 @@ impl<T: Export> Export for Arc<T> {
         may_trim: bool,
     ) -> impl Future<Output = Result<(), IoError>> + Send {
         (**self).write_zeroes(offset, len, fua, may_trim)
+    }
+    fn request_started(&self) {
+        (**self).request_started()
+    }
+    fn request_ended(&self) {
+        (**self).request_ended()
     }
 }
 

@@ -168,4 +168,6 @@ impl Export for MemHandle {
         let r = self.disk.fill(offset, len, 0).map_err(|_| IoError::NoSpace);
         async move { r }
     }
+    fn request_started(&self) {}
+    fn request_ended(&self) {}
 }

@@ -423,8 +423,10 @@ async fn reader_loop<X: Export, R: AsyncRead + Unpin>(
 
         let export = export.clone();
         let tx = tx.clone();
+        export.request_started();
         tokio::spawn(async move {
             let reply = handle_request(&*export, req, payload).await;
+            export.request_ended();
             let _ = tx.send(reply).await;
             drop(export);
             drop(tx);

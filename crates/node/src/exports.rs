@@ -71,7 +71,13 @@ impl Export for VolumeExport {
             .counters
             .read_bytes
             .fetch_add(len as u64, Relaxed);
-        self.run(VolumeOp::Read { offset, len }, Bytes::new()).await
+        let started = std::time::Instant::now();
+        let r = self.run(VolumeOp::Read { offset, len }, Bytes::new()).await;
+        self.router
+            .counters
+            .read_micros
+            .fetch_add(started.elapsed().as_micros() as u64, Relaxed);
+        r
     }
 
     async fn write(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), IoError> {
@@ -81,9 +87,13 @@ impl Export for VolumeExport {
             .counters
             .write_bytes
             .fetch_add(data.len() as u64, Relaxed);
-        self.run(VolumeOp::Write { offset, fua }, data)
-            .await
-            .map(|_| ())
+        let started = std::time::Instant::now();
+        let r = self.run(VolumeOp::Write { offset, fua }, data).await;
+        self.router
+            .counters
+            .write_micros
+            .fetch_add(started.elapsed().as_micros() as u64, Relaxed);
+        r.map(|_| ())
     }
 
     async fn flush(&self) -> Result<(), IoError> {
@@ -106,6 +116,18 @@ impl Export for VolumeExport {
         self.run(VolumeOp::WriteZeroes { offset, len }, Bytes::new())
             .await
             .map(|_| ())
+    }
+
+    fn request_started(&self) {
+        self.router
+            .client_requests
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn request_ended(&self) {
+        self.router
+            .client_requests
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

@@ -41,19 +41,34 @@ struct Tickets {
     issued: u64,
     /// Every ticket up to this one is covered by a finished sync.
     done: u64,
-    /// A sync is running (on the flusher thread or inline).
-    syncing: bool,
-    /// The flusher thread should exit.
+    /// Every ticket up to this one is covered by a sync that started.
+    started: u64,
+    /// Syncs running (on the flusher threads or inline), at most
+    /// [`SYNC_THREADS`].
+    syncing: usize,
+    /// The flusher threads should exit.
     exit: bool,
-    /// The flusher thread is waiting for tickets: only then does a new
-    /// ticket notify it (a notify is a system call even with nobody
-    /// waiting, once per write at high queue depth).
-    idle: bool,
+    /// Flusher threads waiting for tickets: only then does a new ticket
+    /// notify one (a notify is a system call even with nobody waiting,
+    /// once per write at high queue depth).
+    idle: usize,
     /// Writes accepted and not yet applied and ticketed ([`Applying`]).
     applying: usize,
-    /// The flusher thread waits for `applying` to reach 0 before it syncs.
+    /// A flusher thread waits for `applying` to reach 0 before it syncs.
     gathering: bool,
 }
+
+/// Flusher threads per device, so syncs at most: while one sync flushes
+/// the device, the next one writes the batch it covers, and its flush
+/// follows at once. `SHOAL_SYNC_THREADS` overrides it (for measuring).
+const SYNC_THREADS: usize = 1;
+
+static SYNCS_AT_ONCE: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
+    std::env::var("SHOAL_SYNC_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(SYNC_THREADS)
+});
 
 /// Longest wait of the flusher for writes that arrived with the ones it is
 /// about to sync (already accepted, still being applied), in
@@ -87,11 +102,15 @@ impl Drop for Applying {
 }
 
 struct Shared {
+    /// Syncs that may run at once (flusher threads).
+    at_once: usize,
     tickets: Mutex<Tickets>,
     wake: Condvar,
     durable: watch::Sender<Durable>,
     syncs: AtomicU64,
     inline_syncs: AtomicU64,
+    /// Time spent in syncs (device writes and flushes), in microseconds.
+    sync_micros: AtomicU64,
 }
 
 impl Shared {
@@ -105,25 +124,31 @@ impl Shared {
         assert!(t.applying > 0, "more writes applied than accepted");
         t.applying -= 1;
         if t.applying == 0 && t.gathering {
-            self.wake.notify_one();
+            // All: with several flusher threads, an idle one could take a
+            // single notification meant for the gathering one.
+            self.wake.notify_all();
         }
     }
 
     /// Syncs for every ticket up to `target` (taken before this call) and
-    /// publishes the outcome. Called with `syncing` set by the caller.
+    /// publishes the outcome. Called with `syncing` counted by the caller.
     fn sync_upto(&self, store: &LogStore, target: u64) {
+        let started = Instant::now();
         let r = store.sync();
+        self.sync_micros
+            .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
         self.syncs.fetch_add(1, Ordering::Relaxed);
         {
             let mut t = self.lock();
-            assert!(t.syncing, "sync without the syncing flag");
-            assert!(target > t.done, "durable point moved back");
-            t.done = target;
-            t.syncing = false;
-            if t.issued > t.done && t.idle {
-                // Tickets taken during this inline sync: the thread covers
-                // them.
-                self.wake.notify_one();
+            assert!(t.syncing > 0, "sync not counted as running");
+            assert!(target <= t.started, "sync beyond the tickets it took");
+            // Syncs running at once may end in any order: each covers the
+            // tickets taken before it started.
+            t.done = t.done.max(target);
+            t.syncing -= 1;
+            if t.issued > t.started && t.idle > 0 {
+                // Tickets taken during this sync: a thread covers them.
+                self.wake.notify_all();
             }
         }
         self.durable.send_modify(|d| match r {
@@ -140,19 +165,33 @@ pub struct Flusher {
 }
 
 impl Flusher {
-    /// Starts the flusher thread of `store`.
+    /// Starts the flusher threads of `store`.
     pub fn start(store: Arc<LogStore>, name: &str) -> io::Result<Flusher> {
+        Self::with_threads(store, name, *SYNCS_AT_ONCE)
+    }
+
+    /// Starts `threads` flusher threads (1 to 4) for `store`.
+    pub fn with_threads(store: Arc<LogStore>, name: &str, threads: usize) -> io::Result<Flusher> {
+        let threads = threads.clamp(1, 4);
         let shared = Arc::new(Shared {
+            at_once: threads,
             tickets: Mutex::new(Tickets::default()),
             wake: Condvar::new(),
             durable: watch::channel(Durable::default()).0,
             syncs: AtomicU64::new(0),
             inline_syncs: AtomicU64::new(0),
+            sync_micros: AtomicU64::new(0),
         });
-        let (sh, st) = (shared.clone(), store.clone());
-        std::thread::Builder::new()
-            .name(format!("flush-{name}"))
-            .spawn(move || run(&sh, &st))?;
+        for i in 0..threads {
+            let (sh, st) = (shared.clone(), store.clone());
+            let name = match i {
+                0 => format!("flush-{name}"),
+                _ => format!("flush{i}-{name}"),
+            };
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(move || run(&sh, &st))?;
+        }
         Ok(Flusher { shared, store })
     }
 
@@ -188,12 +227,14 @@ impl Flusher {
                 self.shared.applied(&mut t);
             }
             t.issued += 1;
-            let inline = quiet && !t.syncing && t.done + 1 == t.issued;
+            let inline = quiet && t.syncing == 0 && t.started + 1 == t.issued;
             if inline {
-                t.syncing = true;
+                t.syncing += 1;
+                t.started = t.issued;
             }
             // A busy flusher looks for new tickets when its sync ends.
-            (t.issued, inline, !inline && t.idle)
+            let notify = !inline && t.idle > 0 && t.syncing < self.shared.at_once;
+            (t.issued, inline, notify)
         };
         if inline {
             self.shared.inline_syncs.fetch_add(1, Ordering::Relaxed);
@@ -223,6 +264,12 @@ impl Flusher {
         self.shared.syncs.load(Ordering::Relaxed)
     }
 
+    /// Microseconds spent syncing so far: with [`syncs`](Self::syncs), the
+    /// mean time a group commit takes, and how busy the device is with them.
+    pub fn sync_micros(&self) -> u64 {
+        self.shared.sync_micros.load(Ordering::Relaxed)
+    }
+
     /// Syncs run on a committer's own thread.
     pub fn inline_syncs(&self) -> u64 {
         self.shared.inline_syncs.load(Ordering::Relaxed)
@@ -232,20 +279,21 @@ impl Flusher {
 impl Drop for Flusher {
     fn drop(&mut self) {
         self.shared.lock().exit = true;
-        self.shared.wake.notify_one();
+        self.shared.wake.notify_all();
     }
 }
 
 fn run(sh: &Shared, store: &LogStore) {
+    let at_once = sh.at_once;
     loop {
         let target = {
             let mut t = sh.lock();
-            while (t.issued == t.done || t.syncing) && !t.exit {
-                t.idle = true;
+            while (t.issued == t.started || t.syncing >= at_once) && !t.exit {
+                t.idle += 1;
                 t = sh.wake.wait(t).unwrap_or_else(|e| e.into_inner());
-                t.idle = false;
+                t.idle -= 1;
             }
-            if t.exit && (t.issued == t.done || t.syncing) {
+            if t.exit && (t.issued == t.started || t.syncing >= at_once) {
                 return;
             }
             // Writes accepted with these are still being applied: give
@@ -266,11 +314,12 @@ fn run(sh: &Shared, store: &LogStore) {
                 }
                 t.gathering = false;
             }
-            if t.syncing {
-                // An inline sync started meanwhile: it covers these.
+            if t.issued == t.started || t.syncing >= at_once {
+                // Another sync started meanwhile and covers these.
                 continue;
             }
-            t.syncing = true;
+            t.syncing += 1;
+            t.started = t.issued;
             t.issued
         };
         // Every ticket up to `target` was taken after its write was in the
@@ -283,18 +332,25 @@ fn run(sh: &Shared, store: &LogStore) {
 mod tests {
     use super::*;
 
-    /// A store on a 64 MiB file with component 1, and its flusher.
-    fn setup() -> (tempfile::TempDir, Arc<LogStore>, Arc<Flusher>) {
+    /// A store on a 64 MiB file with component 1, and its flusher with
+    /// `threads` threads.
+    fn setup_with(threads: usize) -> (tempfile::TempDir, Arc<LogStore>, Arc<Flusher>) {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(LogStore::create(&dir.path().join("dev.img"), 64 << 20, "t").unwrap());
         store.create_component(1, 1, 16 << 20).unwrap();
-        let f = Arc::new(Flusher::start(store.clone(), "t").unwrap());
+        let f = Arc::new(Flusher::with_threads(store.clone(), "t", threads).unwrap());
         (dir, store, f)
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn concurrent_commits_share_syncs_and_see_their_writes_durable() {
-        let (dir, store, f) = setup();
+        for threads in [1, 2] {
+            commits_are_durable(threads).await;
+        }
+    }
+
+    async fn commits_are_durable(threads: usize) {
+        let (dir, store, f) = setup_with(threads);
         let p = dir.path().join("dev.img");
         let mut tasks = Vec::new();
         for i in 0..64u64 {
@@ -325,7 +381,13 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn quiet_commits_sync_inline_and_mix_with_the_thread() {
-        let (dir, store, f) = setup();
+        for threads in [1, 2] {
+            quiet_and_busy_commits(threads).await;
+        }
+    }
+
+    async fn quiet_and_busy_commits(threads: usize) {
+        let (dir, store, f) = setup_with(threads);
         let p = dir.path().join("dev.img");
         // Alone: the sync runs on this thread.
         store.write(1, 0, &[9u8; 4096]).unwrap();

@@ -346,7 +346,7 @@ async fn scrub_start(State(h): State<Http>) -> Result<StatusCode, ApiErr> {
 }
 
 /// Node-wide counters (name, help), in the order `metrics` reads them.
-const NODE_COUNTERS: [(&str, &str); 12] = [
+const NODE_COUNTERS: [(&str, &str); 14] = [
     (
         "shoal_nbd_reads_total",
         "NBD read requests served by this node",
@@ -362,6 +362,14 @@ const NODE_COUNTERS: [(&str, &str); 12] = [
     (
         "shoal_nbd_write_bytes_total",
         "Bytes written by NBD clients of this node",
+    ),
+    (
+        "shoal_nbd_read_microseconds_total",
+        "Time NBD reads of this node took, from request to answer, summed",
+    ),
+    (
+        "shoal_nbd_write_microseconds_total",
+        "Time NBD writes of this node took, from request to durable, summed",
     ),
     (
         "shoal_forwarded_total",
@@ -410,6 +418,8 @@ async fn metrics(State(h): State<Http>) -> String {
         &c.writes,
         &c.read_bytes,
         &c.write_bytes,
+        &c.read_micros,
+        &c.write_micros,
         &c.forwarded,
         &c.errors,
         &c.claims,
@@ -441,7 +451,7 @@ async fn metrics(State(h): State<Http>) -> String {
         &'a str,
         &'a dyn Fn(&crate::replica::Device) -> u64,
     );
-    let device_metrics: [DeviceMetric; 5] = [
+    let device_metrics: [DeviceMetric; 8] = [
         (
             "shoal_device_used_bytes",
             "gauge",
@@ -453,6 +463,24 @@ async fn metrics(State(h): State<Http>) -> String {
             "counter",
             "Group commits (device flushes) issued",
             &|d| d.flusher.syncs(),
+        ),
+        (
+            "shoal_device_sync_microseconds_total",
+            "counter",
+            "Time spent in group commits (writing the open batch and flushing the device)",
+            &|d| d.flusher.sync_micros(),
+        ),
+        (
+            "shoal_device_commits_total",
+            "counter",
+            "Writes from owners made durable on the device",
+            &|d| d.commits.load(Relaxed),
+        ),
+        (
+            "shoal_device_commit_microseconds_total",
+            "counter",
+            "Time from a write's arrival at the replica to its durability, summed",
+            &|d| d.commit_micros.load(Relaxed),
         ),
         (
             "shoal_device_write_bytes_total",

@@ -44,6 +44,10 @@ pub struct Device {
     /// Bytes of data written to this device by owners (client writes and
     /// resync copies): the backend side of write amplification.
     pub written: std::sync::atomic::AtomicU64,
+    /// Writes (and zeroings) made durable here, and the microseconds they
+    /// took from arrival to durable: the replica's share of write latency.
+    pub commits: std::sync::atomic::AtomicU64,
+    pub commit_micros: std::sync::atomic::AtomicU64,
     /// Blocks found failing their checksum (by reads and the scrubber).
     pub checksum_errors: std::sync::atomic::AtomicU64,
     /// Bad blocks replaced with a good copy from another replica.
@@ -68,6 +72,8 @@ impl Device {
             path,
             store,
             written: Default::default(),
+            commits: Default::default(),
+            commit_micros: Default::default(),
             checksum_errors: Default::default(),
             repaired: Default::default(),
             io_failed: Default::default(),
@@ -330,10 +336,12 @@ impl Replicas {
         apply: impl FnOnce(&Device) -> Result<(), StoreError> + Send + 'static,
     ) -> Reply {
         let in_flight = self.in_flight.clone();
+        let router = self.router.get().cloned();
         // Accepted now, in arrival order: the device's next sync waits a
         // moment for this write to be applied. Not a write that must wait
         // for earlier overlapping ones: every sync would wait for it.
         let applying = deps.is_empty().then(|| d.flusher.begin());
+        let arrived = std::time::Instant::now();
         Box::pin(async move {
             wait_all(deps).await;
             let r = if inline {
@@ -350,11 +358,20 @@ impl Replicas {
                 .await
                 .unwrap_or_else(|e| Err(StoreError::Io(std::io::Error::other(e.to_string()))))
             };
-            let quiet = *INLINE_SYNC && in_flight.load(Ordering::Relaxed) <= 1;
+            // Quiet: this is the only request of the node's peers, and at
+            // most one NBD request of its own clients is waiting (this one).
+            let quiet = *INLINE_SYNC
+                && in_flight.load(Ordering::Relaxed) <= 1
+                && router
+                    .as_ref()
+                    .is_none_or(|r| r.client_requests.load(Ordering::Relaxed) <= 1);
             let r = d.note(match r {
                 Ok(()) => d.flusher.commit_or_sync(quiet, applying).await,
                 Err(e) => Err(e),
             });
+            d.commits.fetch_add(1, Ordering::Relaxed);
+            d.commit_micros
+                .fetch_add(arrived.elapsed().as_micros() as u64, Ordering::Relaxed);
             match r {
                 Ok(()) => (Response::Ok, Bytes::new()),
                 Err(e) => (Response::Err(remote(e)), Bytes::new()),

@@ -9,7 +9,7 @@ use shoal_model::{ComponentState, Generation, NodeId, NodeState, VolumeId};
 use shoal_owner::{Control, ControlError, Op, Owner, OwnerConfig, OwnerError, Target, View};
 use shoal_rpc::{Peer, RemoteError, Request, RpcError, VolumeOp};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -29,6 +29,10 @@ pub struct Counters {
     pub writes: AtomicU64,
     pub read_bytes: AtomicU64,
     pub write_bytes: AtomicU64,
+    /// Microseconds NBD reads and writes took, summed (with `reads` and
+    /// `writes`: their mean latency as this node serves them).
+    pub read_micros: AtomicU64,
+    pub write_micros: AtomicU64,
     pub forwarded: AtomicU64,
     pub errors: AtomicU64,
     pub claims: AtomicU64,
@@ -44,6 +48,9 @@ pub struct Router {
     /// Open NBD connections per volume name.
     pub connections: Mutex<BTreeMap<String, u64>>,
     pub counters: Counters,
+    /// NBD requests of this node's clients read and not yet answered: a
+    /// replica syncs a write inline only when the node is that quiet.
+    pub client_requests: AtomicUsize,
 }
 
 /// The owner's way to the directory.
@@ -160,6 +167,7 @@ impl Router {
             peers: tokio::sync::Mutex::new(HashMap::new()),
             connections: Mutex::new(BTreeMap::new()),
             counters: Counters::default(),
+            client_requests: AtomicUsize::new(0),
         }
     }
 

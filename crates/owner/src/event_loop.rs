@@ -3,7 +3,9 @@
 //! (replica replies, directory proposals) runs in spawned tasks that report
 //! back with an [`Internal`] event.
 
-use crate::{Control, ControlError, Event, Op, OwnerConfig, OwnerError, View, REGION};
+use crate::{
+    Control, ControlError, Event, LocalRead, Op, OwnerConfig, OwnerError, ReadRoute, View, REGION,
+};
 use bytes::Bytes;
 use futures::future::join_all;
 use shoal_model::{ComponentRole, ComponentState, Generation, BLOCK_SIZE};
@@ -175,6 +177,11 @@ struct Loop<C: Control> {
     /// Ticks to wait before trying another resync after a failed attempt.
     resync_backoff: u32,
     read_rr: usize,
+    /// The local in-sync copy, shared with the [`crate::Owner`] handles for
+    /// their reads.
+    route: ReadRoute,
+    /// What `route` holds now: (replica, generation, size, connection).
+    routed: Option<(usize, Generation, u64, usize)>,
 }
 
 fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
@@ -234,6 +241,7 @@ pub(crate) async fn start<C: Control>(
     view: View,
     generation: Generation,
     control: Arc<C>,
+    route: ReadRoute,
 ) -> Result<mpsc::UnboundedSender<Event>, OwnerError> {
     let vol = &view.volume;
     let mut replicas: Vec<Replica> = view
@@ -386,6 +394,8 @@ pub(crate) async fn start<C: Control>(
         resync: None,
         resync_backoff: 0,
         read_rr: 0,
+        route,
+        routed: None,
     };
     for i in to_fail {
         // Unreachable but recorded active: record it absent.
@@ -403,12 +413,15 @@ pub(crate) async fn start<C: Control>(
             }
         }
     });
+    lp.publish_route();
     tokio::spawn(async move {
         while let Some(ev) = rx.recv().await {
             if !lp.apply(ev) {
                 break;
             }
+            lp.publish_route();
         }
+        lp.withdraw_route();
         lp.shutdown();
         tracing::info!(volume = lp.volume, "owner stopped");
     });
@@ -477,6 +490,53 @@ impl<C: Control> Loop<C> {
         }
         self.check_invariants();
         true
+    }
+
+    /// The replica reads may go to without the loop: an in-sync data copy
+    /// on this node with a connection.
+    fn local_copy(&self) -> Option<usize> {
+        (0..self.replicas.len()).find(|&i| {
+            let r = &self.replicas[i];
+            r.node == self.cfg.node
+                && r.role == ComponentRole::Data
+                && r.mode == Mode::InSync
+                && r.peer.is_some()
+        })
+    }
+
+    /// Publishes the local in-sync copy for reads, if it changed.
+    fn publish_route(&mut self) {
+        let now = self.local_copy().and_then(|i| {
+            let conn = Arc::as_ptr(self.replicas[i].peer.as_ref()?) as usize;
+            Some((i, self.generation, self.size, conn))
+        });
+        if now == self.routed {
+            return;
+        }
+        let value = now.and_then(|(i, generation, size, _)| {
+            let r = &self.replicas[i];
+            Some(LocalRead {
+                component: r.component,
+                generation,
+                size,
+                timeout: self.cfg.io_timeout,
+                peer: r.peer.clone()?,
+            })
+        });
+        let mut g = self.route.write().unwrap_or_else(|e| e.into_inner());
+        *g = value;
+        self.routed = now;
+    }
+
+    /// No reads around the loop any more: it stops, or the local copy
+    /// leaves service.
+    fn withdraw_route(&mut self) {
+        if self.routed.is_none() {
+            return;
+        }
+        let mut g = self.route.write().unwrap_or_else(|e| e.into_inner());
+        *g = None;
+        self.routed = None;
     }
 
     fn check_invariants(&self) {
@@ -806,6 +866,10 @@ impl<C: Control> Loop<C> {
     /// Takes a replica out of service and has the directory record it
     /// absent (or degraded). Writes that skipped it wait for that record.
     fn fail(&mut self, idx: usize, state: ComponentState) {
+        if self.routed.is_some_and(|(i, ..)| i == idx) {
+            // Before any write is acknowledged without this copy.
+            self.withdraw_route();
+        }
         let others_in_sync = self
             .replicas
             .iter()

@@ -409,3 +409,23 @@ async fn a_bad_block_is_read_from_the_other_copy_and_repaired_in_place() {
         Err(OwnerError::Io(_))
     ));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_leave_the_local_copy_once_it_misses_a_write() {
+    let (mems, addrs, dir) = setup().await;
+    // Copy 1 is on the owner's node: reads go straight to it.
+    let o = Owner::start(cfg(), view(&addrs, [true; 3], 1), 1, dir.clone())
+        .await
+        .unwrap();
+    o.write(0, Bytes::from(vec![1u8; 4096])).await.unwrap();
+    assert_eq!(&o.read(0, 2).await.unwrap()[..], &[1, 1]);
+    // It fails a write, which is acknowledged on copy 2 and the witness.
+    mems[0].broken.store(true, Ordering::SeqCst);
+    o.write(0, Bytes::from(vec![2u8; 4096])).await.unwrap();
+    // It answers again, with the old data: no read may come from it.
+    mems[0].broken.store(false, Ordering::SeqCst);
+    // (The owner may resync it meanwhile; until then it holds 1s.)
+    for _ in 0..50 {
+        assert_eq!(&o.read(0, 2).await.unwrap()[..], &[2, 2]);
+    }
+}

@@ -53,22 +53,54 @@ fn local_handler(addr: &str) -> Option<Arc<dyn Handler>> {
 
 /// A reply that will arrive.
 pub struct PendingReply {
-    rx: oneshot::Receiver<(Response, Bytes)>,
-    id: u64,
-    waiters: Waiters,
+    from: From,
+}
+
+enum From {
+    /// A frame from the connection's reader task.
+    Remote {
+        rx: oneshot::Receiver<(Response, Bytes)>,
+        id: u64,
+        waiters: Waiters,
+    },
+    /// The rest of a local handler's work, run by whoever waits for it:
+    /// no task and no channel of its own. `None` once taken.
+    Local(Option<crate::server::Reply>),
+}
+
+impl Drop for PendingReply {
+    /// A local request nobody waits for still runs to its end, as one sent
+    /// over a connection does.
+    fn drop(&mut self) {
+        if let From::Local(fut) = &mut self.from {
+            if let (Some(fut), Ok(rt)) = (fut.take(), tokio::runtime::Handle::try_current()) {
+                rt.spawn(fut);
+            }
+        }
+    }
 }
 
 impl PendingReply {
     /// Waits for the reply. A remote error becomes [`RpcError::Remote`].
-    pub async fn wait(self, timeout: Duration) -> Result<(Response, Bytes), RpcError> {
-        let r = tokio::time::timeout(timeout, self.rx).await;
+    pub async fn wait(mut self, timeout: Duration) -> Result<(Response, Bytes), RpcError> {
+        let r = match &mut self.from {
+            From::Remote { rx, .. } => tokio::time::timeout(timeout, rx).await,
+            From::Local(fut) => {
+                let Some(fut) = fut.take() else {
+                    return Err(RpcError::Closed);
+                };
+                tokio::time::timeout(timeout, fut).await.map(Ok)
+            }
+        };
         match r {
             Ok(Ok((Response::Err(e), _))) => Err(RpcError::Remote(e)),
             Ok(Ok(v)) => Ok(v),
             Ok(Err(_)) => Err(RpcError::Closed),
             Err(_) => {
-                if let Ok(mut w) = self.waiters.lock() {
-                    w.remove(&self.id);
+                if let From::Remote { id, waiters, .. } = &self.from {
+                    if let Ok(mut w) = waiters.lock() {
+                        w.remove(id);
+                    }
                 }
                 Err(RpcError::Timeout(timeout))
             }
@@ -193,16 +225,9 @@ impl Peer {
             Link::Tcp(tx) => tx,
             Link::Local(h) => {
                 // The ordered part runs now, in call order, like a frame
-                // arriving on a connection; the rest runs on its own task.
-                let fut = h.handle(req.clone(), payload);
-                let (otx, orx) = oneshot::channel();
-                tokio::spawn(async move {
-                    let _ = otx.send(fut.await);
-                });
+                // arriving on a connection; the rest runs in the waiter.
                 return Ok(PendingReply {
-                    rx: orx,
-                    id: 0,
-                    waiters: self.waiters.clone(),
+                    from: From::Local(Some(h.handle(req.clone(), payload))),
                 });
             }
         };
@@ -221,9 +246,11 @@ impl Peer {
         };
         tx.send((h, body, payload)).map_err(|_| RpcError::Closed)?;
         Ok(PendingReply {
-            rx: orx,
-            id,
-            waiters: self.waiters.clone(),
+            from: From::Remote {
+                rx: orx,
+                id,
+                waiters: self.waiters.clone(),
+            },
         })
     }
 
