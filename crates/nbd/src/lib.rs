@@ -62,6 +62,11 @@ impl IoError {
 }
 
 /// One opened export, held for the lifetime of a connection.
+///
+/// An I/O method may start its work when it is called, and its future owns
+/// what it needs: the server calls the methods for the requests of one
+/// connection in arrival order, each before the next request is read, and
+/// awaits the futures on tasks of their own.
 pub trait Export: Send + Sync + 'static {
     fn size(&self) -> u64;
     /// Advertise NBD_FLAG_CAN_MULTI_CONN.
@@ -71,27 +76,27 @@ pub trait Export: Send + Sync + 'static {
         &self,
         offset: u64,
         len: u32,
-    ) -> impl Future<Output = Result<bytes::Bytes, IoError>> + Send;
+    ) -> impl Future<Output = Result<bytes::Bytes, IoError>> + Send + 'static;
     fn write(
         &self,
         offset: u64,
         data: bytes::Bytes,
         fua: bool,
-    ) -> impl Future<Output = Result<(), IoError>> + Send;
-    fn flush(&self) -> impl Future<Output = Result<(), IoError>> + Send;
+    ) -> impl Future<Output = Result<(), IoError>> + Send + 'static;
+    fn flush(&self) -> impl Future<Output = Result<(), IoError>> + Send + 'static;
     fn trim(
         &self,
         offset: u64,
         len: u32,
         fua: bool,
-    ) -> impl Future<Output = Result<(), IoError>> + Send;
+    ) -> impl Future<Output = Result<(), IoError>> + Send + 'static;
     fn write_zeroes(
         &self,
         offset: u64,
         len: u32,
         fua: bool,
         may_trim: bool,
-    ) -> impl Future<Output = Result<(), IoError>> + Send;
+    ) -> impl Future<Output = Result<(), IoError>> + Send + 'static;
     /// A request was read from the client and will be served: called in
     /// arrival order, before any of its work starts, so the export can
     /// tell how many requests are waiting even before their tasks run.
@@ -122,7 +127,7 @@ impl<T: Export> Export for Arc<T> {
         &self,
         offset: u64,
         len: u32,
-    ) -> impl Future<Output = Result<bytes::Bytes, IoError>> + Send {
+    ) -> impl Future<Output = Result<bytes::Bytes, IoError>> + Send + 'static {
         (**self).read(offset, len)
     }
     fn write(
@@ -130,10 +135,10 @@ impl<T: Export> Export for Arc<T> {
         offset: u64,
         data: bytes::Bytes,
         fua: bool,
-    ) -> impl Future<Output = Result<(), IoError>> + Send {
+    ) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
         (**self).write(offset, data, fua)
     }
-    fn flush(&self) -> impl Future<Output = Result<(), IoError>> + Send {
+    fn flush(&self) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
         (**self).flush()
     }
     fn trim(
@@ -141,7 +146,7 @@ impl<T: Export> Export for Arc<T> {
         offset: u64,
         len: u32,
         fua: bool,
-    ) -> impl Future<Output = Result<(), IoError>> + Send {
+    ) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
         (**self).trim(offset, len, fua)
     }
     fn write_zeroes(
@@ -150,7 +155,7 @@ impl<T: Export> Export for Arc<T> {
         len: u32,
         fua: bool,
         may_trim: bool,
-    ) -> impl Future<Output = Result<(), IoError>> + Send {
+    ) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
         (**self).write_zeroes(offset, len, fua, may_trim)
     }
     fn request_started(&self) {

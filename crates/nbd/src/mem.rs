@@ -120,7 +120,11 @@ impl Export for MemHandle {
         true
     }
 
-    fn read(&self, offset: u64, len: u32) -> impl Future<Output = Result<Bytes, IoError>> + Send {
+    fn read(
+        &self,
+        offset: u64,
+        len: u32,
+    ) -> impl Future<Output = Result<Bytes, IoError>> + Send + 'static {
         let r = self.disk.range(offset, len as u64).map(|r| {
             Bytes::copy_from_slice(&self.disk.data.read().unwrap_or_else(|e| e.into_inner())[r])
         });
@@ -132,7 +136,7 @@ impl Export for MemHandle {
         offset: u64,
         data: Bytes,
         _fua: bool,
-    ) -> impl Future<Output = Result<(), IoError>> + Send {
+    ) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
         let r = self
             .disk
             .range(offset, data.len() as u64)
@@ -143,8 +147,10 @@ impl Export for MemHandle {
         async move { r }
     }
 
-    async fn flush(&self) -> Result<(), IoError> {
-        Ok(())
+    fn flush(&self) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
+        // Nothing to flush; not an `async fn`, whose future would borrow
+        // `self` (the trait wants futures that own what they need).
+        std::future::ready(Ok(()))
     }
 
     fn trim(
@@ -152,7 +158,7 @@ impl Export for MemHandle {
         offset: u64,
         len: u32,
         _fua: bool,
-    ) -> impl Future<Output = Result<(), IoError>> + Send {
+    ) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
         // Discarded blocks read back as zeroes.
         let r = self.disk.fill(offset, len, 0);
         async move { r }
@@ -164,7 +170,7 @@ impl Export for MemHandle {
         len: u32,
         _fua: bool,
         _may_trim: bool,
-    ) -> impl Future<Output = Result<(), IoError>> + Send {
+    ) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
         let r = self.disk.fill(offset, len, 0).map_err(|_| IoError::NoSpace);
         async move { r }
     }

@@ -3,6 +3,7 @@
 
 use std::future::Future;
 use std::io::{self, IoSlice};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -424,8 +425,10 @@ async fn reader_loop<X: Export, R: AsyncRead + Unpin>(
         let export = export.clone();
         let tx = tx.clone();
         export.request_started();
+        // Started here, in arrival order, before the next request is read.
+        let reply = start_request(&*export, req, payload);
         tokio::spawn(async move {
-            let reply = handle_request(&*export, req, payload).await;
+            let reply = reply.await;
             export.request_ended();
             let _ = tx.send(reply).await;
             drop(export);
@@ -436,37 +439,60 @@ async fn reader_loop<X: Export, R: AsyncRead + Unpin>(
     }
 }
 
-async fn handle_request<X: Export>(export: &X, req: Request, payload: Bytes) -> Reply {
+/// Starts one request on the export now; the future answers it.
+fn start_request<X: Export>(
+    export: &X,
+    req: Request,
+    payload: Bytes,
+) -> impl Future<Output = Reply> + Send + 'static {
     let fua = req.flags & NBD_CMD_FLAG_FUA != 0;
-    let result = match req.command {
-        Command::Read => match export.read(req.offset, req.len).await {
-            Ok(data) if data.len() == req.len as usize => {
-                return Reply {
-                    handle: req.handle,
-                    error: NBD_OK,
-                    data: Some(data),
-                }
-            }
-            Ok(data) => {
-                warn!(
-                    expected = req.len,
-                    got = data.len(),
-                    "export returned a short read"
-                );
-                Err(IoError::Io)
-            }
-            Err(e) => Err(e),
-        },
-        Command::Write => export.write(req.offset, payload, fua).await,
-        Command::Flush => export.flush().await,
-        Command::Trim => export.trim(req.offset, req.len, fua).await,
+    let op: Pin<Box<dyn Future<Output = Result<Option<Bytes>, IoError>> + Send>> = match req.command
+    {
+        Command::Read => {
+            let f = export.read(req.offset, req.len);
+            Box::pin(async move { f.await.map(Some) })
+        }
+        Command::Write => {
+            let f = export.write(req.offset, payload, fua);
+            Box::pin(async move { f.await.map(|_| None) })
+        }
+        Command::Flush => {
+            let f = export.flush();
+            Box::pin(async move { f.await.map(|_| None) })
+        }
+        Command::Trim => {
+            let f = export.trim(req.offset, req.len, fua);
+            Box::pin(async move { f.await.map(|_| None) })
+        }
         Command::WriteZeroes => {
             let may_trim = req.flags & NBD_CMD_FLAG_NO_HOLE == 0;
-            export
-                .write_zeroes(req.offset, req.len, fua, may_trim)
-                .await
+            let f = export.write_zeroes(req.offset, req.len, fua, may_trim);
+            Box::pin(async move { f.await.map(|_| None) })
         }
-        _ => Err(IoError::Invalid),
+        _ => Box::pin(async { Err(IoError::Invalid) }),
+    };
+    async move { answer(req, op.await) }
+}
+
+/// The reply to `req` from its export's answer.
+fn answer(req: Request, result: Result<Option<Bytes>, IoError>) -> Reply {
+    let result = match (req.command, result) {
+        (Command::Read, Ok(Some(data))) if data.len() == req.len as usize => {
+            return Reply {
+                handle: req.handle,
+                error: NBD_OK,
+                data: Some(data),
+            }
+        }
+        (Command::Read, Ok(data)) => {
+            warn!(
+                expected = req.len,
+                got = data.map_or(0, |d| d.len()),
+                "export returned a short read"
+            );
+            Err(IoError::Io)
+        }
+        (_, r) => r.map(|_| ()),
     };
     Reply::err(
         req.handle,

@@ -399,3 +399,56 @@ async fn serve_returns_on_shutdown() {
     assert_eq!(c.read(0, 4).await.unwrap().len(), 4);
     c.disconnect().await;
 }
+
+/// The server starts each request on the export in arrival order, before it
+/// reads the next one: with an export that does its work when called (as
+/// the in-memory one does), a read pipelined behind a write of the same
+/// block sees that write, although replies may come in any order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_start_on_the_export_in_arrival_order() {
+    let srv = start_default().await;
+    let mut c = Client::connect(srv.addr).await;
+    c.go("disk").await;
+    let (mut rd, mut wr) = c.s.into_split();
+    const N: u64 = 200;
+    const BLK: u32 = 4096;
+    let mut buf = Vec::new();
+    for i in 0..N {
+        // Write block 0 with value i, then read it back, pipelined.
+        let w = Request {
+            flags: 0,
+            command: Command::Write,
+            handle: 2 * i,
+            offset: 0,
+            len: BLK,
+        };
+        buf.extend_from_slice(&w.encode());
+        buf.extend_from_slice(&vec![i as u8; BLK as usize]);
+        let r = Request {
+            flags: 0,
+            command: Command::Read,
+            handle: 2 * i + 1,
+            offset: 0,
+            len: BLK,
+        };
+        buf.extend_from_slice(&r.encode());
+    }
+    wr.write_all(&buf).await.unwrap();
+    for _ in 0..2 * N {
+        let mut h = [0u8; SIMPLE_REPLY_LEN];
+        rd.read_exact(&mut h).await.unwrap();
+        let r = SimpleReply::decode(&h).unwrap();
+        assert_eq!(r.error, 0);
+        if r.handle % 2 == 1 {
+            let mut d = vec![0u8; BLK as usize];
+            rd.read_exact(&mut d).await.unwrap();
+            let i = (r.handle / 2) as u8;
+            assert!(
+                d.iter().all(|&b| b == i),
+                "read {} saw {} instead of the write before it",
+                r.handle,
+                d[0]
+            );
+        }
+    }
+}

@@ -1,11 +1,15 @@
 //! Every volume of the cluster as an NBD export of this node, by name.
 
-use crate::router::{IoFailure, Router};
+use crate::router::{Counters, IoFailure, Router};
 use bytes::Bytes;
 use shoal_model::VolumeId;
 use shoal_nbd::{Export, Exports, IoError};
 use shoal_rpc::VolumeOp;
+use std::future::Future;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+use std::time::Instant;
 
 pub struct VolumeExports {
     pub router: Arc<Router>,
@@ -45,11 +49,24 @@ fn nbd_err(e: IoFailure) -> IoError {
 }
 
 impl VolumeExport {
-    async fn run(&self, op: VolumeOp, payload: Bytes) -> Result<Bytes, IoError> {
-        self.router
-            .io(self.volume, op, payload)
-            .await
-            .map_err(nbd_err)
+    /// Starts `op` now (a local owner takes it at this call); the future
+    /// answers it and adds its time to `micros`.
+    fn run(
+        &self,
+        op: VolumeOp,
+        payload: Bytes,
+        micros: Option<fn(&Counters) -> &AtomicU64>,
+    ) -> impl Future<Output = Result<Bytes, IoError>> + Send + 'static {
+        let started = Instant::now();
+        let io = self.router.start_io(self.volume, op, payload);
+        let router = self.router.clone();
+        async move {
+            let r = io.await.map_err(nbd_err);
+            if let Some(f) = micros {
+                f(&router.counters).fetch_add(started.elapsed().as_micros() as u64, Relaxed);
+            }
+            r
+        }
     }
 }
 
@@ -64,70 +81,70 @@ impl Export for VolumeExport {
         true
     }
 
-    async fn read(&self, offset: u64, len: u32) -> Result<Bytes, IoError> {
-        use std::sync::atomic::Ordering::Relaxed;
-        self.router.counters.reads.fetch_add(1, Relaxed);
-        self.router
-            .counters
-            .read_bytes
-            .fetch_add(len as u64, Relaxed);
-        let started = std::time::Instant::now();
-        let r = self.run(VolumeOp::Read { offset, len }, Bytes::new()).await;
-        self.router
-            .counters
-            .read_micros
-            .fetch_add(started.elapsed().as_micros() as u64, Relaxed);
-        r
+    fn read(
+        &self,
+        offset: u64,
+        len: u32,
+    ) -> impl Future<Output = Result<Bytes, IoError>> + Send + 'static {
+        let c = &self.router.counters;
+        c.reads.fetch_add(1, Relaxed);
+        c.read_bytes.fetch_add(len as u64, Relaxed);
+        self.run(
+            VolumeOp::Read { offset, len },
+            Bytes::new(),
+            Some(|c| &c.read_micros),
+        )
     }
 
-    async fn write(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), IoError> {
-        use std::sync::atomic::Ordering::Relaxed;
-        self.router.counters.writes.fetch_add(1, Relaxed);
-        self.router
-            .counters
-            .write_bytes
-            .fetch_add(data.len() as u64, Relaxed);
-        let started = std::time::Instant::now();
-        let r = self.run(VolumeOp::Write { offset, fua }, data).await;
-        self.router
-            .counters
-            .write_micros
-            .fetch_add(started.elapsed().as_micros() as u64, Relaxed);
-        r.map(|_| ())
+    fn write(
+        &self,
+        offset: u64,
+        data: Bytes,
+        fua: bool,
+    ) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
+        let c = &self.router.counters;
+        c.writes.fetch_add(1, Relaxed);
+        c.write_bytes.fetch_add(data.len() as u64, Relaxed);
+        let io = self.run(
+            VolumeOp::Write { offset, fua },
+            data,
+            Some(|c| &c.write_micros),
+        );
+        async move { io.await.map(|_| ()) }
     }
 
-    async fn flush(&self) -> Result<(), IoError> {
-        self.run(VolumeOp::Flush, Bytes::new()).await.map(|_| ())
+    fn flush(&self) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
+        let io = self.run(VolumeOp::Flush, Bytes::new(), None);
+        async move { io.await.map(|_| ()) }
     }
 
-    async fn trim(&self, offset: u64, len: u32, _fua: bool) -> Result<(), IoError> {
-        self.run(VolumeOp::Trim { offset, len }, Bytes::new())
-            .await
-            .map(|_| ())
+    fn trim(
+        &self,
+        offset: u64,
+        len: u32,
+        _fua: bool,
+    ) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
+        let io = self.run(VolumeOp::Trim { offset, len }, Bytes::new(), None);
+        async move { io.await.map(|_| ()) }
     }
 
-    async fn write_zeroes(
+    fn write_zeroes(
         &self,
         offset: u64,
         len: u32,
         _fua: bool,
         _may_trim: bool,
-    ) -> Result<(), IoError> {
-        self.run(VolumeOp::WriteZeroes { offset, len }, Bytes::new())
-            .await
-            .map(|_| ())
+    ) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
+        let io = self.run(VolumeOp::WriteZeroes { offset, len }, Bytes::new(), None);
+        async move { io.await.map(|_| ()) }
     }
 
     fn request_started(&self) {
-        self.router
-            .client_requests
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.router.client_requests.fetch_add(1, Relaxed);
     }
 
     fn request_ended(&self) {
-        self.router
-            .client_requests
-            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        self.router.client_requests.fetch_sub(1, Relaxed);
     }
 }
 

@@ -283,6 +283,39 @@ impl Router {
         Ok(())
     }
 
+    /// Serves one client operation like [`io`](Self::io), but hands it to
+    /// a local owner now, before the returned future is first polled: the
+    /// NBD reader submits a whole burst of requests in arrival order before
+    /// any of their tasks runs, and the owner takes them together.
+    pub fn start_io(
+        self: &Arc<Self>,
+        volume: VolumeId,
+        op: VolumeOp,
+        payload: Bytes,
+    ) -> impl std::future::Future<Output = Result<Bytes, IoFailure>> + Send + 'static {
+        let first = self
+            .local_owner(volume)
+            .map(|o| o.submit(to_owner_op(op, payload.clone())));
+        let me = self.clone();
+        async move {
+            if let Some(s) = first {
+                match s.wait().await {
+                    Ok(b) => return Ok(b),
+                    Err(OwnerError::OutOfRange) => return Err(IoFailure::OutOfRange),
+                    Err(OwnerError::NoSpace) => return Err(IoFailure::NoSpace),
+                    Err(OwnerError::Io(e)) => {
+                        me.counters.errors.fetch_add(1, Ordering::Relaxed);
+                        return Err(IoFailure::Io(e));
+                    }
+                    // Deposed, stopped, unavailable: the full path waits
+                    // through it (and finds the new owner).
+                    Err(_) => {}
+                }
+            }
+            me.io(volume, op, payload).await
+        }
+    }
+
     /// Serves one client operation, waiting through ownership changes.
     pub async fn io(
         &self,

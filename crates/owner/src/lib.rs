@@ -165,6 +165,53 @@ pub(crate) struct LocalRead {
 /// copy is in sync, cleared before any write is acknowledged without it.
 pub(crate) type ReadRoute = Arc<std::sync::RwLock<Option<LocalRead>>>;
 
+/// An operation handed to the owner ([`Owner::submit`]), its answer to come.
+pub struct Submitted {
+    owner: Owner,
+    state: SubmitState,
+}
+
+enum SubmitState {
+    /// Through the loop.
+    Loop(oneshot::Receiver<Result<Bytes, OwnerError>>),
+    /// A read sent straight to the local in-sync copy.
+    Local {
+        pending: shoal_rpc::PendingReply,
+        timeout: Duration,
+        offset: u64,
+        len: u32,
+    },
+    Stopped,
+}
+
+impl Submitted {
+    /// The operation's answer. A local read that fails (a bad block, a
+    /// failed device, a newer owner) is done again through the loop, which
+    /// handles the error as for any read.
+    pub async fn wait(self) -> Result<Bytes, OwnerError> {
+        match self.state {
+            SubmitState::Loop(rx) => rx.await.map_err(|_| OwnerError::Stopped)?,
+            SubmitState::Stopped => Err(OwnerError::Stopped),
+            SubmitState::Local {
+                pending,
+                timeout,
+                offset,
+                len,
+            } => match pending.wait(timeout).await {
+                Ok((_, data)) if data.len() == len as usize => Ok(data),
+                _ => {
+                    let (tx, rx) = oneshot::channel();
+                    self.owner
+                        .tx
+                        .send(Event::Io(Op::Read { offset, len }, tx))
+                        .map_err(|_| OwnerError::Stopped)?;
+                    rx.await.map_err(|_| OwnerError::Stopped)?
+                }
+            },
+        }
+    }
+}
+
 /// Handle to a running owner. Cheap to clone.
 #[derive(Clone)]
 pub struct Owner {
@@ -206,41 +253,57 @@ impl Owner {
     /// owner) is left to the loop, which reads the block again and handles
     /// the error.
     pub async fn execute(&self, op: Op) -> Result<Bytes, OwnerError> {
+        self.submit(op).wait().await
+    }
+
+    /// Starts one operation now (it takes its place in the volume's order
+    /// at this call, not when the answer is awaited) and returns its
+    /// answer to come. A caller that reads a burst of requests submits
+    /// them all before awaiting any, so the loop sees them together: one
+    /// frame per replica connection and one group commit for the burst.
+    pub fn submit(&self, op: Op) -> Submitted {
         if let Op::Read { offset, len } = op {
-            if let Some(data) = self.read_local(offset, len).await {
-                return Ok(data);
+            if let Some((pending, timeout)) = self.read_local(offset, len) {
+                return Submitted {
+                    owner: self.clone(),
+                    state: SubmitState::Local {
+                        pending,
+                        timeout,
+                        offset,
+                        len,
+                    },
+                };
             }
         }
         let (tx, rx) = oneshot::channel();
-        self.tx
-            .send(Event::Io(op, tx))
-            .map_err(|_| OwnerError::Stopped)?;
-        rx.await.map_err(|_| OwnerError::Stopped)?
+        let state = match self.tx.send(Event::Io(op, tx)) {
+            Ok(()) => SubmitState::Loop(rx),
+            Err(_) => SubmitState::Stopped,
+        };
+        Submitted {
+            owner: self.clone(),
+            state,
+        }
     }
 
-    /// A read from the local in-sync copy, or None to go through the loop.
-    async fn read_local(&self, offset: u64, len: u32) -> Option<Bytes> {
-        let (pending, timeout) = {
-            let route = self.route.read().ok()?;
-            let r = route.as_ref()?;
-            if offset.checked_add(len as u64)? > r.size {
-                return None;
-            }
-            let req = shoal_rpc::Request::Read {
-                component: r.component,
-                generation: r.generation,
-                offset,
-                len,
-            };
-            // Sent under the lock: the loop cannot withdraw the route (and
-            // then acknowledge a write without this copy) between the check
-            // and the read taking its place among the copy's writes.
-            (r.peer.send(&req, Bytes::new()).ok()?, r.timeout)
-        };
-        match pending.wait(timeout).await {
-            Ok((_, data)) if data.len() == len as usize => Some(data),
-            _ => None,
+    /// A read sent to the local in-sync copy, or None to go through the
+    /// loop.
+    fn read_local(&self, offset: u64, len: u32) -> Option<(shoal_rpc::PendingReply, Duration)> {
+        let route = self.route.read().ok()?;
+        let r = route.as_ref()?;
+        if offset.checked_add(len as u64)? > r.size {
+            return None;
         }
+        let req = shoal_rpc::Request::Read {
+            component: r.component,
+            generation: r.generation,
+            offset,
+            len,
+        };
+        // Sent under the lock: the loop cannot withdraw the route (and
+        // then acknowledge a write without this copy) between the check
+        // and the read taking its place among the copy's writes.
+        Some((r.peer.send(&req, Bytes::new()).ok()?, r.timeout))
     }
 
     pub async fn read(&self, offset: u64, len: u32) -> Result<Bytes, OwnerError> {
