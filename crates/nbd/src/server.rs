@@ -508,6 +508,10 @@ fn answer(req: Request, result: Result<Option<Bytes>, IoError>) -> Reply {
 async fn writer_loop(mut w: OwnedWriteHalf, mut rx: mpsc::Receiver<Reply>) -> io::Result<()> {
     let mut chunks: Vec<Bytes> = Vec::with_capacity(MAX_BATCH_CHUNKS * 2);
     while let Some(first) = rx.recv().await {
+        // Let the other answers that are ready join this one: the runtime
+        // runs a task it just woke first, so without this the writer would
+        // send each reply of a burst on its own.
+        tokio::task::yield_now().await;
         let mut total = push_reply(first, &mut chunks);
         while chunks.len() < MAX_BATCH_CHUNKS && total < MAX_BATCH_BYTES {
             match rx.try_recv() {

@@ -220,21 +220,41 @@ impl Flusher {
         quiet: bool,
         applying: Option<Applying>,
     ) -> Result<(), StoreError> {
-        let (ticket, inline, notify) = {
+        let ticket = self.ticket(applying);
+        self.wait(ticket, quiet).await
+    }
+
+    /// Takes a ticket for everything written to the store so far, without
+    /// waking the flusher: [`wait`](Self::wait) does that. A writer that
+    /// applies its write synchronously as it arrives takes its ticket then,
+    /// and waits later, so that a burst of writes applied one after the
+    /// other is all ticketed before the flusher starts its sync.
+    pub fn ticket(&self, applying: Option<Applying>) -> u64 {
+        let mut t = self.shared.lock();
+        if let Some(mut a) = applying {
+            a.live = false;
+            self.shared.applied(&mut t);
+        }
+        t.issued += 1;
+        t.issued
+    }
+
+    /// Waits until `ticket` is durable, syncing on this thread if `quiet`
+    /// and it is the only ticket no sync covers yet, or waking a flusher
+    /// thread if none is looking.
+    pub async fn wait(&self, ticket: u64, quiet: bool) -> Result<(), StoreError> {
+        let (inline, notify) = {
             let mut t = self.shared.lock();
-            if let Some(mut a) = applying {
-                a.live = false;
-                self.shared.applied(&mut t);
-            }
-            t.issued += 1;
-            let inline = quiet && t.syncing == 0 && t.started + 1 == t.issued;
+            assert!(ticket <= t.issued, "a ticket that was never taken");
+            let inline = quiet && t.syncing == 0 && t.started + 1 == t.issued && ticket == t.issued;
             if inline {
                 t.syncing += 1;
                 t.started = t.issued;
             }
             // A busy flusher looks for new tickets when its sync ends.
-            let notify = !inline && t.idle > 0 && t.syncing < self.shared.at_once;
-            (t.issued, inline, notify)
+            let notify =
+                !inline && t.started < ticket && t.idle > 0 && t.syncing < self.shared.at_once;
+            (inline, notify)
         };
         if inline {
             self.shared.inline_syncs.fetch_add(1, Ordering::Relaxed);
@@ -374,6 +394,46 @@ mod tests {
         let s = LogStore::open(&p).unwrap();
         for i in 0..64u64 {
             let mut b = [0u8; 4096];
+            s.read(1, i * 4096, &mut b).unwrap();
+            assert_eq!(b, [i as u8 + 1; 4096]);
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_burst_ticketed_before_any_wait_shares_one_sync() {
+        let (dir, store, f) = setup_with(1);
+        let p = dir.path().join("dev.img");
+        while f.shared.lock().idle == 0 {
+            // The thread is starting: it looks at the tickets on its own.
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Applied and ticketed as they arrive; nobody waits yet, so the
+        // idle flusher is not woken.
+        let tickets: Vec<u64> = (0..20u64)
+            .map(|i| {
+                store.write(1, i * 4096, &[i as u8 + 1; 4096]).unwrap();
+                f.ticket(None)
+            })
+            .collect();
+        assert_eq!(f.syncs(), 0);
+        let waits: Vec<_> = tickets
+            .into_iter()
+            .map(|t| {
+                let f = f.clone();
+                tokio::spawn(async move { f.wait(t, false).await })
+            })
+            .collect();
+        for w in waits {
+            w.await.unwrap().unwrap();
+        }
+        assert_eq!(f.syncs(), 1, "one sync for the whole burst");
+        drop(f);
+        let image = std::fs::read(&p).unwrap();
+        drop(store);
+        std::fs::write(&p, &image).unwrap();
+        let s = LogStore::open(&p).unwrap();
+        let mut b = [0u8; 4096];
+        for i in 0..20u64 {
             s.read(1, i * 4096, &mut b).unwrap();
             assert_eq!(b, [i as u8 + 1; 4096]);
         }

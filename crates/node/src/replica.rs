@@ -216,6 +216,12 @@ pub struct Replicas {
 static INLINE_SYNC: std::sync::LazyLock<bool> =
     std::sync::LazyLock::new(|| !std::env::var("SHOAL_INLINE_SYNC").is_ok_and(|v| v == "0"));
 
+/// Whether small writes that wait for nothing are applied as they arrive
+/// (in `Handler::handle`) rather than when their future first runs; off
+/// with `SHOAL_EAGER_APPLY=0` (for measuring).
+static EAGER_APPLY: std::sync::LazyLock<bool> =
+    std::sync::LazyLock::new(|| !std::env::var("SHOAL_EAGER_APPLY").is_ok_and(|v| v == "0"));
+
 /// Counts a request in [`Replicas::in_flight`] until dropped.
 struct InFlight(Arc<AtomicUsize>);
 
@@ -337,11 +343,47 @@ impl Replicas {
     ) -> Reply {
         let in_flight = self.in_flight.clone();
         let router = self.router.get().cloned();
+        let quiet = move || {
+            // Quiet: this is the only request of the node's peers, and at
+            // most one NBD request of its own clients is waiting (this one).
+            *INLINE_SYNC
+                && in_flight.load(Ordering::Relaxed) <= 1
+                && router
+                    .as_ref()
+                    .is_none_or(|r| r.client_requests.load(Ordering::Relaxed) <= 1)
+        };
+        let arrived = std::time::Instant::now();
+        let finish = move |d: &Device, r: Result<(), StoreError>| {
+            let r = d.note(r);
+            d.commits.fetch_add(1, Ordering::Relaxed);
+            d.commit_micros
+                .fetch_add(arrived.elapsed().as_micros() as u64, Ordering::Relaxed);
+            match r {
+                Ok(()) => (Response::Ok, Bytes::new()),
+                Err(e) => (Response::Err(remote(e)), Bytes::new()),
+            }
+        };
+        // A small write with nothing to wait for is applied now, in arrival
+        // order, and takes its ticket; the flusher is woken only when the
+        // future runs, after the rest of the burst read with this write was
+        // applied too, so one sync covers the burst.
+        let ready = deps.iter().all(|r| *r.borrow() || r.has_changed().is_err());
+        if inline && ready && *EAGER_APPLY {
+            let r = apply(&d);
+            drop(guard);
+            let ticket = r.map(|()| d.flusher.ticket(None));
+            return Box::pin(async move {
+                let r = match ticket {
+                    Ok(t) => d.flusher.wait(t, quiet()).await,
+                    Err(e) => Err(e),
+                };
+                finish(&d, r)
+            });
+        }
         // Accepted now, in arrival order: the device's next sync waits a
         // moment for this write to be applied. Not a write that must wait
         // for earlier overlapping ones: every sync would wait for it.
         let applying = deps.is_empty().then(|| d.flusher.begin());
-        let arrived = std::time::Instant::now();
         Box::pin(async move {
             wait_all(deps).await;
             let r = if inline {
@@ -358,24 +400,11 @@ impl Replicas {
                 .await
                 .unwrap_or_else(|e| Err(StoreError::Io(std::io::Error::other(e.to_string()))))
             };
-            // Quiet: this is the only request of the node's peers, and at
-            // most one NBD request of its own clients is waiting (this one).
-            let quiet = *INLINE_SYNC
-                && in_flight.load(Ordering::Relaxed) <= 1
-                && router
-                    .as_ref()
-                    .is_none_or(|r| r.client_requests.load(Ordering::Relaxed) <= 1);
-            let r = d.note(match r {
-                Ok(()) => d.flusher.commit_or_sync(quiet, applying).await,
+            let r = match r {
+                Ok(()) => d.flusher.commit_or_sync(quiet(), applying).await,
                 Err(e) => Err(e),
-            });
-            d.commits.fetch_add(1, Ordering::Relaxed);
-            d.commit_micros
-                .fetch_add(arrived.elapsed().as_micros() as u64, Ordering::Relaxed);
-            match r {
-                Ok(()) => (Response::Ok, Bytes::new()),
-                Err(e) => (Response::Err(remote(e)), Bytes::new()),
-            }
+            };
+            finish(&d, r)
         })
     }
 
