@@ -64,12 +64,8 @@ struct Tickets {
 /// against 22.6–24.6k IOPS), so one. `SHOAL_SYNC_THREADS` overrides it.
 const SYNC_THREADS: usize = 1;
 
-static SYNCS_AT_ONCE: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
-    std::env::var("SHOAL_SYNC_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(SYNC_THREADS)
-});
+static SYNCS_AT_ONCE: std::sync::LazyLock<usize> =
+    std::sync::LazyLock::new(|| crate::env_knob("SHOAL_SYNC_THREADS", SYNC_THREADS));
 
 /// Longest wait of the flusher for writes that arrived with the ones it is
 /// about to sync (already accepted, still being applied), in
@@ -79,12 +75,8 @@ static SYNCS_AT_ONCE: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
 const GATHER_US: u64 = 100;
 
 /// [`GATHER_US`], or `SHOAL_GATHER_US` (0: no waiting; for measuring).
-static GATHER: std::sync::LazyLock<u64> = std::sync::LazyLock::new(|| {
-    std::env::var("SHOAL_GATHER_US")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(GATHER_US)
-});
+static GATHER: std::sync::LazyLock<u64> =
+    std::sync::LazyLock::new(|| crate::env_knob("SHOAL_GATHER_US", GATHER_US));
 
 /// A write accepted by the node and not yet in its device's store: the
 /// flusher's next sync waits a little for it. Released when its commit
@@ -363,6 +355,29 @@ mod tests {
         (dir, store, f)
     }
 
+    /// Stops the flusher and reopens the store from its device file as it
+    /// is on disk (a crash: no close), then checks that 4 KiB block `i`
+    /// holds `value(i)` for every `i` in `blocks`.
+    fn after_crash(
+        dir: &tempfile::TempDir,
+        store: Arc<LogStore>,
+        f: Arc<Flusher>,
+        blocks: std::ops::Range<u64>,
+        value: impl Fn(u64) -> u8,
+    ) {
+        let p = dir.path().join("dev.img");
+        drop(f);
+        let image = std::fs::read(&p).unwrap();
+        drop(store);
+        std::fs::write(&p, &image).unwrap();
+        let s = LogStore::open(&p).unwrap();
+        let mut b = [0u8; 4096];
+        for i in blocks {
+            s.read(1, i * 4096, &mut b).unwrap();
+            assert_eq!(b, [value(i); 4096], "block {i}");
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn concurrent_commits_share_syncs_and_see_their_writes_durable() {
         for threads in [1, 2] {
@@ -372,7 +387,6 @@ mod tests {
 
     async fn commits_are_durable(threads: usize) {
         let (dir, store, f) = setup_with(threads);
-        let p = dir.path().join("dev.img");
         let mut tasks = Vec::new();
         for i in 0..64u64 {
             let (s, f) = (store.clone(), f.clone());
@@ -386,24 +400,13 @@ mod tests {
         }
         assert!(f.syncs() >= 1 && f.syncs() <= 64, "{}", f.syncs());
         assert_eq!(f.inline_syncs(), 0, "commit() never syncs inline");
-        drop(f);
-        // Everything committed survives a crash (no close: reopen the
-        // device as it is on disk).
-        let image = std::fs::read(&p).unwrap();
-        drop(store);
-        std::fs::write(&p, &image).unwrap();
-        let s = LogStore::open(&p).unwrap();
-        for i in 0..64u64 {
-            let mut b = [0u8; 4096];
-            s.read(1, i * 4096, &mut b).unwrap();
-            assert_eq!(b, [i as u8 + 1; 4096]);
-        }
+        // Everything committed survives a crash.
+        after_crash(&dir, store, f, 0..64, |i| i as u8 + 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_burst_ticketed_before_any_wait_shares_one_sync() {
         let (dir, store, f) = setup_with(1);
-        let p = dir.path().join("dev.img");
         while f.shared.lock().idle == 0 {
             // The thread is starting: it looks at the tickets on its own.
             std::thread::sleep(Duration::from_millis(1));
@@ -428,16 +431,7 @@ mod tests {
             w.await.unwrap().unwrap();
         }
         assert_eq!(f.syncs(), 1, "one sync for the whole burst");
-        drop(f);
-        let image = std::fs::read(&p).unwrap();
-        drop(store);
-        std::fs::write(&p, &image).unwrap();
-        let s = LogStore::open(&p).unwrap();
-        let mut b = [0u8; 4096];
-        for i in 0..20u64 {
-            s.read(1, i * 4096, &mut b).unwrap();
-            assert_eq!(b, [i as u8 + 1; 4096]);
-        }
+        after_crash(&dir, store, f, 0..20, |i| i as u8 + 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -449,7 +443,6 @@ mod tests {
 
     async fn quiet_and_busy_commits(threads: usize) {
         let (dir, store, f) = setup_with(threads);
-        let p = dir.path().join("dev.img");
         // Alone: the sync runs on this thread.
         store.write(1, 0, &[9u8; 4096]).unwrap();
         f.commit_or_sync(true, None).await.unwrap();
@@ -476,17 +469,12 @@ mod tests {
             f.syncs(),
             f.inline_syncs()
         );
-        drop(f);
-        let image = std::fs::read(&p).unwrap();
-        drop(store);
-        std::fs::write(&p, &image).unwrap();
-        let s = LogStore::open(&p).unwrap();
-        let mut b = [0u8; 4096];
-        s.read(1, 0, &mut b).unwrap();
-        assert_eq!(b, [9u8; 4096]);
-        for i in 1..64u64 {
-            s.read(1, i * 4096, &mut b).unwrap();
-            assert_eq!(b, [i as u8 + 1; 4096]);
-        }
+        after_crash(
+            &dir,
+            store,
+            f,
+            0..64,
+            |i| if i == 0 { 9 } else { i as u8 + 1 },
+        );
     }
 }

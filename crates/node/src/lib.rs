@@ -17,6 +17,16 @@ pub mod router;
 pub mod scrub;
 pub mod space;
 
+/// A tuning knob read once from the environment variable `name` (for
+/// measuring one setting against another), or `default` when it is unset
+/// or does not parse.
+pub(crate) fn env_knob<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use shoal_directory::{Command, Directory, DirectoryConfig, Response};

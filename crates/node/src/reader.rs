@@ -24,13 +24,8 @@ use tokio::sync::oneshot;
 const THREADS: usize = 1;
 
 /// [`THREADS`], or `SHOAL_READ_THREADS` (1 to 8; for measuring).
-static READ_THREADS: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
-    std::env::var("SHOAL_READ_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(THREADS)
-        .clamp(1, 8)
-});
+static READ_THREADS: std::sync::LazyLock<usize> =
+    std::sync::LazyLock::new(|| crate::env_knob("SHOAL_READ_THREADS", THREADS).clamp(1, 8));
 
 /// Most requests in one batch: enough for any client queue depth here,
 /// small enough that one slow read does not hold many others.

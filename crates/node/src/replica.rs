@@ -214,13 +214,13 @@ pub struct Replicas {
 /// Whether a write alone in flight may sync on its own thread; off with
 /// `SHOAL_INLINE_SYNC=0` (for measuring).
 static INLINE_SYNC: std::sync::LazyLock<bool> =
-    std::sync::LazyLock::new(|| !std::env::var("SHOAL_INLINE_SYNC").is_ok_and(|v| v == "0"));
+    std::sync::LazyLock::new(|| crate::env_knob("SHOAL_INLINE_SYNC", 1u8) != 0);
 
 /// Whether small writes that wait for nothing are applied as they arrive
 /// (in `Handler::handle`) rather than when their future first runs; off
 /// with `SHOAL_EAGER_APPLY=0` (for measuring).
 static EAGER_APPLY: std::sync::LazyLock<bool> =
-    std::sync::LazyLock::new(|| !std::env::var("SHOAL_EAGER_APPLY").is_ok_and(|v| v == "0"));
+    std::sync::LazyLock::new(|| crate::env_knob("SHOAL_EAGER_APPLY", 1u8) != 0);
 
 /// Counts a request in [`Replicas::in_flight`] until dropped.
 struct InFlight(Arc<AtomicUsize>);

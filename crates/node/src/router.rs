@@ -301,18 +301,31 @@ impl Router {
             if let Some(s) = first {
                 match s.wait().await {
                     Ok(b) => return Ok(b),
-                    Err(OwnerError::OutOfRange) => return Err(IoFailure::OutOfRange),
-                    Err(OwnerError::NoSpace) => return Err(IoFailure::NoSpace),
-                    Err(OwnerError::Io(e)) => {
-                        me.counters.errors.fetch_add(1, Ordering::Relaxed);
-                        return Err(IoFailure::Io(e));
+                    Err(e) => {
+                        if let Some(f) = me.final_failure(&e) {
+                            return Err(f);
+                        }
+                        // Deposed, stopped, unavailable: the full path
+                        // waits through it (and finds the new owner).
                     }
-                    // Deposed, stopped, unavailable: the full path waits
-                    // through it (and finds the new owner).
-                    Err(_) => {}
                 }
             }
             me.io(volume, op, payload).await
+        }
+    }
+
+    /// The client's answer for an owner error that retrying cannot change
+    /// (counted as a failed request if it is an I/O error), or None.
+    fn final_failure(&self, e: &OwnerError) -> Option<IoFailure> {
+        match e {
+            OwnerError::OutOfRange => Some(IoFailure::OutOfRange),
+            OwnerError::NoSpace => Some(IoFailure::NoSpace),
+            // Every copy of a block is bad: not a pause to wait out.
+            OwnerError::Io(msg) => {
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                Some(IoFailure::Io(msg.clone()))
+            }
+            _ => None,
         }
     }
 
@@ -337,24 +350,19 @@ impl Router {
             if let Some(o) = self.local_owner(volume) {
                 match o.execute(to_owner_op(op, payload.clone())).await {
                     Ok(b) => return Ok(b),
-                    Err(OwnerError::OutOfRange) => return Err(IoFailure::OutOfRange),
-                    Err(OwnerError::NoSpace) => return Err(IoFailure::NoSpace),
-                    // A final answer (every copy of a block is bad), not a
-                    // pause to wait out.
-                    Err(OwnerError::Io(e)) => {
-                        self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                        return Err(IoFailure::Io(e));
-                    }
-                    Err(OwnerError::Deposed | OwnerError::Stopped) => {
-                        if let Ok(mut m) = self.owners.lock() {
-                            m.remove(&volume);
-                        }
-                        last = "owner deposed".into();
-                        continue;
-                    }
                     Err(e) => {
-                        last = e.to_string();
-                        tokio::time::sleep(RETRY_PAUSE).await;
+                        if let Some(f) = self.final_failure(&e) {
+                            return Err(f);
+                        }
+                        if matches!(e, OwnerError::Deposed | OwnerError::Stopped) {
+                            if let Ok(mut m) = self.owners.lock() {
+                                m.remove(&volume);
+                            }
+                            last = "owner deposed".into();
+                        } else {
+                            last = e.to_string();
+                            tokio::time::sleep(RETRY_PAUSE).await;
+                        }
                         continue;
                     }
                 }
