@@ -167,7 +167,6 @@ pub(crate) type ReadRoute = Arc<std::sync::RwLock<Option<LocalRead>>>;
 
 /// An operation handed to the owner ([`Owner::submit`]), its answer to come.
 pub struct Submitted {
-    owner: Owner,
     state: SubmitState,
 }
 
@@ -176,6 +175,8 @@ enum SubmitState {
     Loop(oneshot::Receiver<Result<Bytes, OwnerError>>),
     /// A read sent straight to the local in-sync copy.
     Local {
+        /// The loop, for a read that fails there.
+        tx: mpsc::UnboundedSender<Event>,
         pending: shoal_rpc::PendingReply,
         timeout: Duration,
         offset: u64,
@@ -193,6 +194,7 @@ impl Submitted {
             SubmitState::Loop(rx) => rx.await.map_err(|_| OwnerError::Stopped)?,
             SubmitState::Stopped => Err(OwnerError::Stopped),
             SubmitState::Local {
+                tx: owner,
                 pending,
                 timeout,
                 offset,
@@ -201,8 +203,7 @@ impl Submitted {
                 Ok((_, data)) if data.len() == len as usize => Ok(data),
                 _ => {
                     let (tx, rx) = oneshot::channel();
-                    self.owner
-                        .tx
+                    owner
                         .send(Event::Io(Op::Read { offset, len }, tx))
                         .map_err(|_| OwnerError::Stopped)?;
                     rx.await.map_err(|_| OwnerError::Stopped)?
@@ -265,8 +266,8 @@ impl Owner {
         if let Op::Read { offset, len } = op {
             if let Some((pending, timeout)) = self.read_local(offset, len) {
                 return Submitted {
-                    owner: self.clone(),
                     state: SubmitState::Local {
+                        tx: self.tx.clone(),
                         pending,
                         timeout,
                         offset,
@@ -280,10 +281,7 @@ impl Owner {
             Ok(()) => SubmitState::Loop(rx),
             Err(_) => SubmitState::Stopped,
         };
-        Submitted {
-            owner: self.clone(),
-            state,
-        }
+        Submitted { state }
     }
 
     /// A read sent to the local in-sync copy, or None to go through the
