@@ -52,6 +52,11 @@ struct Tickets {
     /// notify one (a notify is a system call even with nobody waiting,
     /// once per write at high queue depth).
     idle: usize,
+    /// Notifications sent to idle flusher threads that they have not yet
+    /// woken up for. A thread takes a while to run after its notification,
+    /// and the writes that arrive meanwhile must not notify again: each
+    /// would be another system call for nothing.
+    woken: usize,
     /// Writes accepted and not yet applied and ticketed ([`Applying`]).
     applying: usize,
     /// A flusher thread waits for `applying` to reach 0 before it syncs.
@@ -245,8 +250,13 @@ impl Flusher {
                 t.started = t.issued;
             }
             // A busy flusher looks for new tickets when its sync ends.
-            let notify =
-                !inline && t.started < ticket && t.idle > 0 && t.syncing < self.shared.at_once;
+            let notify = !inline
+                && t.started < ticket
+                && t.idle > t.woken
+                && t.syncing < self.shared.at_once;
+            if notify {
+                t.woken += 1;
+            }
             (inline, notify)
         };
         if inline {
@@ -305,6 +315,7 @@ fn run(sh: &Shared, store: &LogStore) {
                 t.idle += 1;
                 t = sh.wake.wait(t).unwrap_or_else(|e| e.into_inner());
                 t.idle -= 1;
+                t.woken = t.woken.saturating_sub(1);
             }
             if t.exit && (t.issued == t.started || t.syncing >= at_once) {
                 return;

@@ -44,6 +44,11 @@ async fn connection<H: Handler>(stream: TcpStream, handler: Arc<H>) -> std::io::
     let writer = tokio::spawn(async move {
         let mut w = BufWriter::with_capacity(256 << 10, wr);
         while let Some(first) = rx.recv().await {
+            // The replies of one group commit are woken together, and the
+            // runtime runs a task it just woke first: without this yield the
+            // writer would run after the first reply and send each reply in
+            // its own system call. After it, the whole group goes in one.
+            tokio::task::yield_now().await;
             let mut next = Some(first);
             while let Some((id, resp, payload)) = next.take() {
                 let body = match postcard::to_stdvec(&resp) {
