@@ -45,6 +45,10 @@ struct Queue {
     /// (a notify is a system call even with nobody waiting); busy threads
     /// look at the queue when their batch is done.
     idle: usize,
+    /// Notifications sent to idle threads that they have not woken up for
+    /// yet: the other reads of a burst, queued before the thread runs,
+    /// must not notify again.
+    woken: usize,
 }
 
 struct Shared {
@@ -64,6 +68,7 @@ impl Reader {
                 jobs: Vec::new(),
                 stop: false,
                 idle: 0,
+                woken: 0,
             }),
             wake: Condvar::new(),
         });
@@ -92,7 +97,11 @@ impl Reader {
                 len,
                 reply: tx,
             });
-            q.idle > 0
+            let notify = q.idle > q.woken;
+            if notify {
+                q.woken += 1;
+            }
+            notify
         };
         if notify {
             self.shared.wake.notify_one();
@@ -119,6 +128,7 @@ fn run(sh: &Shared, store: &LogStore) {
                 q.idle += 1;
                 q = sh.wake.wait(q).unwrap_or_else(|e| e.into_inner());
                 q.idle -= 1;
+                q.woken = q.woken.saturating_sub(1);
             }
             if q.stop && q.jobs.is_empty() {
                 return;
