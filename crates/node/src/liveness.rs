@@ -197,7 +197,7 @@ pub fn device_usage(d: &crate::replica::Device) -> DeviceUsage {
         .store
         .capacity()
         .saturating_sub(used)
-        .saturating_sub(crate::space::lacking(d, None));
+        .saturating_sub(d.store.lacking(None));
     DeviceUsage {
         device: d.id,
         used,

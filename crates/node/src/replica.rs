@@ -58,9 +58,6 @@ pub struct Device {
     /// `used()` when a write was last refused for lack of space: reported
     /// `Full` until usage changes (`liveness::device_usage`).
     pub refused_at: Mutex<Option<u64>>,
-    /// Bytes promised to the reserved components on this device, from the
-    /// directory (`crate::space`): other writes must leave them free.
-    pub reserved: Mutex<crate::space::Reservations>,
 }
 
 impl Device {
@@ -78,7 +75,6 @@ impl Device {
             repaired: Default::default(),
             io_failed: Default::default(),
             refused_at: Default::default(),
-            reserved: Default::default(),
         })
     }
 
@@ -437,8 +433,9 @@ impl Replicas {
         let end = offset.saturating_add(payload.len() as u64);
         let (deps, guard) = self.seq.enter(component, offset, end, true);
         let inline = payload.len() <= INLINE_WRITE_MAX;
+        // The store refuses a write that would take space promised to
+        // other (reserved) components: see `crate::space`.
         Ok(self.apply_then_commit(d, deps, guard, inline, move |d| {
-            crate::space::admit(d, component, offset, payload.len() as u64)?;
             apply(d, component, offset, &payload)
         }))
     }

@@ -38,7 +38,7 @@ use format::{
 };
 use index::BlockIndex;
 use segment::{SegState, Segments};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::path::Path;
@@ -258,6 +258,10 @@ struct State {
     last_ckpt_blocks: u64,
     ckpt_due: bool,
     stats: LogStats,
+    /// Blocks promised to reserved components (by the cluster; not
+    /// persisted: the node sets them again after every open). A write may
+    /// not take the blocks the *other* components still lack.
+    reserved: HashMap<u64, u64>,
 }
 
 /// Who wants space: clients keep the cleaner's reserve.
@@ -339,6 +343,18 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 fn byte_off(block: u32) -> u64 {
     block as u64 * BLOCK_U64
+}
+
+/// Blocks the reserved components (but `except`) still lack.
+fn lacking_locked(st: &State, except: Option<u64>) -> u64 {
+    st.reserved
+        .iter()
+        .filter(|(&c, _)| Some(c) != except)
+        .map(|(c, &r)| {
+            let have = st.comps.get(c).map(|x| x.index.mapped()).unwrap_or(0);
+            r.saturating_sub(have)
+        })
+        .fold(0u64, u64::saturating_add)
 }
 
 fn check_range(id: u64, offset: u64, len: u64, size: u64) -> Result<()> {
@@ -548,6 +564,7 @@ impl LogStore {
             last_ckpt_blocks: 0,
             ckpt_due: false,
             stats: LogStats::default(),
+            reserved: HashMap::new(),
         };
         let s = Self::assemble(dev, sb, st, 0);
         {
@@ -653,6 +670,28 @@ impl LogStore {
     /// Bytes of live data the device may hold.
     pub fn capacity(&self) -> u64 {
         self.geo.max_live * BLOCK_U64
+    }
+
+    /// Sets the space promised to reserved components, in bytes per
+    /// component (rounded up to blocks); components not in `m` have none.
+    /// A component may be listed before it exists on this device: its
+    /// promise counts from the moment it is set. Not persisted.
+    pub fn set_reservations(&self, m: &HashMap<u64, u64>) {
+        let blocks: HashMap<u64, u64> = m
+            .iter()
+            .filter(|(_, &b)| b > 0)
+            .map(|(&c, &b)| (c, b.div_ceil(BLOCK_U64)))
+            .collect();
+        let mut st = self.lock_state();
+        if st.reserved != blocks {
+            st.reserved = blocks;
+        }
+    }
+
+    /// Bytes the reserved components (but `except`) were promised and have
+    /// not allocated yet: space no other component's write may take.
+    pub fn lacking(&self, except: Option<u64>) -> u64 {
+        lacking_locked(&self.lock_state(), except) * BLOCK_U64
     }
 
     /// Bytes of live (mapped) blocks.
@@ -1382,7 +1421,10 @@ impl LogStore {
                 fresh += 1;
             }
         }
-        if st.live + fresh > self.geo.max_live {
+        // Under the state lock, so writes racing each other can never
+        // take together more than is left beside the reservations.
+        let lacking = lacking_locked(&st, Some(id));
+        if st.live + fresh + lacking > self.geo.max_live {
             return Err(StoreError::NoSpace);
         }
         // Partial edge blocks: read them before changing anything.

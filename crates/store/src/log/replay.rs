@@ -71,6 +71,7 @@ pub(super) fn recover(dev: &dyn BlockDevice, sb: &LogSuper) -> Result<(State, u6
         last_ckpt_blocks: 0,
         ckpt_due: false,
         stats: LogStats::default(),
+        reserved: Default::default(),
     };
     replay(dev, sb, &mut st, &hdr)?;
     let last = st.seq - 1;

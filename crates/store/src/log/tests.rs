@@ -458,6 +458,88 @@ fn no_space_changes_nothing_and_freeing_helps() {
 }
 
 #[test]
+fn thin_writes_leave_reserved_space_free() {
+    let (_d, s) = mem_store(16, 64);
+    let cap = s.capacity() / B;
+    let (thin, thick) = (10u64, 20u64);
+    let promised = cap / 4;
+    s.create_component(thin, 1, 1 << 40).unwrap();
+    // The promise counts before the reserved component exists here.
+    s.set_reservations(&HashMap::from([(thick, promised * B)]));
+    assert_eq!(s.lacking(None), promised * B);
+    assert_eq!(s.lacking(Some(thick)), 0);
+    let mut at = 0;
+    let refused = loop {
+        match s.write(thin, at * B, &pattern(at, BLOCK)) {
+            Ok(()) => at += 1,
+            Err(e) => break e,
+        }
+        assert!(at <= cap, "never refused");
+    };
+    assert!(matches!(refused, StoreError::NoSpace), "{refused:?}");
+    assert_eq!(at, cap - promised, "the thin one stops at the promise");
+    // Overwrites proceed.
+    s.write(thin, 0, &pattern(7, BLOCK)).unwrap();
+    // The reserved component gets all it was promised, and no more.
+    s.create_component(thick, 2, promised * B).unwrap();
+    for i in 0..promised {
+        s.write(thick, i * B, &pattern(1000 + i, BLOCK)).unwrap();
+    }
+    assert_eq!(s.lacking(None), 0);
+    assert!(matches!(
+        s.write(thin, at * B, &[1u8; 10]),
+        Err(StoreError::NoSpace)
+    ));
+    // Dropping the promise gives nothing back (it is all used) but
+    // freeing the reserved one's blocks does.
+    s.set_reservations(&HashMap::new());
+    s.trim(thick, 0, 2 * B).unwrap();
+    s.write(thin, at * B, &[1u8; 10]).unwrap();
+    s.check().unwrap();
+}
+
+#[test]
+fn racing_writers_never_take_promised_space() {
+    let dir = TempDir::new().unwrap();
+    let s = Arc::new(new_store(&dir));
+    let cap = s.capacity() / B;
+    let promised = cap / 3;
+    s.set_reservations(&HashMap::from([(99, promised * B)]));
+    for id in 1..=4u64 {
+        s.create_component(id, id, cap * B).unwrap();
+    }
+    // Four threads write fresh 64 KiB pieces until refused: together they
+    // must stop at the promise, never past it.
+    let threads: Vec<_> = (1..=4u64)
+        .map(|id| {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                let data = pattern(id, 16 * BLOCK);
+                let mut k = 0u64;
+                while s.write(id, k * 16 * B, &data).is_ok() {
+                    k += 1;
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let used = s.used() / B;
+    assert!(
+        used <= cap - promised,
+        "used {used} of {cap}, {promised} promised"
+    );
+    assert!(used + 4 * 16 > cap - promised, "stopped early: {used}");
+    s.create_component(99, 9, promised * B).unwrap();
+    for i in 0..promised {
+        s.write(99, i * B, &pattern(i, BLOCK)).unwrap();
+    }
+    s.sync().unwrap();
+    s.check().unwrap();
+}
+
+#[test]
 fn concurrent_writers() {
     let dir = TempDir::new().unwrap();
     let s = Arc::new(new_store(&dir));
