@@ -451,7 +451,7 @@ async fn metrics(State(h): State<Http>) -> String {
         &'a str,
         &'a dyn Fn(&crate::replica::Device) -> u64,
     );
-    let device_metrics: [DeviceMetric; 8] = [
+    let device_metrics: [DeviceMetric; 10] = [
         (
             "shoal_device_used_bytes",
             "gauge",
@@ -487,6 +487,18 @@ async fn metrics(State(h): State<Http>) -> String {
             "counter",
             "Bytes written to the device by owners (client writes and resync copies)",
             &|d| d.written.load(Relaxed),
+        ),
+        (
+            "shoal_device_read_blocks_total",
+            "counter",
+            "Blocks client reads took from the device (not from memory)",
+            &|d| d.store.stats().read_blocks,
+        ),
+        (
+            "shoal_device_header_misses_total",
+            "counter",
+            "Batch headers client reads had to read from the device too (not cached)",
+            &|d| d.store.stats().header_misses,
         ),
         (
             "shoal_device_checksum_errors_total",

@@ -97,7 +97,10 @@ impl Reader {
                 len,
                 reply: tx,
             });
-            let notify = q.idle > q.woken;
+            // One thread on its way takes every job queued by then: wake
+            // another only once it has taken them (and is reading), so a
+            // burst is one batch and the next burst overlaps its I/O.
+            let notify = q.idle > 0 && q.woken == 0;
             if notify {
                 q.woken += 1;
             }

@@ -114,6 +114,11 @@ pub struct LogStats {
     /// (free segments within one step of inline cleaning).
     pub cleaner_waits: u64,
     pub flushes: u64,
+    /// Data blocks read from the device (not from memory) by client reads.
+    pub read_blocks: u64,
+    /// Batch headers those reads had to read too (not in the header
+    /// cache): a miss costs a second device read.
+    pub header_misses: u64,
     /// Batches and log blocks (headers and data) replayed by the open.
     pub replayed_batches: u64,
     pub replayed_blocks: u64,
@@ -319,6 +324,9 @@ pub struct LogStore {
     written: AtomicU64,
     flushed: AtomicU64,
     flushes: AtomicU64,
+    /// [`LogStats::read_blocks`] and [`LogStats::header_misses`].
+    read_blocks: AtomicU64,
+    header_misses: AtomicU64,
     /// Set after a failed device write or flush: the store refuses
     /// everything until reopened.
     failed: Mutex<Option<String>>,
@@ -637,6 +645,8 @@ impl LogStore {
             written: AtomicU64::new(flushed),
             flushed: AtomicU64::new(flushed),
             flushes: AtomicU64::new(0),
+            read_blocks: AtomicU64::new(0),
+            header_misses: AtomicU64::new(0),
             failed: Mutex::new(None),
             cache: Mutex::new(HeaderCache::new(HEADER_CACHE_REFS)),
             ckpt_every: AtomicU64::new(0),
@@ -703,6 +713,8 @@ impl LogStore {
     pub fn stats(&self) -> LogStats {
         let mut s = self.lock_state().stats.clone();
         s.flushes = self.flushes.load(Ordering::Relaxed);
+        s.read_blocks = self.read_blocks.load(Ordering::Relaxed);
+        s.header_misses = self.header_misses.load(Ordering::Relaxed);
         s
     }
 
@@ -1548,6 +1560,10 @@ impl LogStore {
                 refs.push(r);
             }
         }
+        self.read_blocks
+            .fetch_add(todo.len() as u64, Ordering::Relaxed);
+        self.header_misses
+            .fetch_add(missing.len() as u64, Ordering::Relaxed);
         // One buffer: the data blocks in `todo` order, then the headers.
         let mut io = crate::direct::AlignedBuf::zeroed((todo.len() + missing.len()) * BLOCK);
         let read = {
