@@ -24,6 +24,17 @@
 #   NBD_PORT [10809]                Shoal's NBD port
 #   NBDKIT_ADDR [127.0.0.1] NBDKIT_PORT [10859]
 #   TARGETS ["shoal nbdkit raw"]    which targets to run
+#   INTERLEAVE [0]                  1: set every target up, then run each job on
+#                                   all targets before the next job (write
+#                                   ratios from runs a minute apart); 0: all
+#                                   jobs of one target, then the next. Reads
+#                                   differ: the virtual disk's host caches
+#                                   what was written last, so interleaved,
+#                                   Shoal (written first) read 15.5k IOPS
+#                                   against the raw file's 84.9k, and the
+#                                   device file itself reads at 12-21k from
+#                                   fio; one target after the other, each
+#                                   reads its own fresh data
 #   EXTRA [0]                       1 adds context rows: QD1 without sync for
 #                                   nbdkit/raw, QD1 with a flush per write for Shoal
 #   SHOAL_BIN [target/release/shoal]
@@ -216,6 +227,7 @@ NBDKIT_ADDR="${NBDKIT_ADDR:-127.0.0.1}"
 NBDKIT_PORT="${NBDKIT_PORT:-10859}"
 TARGETS="${TARGETS:-shoal nbdkit raw}"
 EXTRA="${EXTRA:-0}"
+INTERLEAVE="${INTERLEAVE:-0}"
 SHOAL_BIN="${SHOAL_BIN:-$REPO/target/release/shoal}"
 SKIP_BUILD="${SKIP_BUILD:-0}"
 KEEP="${KEEP:-0}"
@@ -308,7 +320,7 @@ fi
   command -v nbdkit >/dev/null && echo "nbdkit: $(nbdkit --version | head -1)"
   has_target shoal && echo "shoal: $("$SHOAL_BIN" --version)"
   echo "disk: $(df -Ph "$BENCH_DIR" | awk 'NR==2{print $1" ("$2", mounted on "$6")"}')"
-  echo "BENCH_DIR=$BENCH_DIR SIZE=$SIZE RUNTIME=$RUNTIME RAMP=$RAMP TARGETS=\"$TARGETS\" EXTRA=$EXTRA"
+  echo "BENCH_DIR=$BENCH_DIR SIZE=$SIZE RUNTIME=$RUNTIME RAMP=$RAMP TARGETS=\"$TARGETS\" EXTRA=$EXTRA INTERLEAVE=$INTERLEAVE"
 } >"$OUT/env.txt"
 
 # ---------------------------------------------------------------- fio
@@ -360,33 +372,71 @@ SYNC_NBDKIT="--fdatasync=1"
 SYNC_RAW="--fdatasync=1"
 sync_opt() { case "$1" in shoal) echo "$SYNC_SHOAL" ;; nbdkit) echo "$SYNC_NBDKIT" ;; raw) echo "$SYNC_RAW" ;; esac; }
 
-run_jobs() { # run_jobs TARGET
-  local t="$1" ta; read -r -a ta <<<"$(target_args "$t")"
+JOBS_IN_ORDER="prefill rw4k_qd32 rw4k_qd1 rr4k_qd32 sw1m_qd8"
+
+run_job() { # run_job TARGET JOB
+  local t="$1" job="$2" ta; read -r -a ta <<<"$(target_args "$t")"
   local common=(--size="$SIZE" "${ta[@]}")
-  log "[$t] prefill: 1M sequential write of $SIZE, QD8"
-  run_fio "prefill__$t" "$PREFILL_TIMEOUT" --name=prefill --rw=write --bs=1M --iodepth=8 "${common[@]}" || true
-  log "[$t] 4K random write QD32"
-  run_fio "rw4k_qd32__$t" "$FIO_TO" --name=rw4k_qd32 --rw=randwrite --bs=4k --iodepth=32 "${RAND[@]}" "${TIMED[@]}" "${common[@]}" || true
-  local so; so="$(sync_opt "$t")"
-  log "[$t] 4K random write QD1 durable ${so:-(no sync option: every ack is durable)}"
-  # shellcheck disable=SC2086
-  run_fio "rw4k_qd1__$t" "$FIO_TO" --name=rw4k_qd1 --rw=randwrite --bs=4k --iodepth=1 $so "${RAND[@]}" "${TIMED[@]}" "${common[@]}" || true
-  if [ "$EXTRA" = 1 ]; then
-    if [ "$t" = shoal ]; then
-      log "[$t] (extra) 4K random write QD1 + NBD flush after each write"
-      run_fio "rw4k_qd1x__$t" "$FIO_TO" --name=rw4k_qd1x --rw=randwrite --bs=4k --iodepth=1 --fsync=1 "${RAND[@]}" "${TIMED[@]}" "${common[@]}" || true
-    else
-      log "[$t] (extra) 4K random write QD1 without sync"
-      run_fio "rw4k_qd1x__$t" "$FIO_TO" --name=rw4k_qd1x --rw=randwrite --bs=4k --iodepth=1 "${RAND[@]}" "${TIMED[@]}" "${common[@]}" || true
-    fi
-  fi
-  log "[$t] 4K random read QD32"
-  run_fio "rr4k_qd32__$t" "$FIO_TO" --name=rr4k_qd32 --rw=randread --bs=4k --iodepth=32 "${RAND[@]}" "${TIMED[@]}" "${common[@]}" || true
-  log "[$t] 1M sequential write QD8"
-  run_fio "sw1m_qd8__$t" "$FIO_TO" --name=sw1m_qd8 --rw=write --bs=1M --iodepth=8 "${TIMED[@]}" "${common[@]}" || true
+  case "$job" in
+  prefill)
+    log "[$t] prefill: 1M sequential write of $SIZE, QD8"
+    run_fio "prefill__$t" "$PREFILL_TIMEOUT" --name=prefill --rw=write --bs=1M --iodepth=8 "${common[@]}" || true ;;
+  rw4k_qd32)
+    log "[$t] 4K random write QD32"
+    run_fio "rw4k_qd32__$t" "$FIO_TO" --name=rw4k_qd32 --rw=randwrite --bs=4k --iodepth=32 "${RAND[@]}" "${TIMED[@]}" "${common[@]}" || true ;;
+  rw4k_qd1)
+    local so; so="$(sync_opt "$t")"
+    log "[$t] 4K random write QD1 durable ${so:-(no sync option: every ack is durable)}"
+    # shellcheck disable=SC2086
+    run_fio "rw4k_qd1__$t" "$FIO_TO" --name=rw4k_qd1 --rw=randwrite --bs=4k --iodepth=1 $so "${RAND[@]}" "${TIMED[@]}" "${common[@]}" || true
+    if [ "$EXTRA" = 1 ]; then
+      if [ "$t" = shoal ]; then
+        log "[$t] (extra) 4K random write QD1 + NBD flush after each write"
+        run_fio "rw4k_qd1x__$t" "$FIO_TO" --name=rw4k_qd1x --rw=randwrite --bs=4k --iodepth=1 --fsync=1 "${RAND[@]}" "${TIMED[@]}" "${common[@]}" || true
+      else
+        log "[$t] (extra) 4K random write QD1 without sync"
+        run_fio "rw4k_qd1x__$t" "$FIO_TO" --name=rw4k_qd1x --rw=randwrite --bs=4k --iodepth=1 "${RAND[@]}" "${TIMED[@]}" "${common[@]}" || true
+      fi
+    fi ;;
+  rr4k_qd32)
+    log "[$t] 4K random read QD32"
+    run_fio "rr4k_qd32__$t" "$FIO_TO" --name=rr4k_qd32 --rw=randread --bs=4k --iodepth=32 "${RAND[@]}" "${TIMED[@]}" "${common[@]}" || true ;;
+  sw1m_qd8)
+    log "[$t] 1M sequential write QD8"
+    run_fio "sw1m_qd8__$t" "$FIO_TO" --name=sw1m_qd8 --rw=write --bs=1M --iodepth=8 "${TIMED[@]}" "${common[@]}" || true ;;
+  esac
+}
+
+run_jobs() { # run_jobs TARGET: every job, in order, on one target
+  local job
+  for job in $JOBS_IN_ORDER; do run_job "$1" "$job"; done
+}
+
+# Targets that are set up (INTERLEAVE=1 runs them after all are up).
+READY_TARGETS=""
+defer_or_run() { # defer_or_run TARGET
+  if [ "$INTERLEAVE" = 1 ]; then READY_TARGETS="$READY_TARGETS $1"; else run_jobs "$1"; fi
 }
 
 # ---------------------------------------------------------------- A: Shoal
+finish_shoal() {
+  "$SHOAL_BIN" status --data "$SHOAL_DATA" >"$OUT/shoal-status-after.txt" 2>&1 || true
+  "$SHOAL_BIN" volume verify bench --data "$SHOAL_DATA" >"$OUT/shoal-verify.txt" 2>&1 \
+    || note "shoal volume verify bench failed after the run: $(tail -n 1 "$OUT/shoal-verify.txt")"
+}
+
+stop_shoal() {
+  log "[shoal] stopping the cluster"
+  "$SHOAL_BIN" down --data "$SHOAL_DATA" >>"$OUT/shoal-down.log" 2>&1 || true
+  SHOAL_STARTED=0
+  if [ "$KEEP" != 1 ]; then
+    for f in "$SHOAL_DATA"/node*/node.log; do
+      if [ -f "$f" ]; then tail -n 3000 "$f" >"$OUT/$(basename "$(dirname "$f")").log.tail"; fi
+    done
+    rm -rf "$SHOAL_DATA"
+  fi
+}
+
 if has_target shoal; then
   if [ -f "$SHOAL_DATA/cluster.json" ]; then
     log "a cluster from an earlier run is in $SHOAL_DATA: stopping and removing it"
@@ -395,6 +445,7 @@ if has_target shoal; then
   rm -rf "$SHOAL_DATA"
   log "[shoal] starting 4 nodes on $NET.1-4"
   SHOAL_STARTED=1
+  shoal_ready=0
   if ! "$SHOAL_BIN" up --data "$SHOAL_DATA" --nodes 4 --net "$NET" --nbd-port "$NBD_PORT" \
         --device-size "$DEVICE_SIZE" $([ "$THICK" = 1 ] && echo --thick) --no-demo \
         >"$OUT/shoal-up.log" 2>&1; then
@@ -405,36 +456,30 @@ if has_target shoal; then
     cat "$OUT/shoal-volume.log" >&2
     note "shoal volume create failed; Shoal cells are empty"
   else
-    ready=0
     for _ in $(seq 1 120); do
       if nbdinfo --size "$SHOAL_URI" >/dev/null 2>&1 || \
          fio --name=probe --ioengine=nbd --uri="$SHOAL_URI" --rw=read --bs=4k --size=4k >/dev/null 2>&1; then
-        ready=1; break
+        shoal_ready=1; break
       fi
       sleep 0.5
     done
-    if [ "$ready" = 1 ]; then
+    if [ "$shoal_ready" = 1 ]; then
       "$SHOAL_BIN" status --data "$SHOAL_DATA" >"$OUT/shoal-status-before.txt" 2>&1 || true
-      run_jobs shoal
-      "$SHOAL_BIN" status --data "$SHOAL_DATA" >"$OUT/shoal-status-after.txt" 2>&1 || true
-      "$SHOAL_BIN" volume verify bench --data "$SHOAL_DATA" >"$OUT/shoal-verify.txt" 2>&1 \
-        || note "shoal volume verify bench failed after the run: $(tail -n 1 "$OUT/shoal-verify.txt")"
+      defer_or_run shoal
+      [ "$INTERLEAVE" = 1 ] || finish_shoal
     else
       note "the Shoal export $SHOAL_URI did not answer within 60s; Shoal cells are empty"
     fi
   fi
-  log "[shoal] stopping the cluster"
-  "$SHOAL_BIN" down --data "$SHOAL_DATA" >>"$OUT/shoal-down.log" 2>&1 || true
-  SHOAL_STARTED=0
-  if [ "$KEEP" != 1 ]; then
-    for f in "$SHOAL_DATA"/node*/node.log; do
-      if [ -f "$f" ]; then tail -n 3000 "$f" >"$OUT/$(basename "$(dirname "$f")").log.tail"; fi
-    done
-    rm -rf "$SHOAL_DATA"
-  fi
+  if [ "$INTERLEAVE" != 1 ] || [ "$shoal_ready" != 1 ]; then stop_shoal; fi
 fi
 
 # ---------------------------------------------------------------- B: nbdkit
+stop_nbdkit() {
+  if [ -n "$NBDKIT_PID" ]; then kill "$NBDKIT_PID" 2>/dev/null || true; wait "$NBDKIT_PID" 2>/dev/null || true; NBDKIT_PID=""; fi
+  [ "$KEEP" = 1 ] || rm -f "$NBDKIT_FILE"
+}
+
 if has_target nbdkit; then
   rm -f "$NBDKIT_FILE"
   truncate -s "$SIZE" "$NBDKIT_FILE"
@@ -455,12 +500,11 @@ if has_target nbdkit; then
       SYNC_NBDKIT="--fsync=1"
       note "nbdkit QD1: fio's nbd engine refuses --fdatasync (EINVAL); used --fsync=1, which sends NBD_CMD_FLUSH (nbdkit's file plugin then fdatasyncs) after each write"
     fi
-    run_jobs nbdkit
+    defer_or_run nbdkit
   else
     note "nbdkit did not start (see nbdkit.log); nbdkit cells are empty"
   fi
-  if [ -n "$NBDKIT_PID" ]; then kill "$NBDKIT_PID" 2>/dev/null || true; wait "$NBDKIT_PID" 2>/dev/null || true; NBDKIT_PID=""; fi
-  [ "$KEEP" = 1 ] || rm -f "$NBDKIT_FILE"
+  if [ "$INTERLEAVE" != 1 ] || [ "$ready" != 1 ]; then stop_nbdkit; fi
 fi
 
 # ---------------------------------------------------------------- C: raw file
@@ -473,8 +517,29 @@ if has_target raw; then
   fi
   rm -f "$BENCH_DIR/uring-probe.img"
   rm -f "$RAW_FILE"   # fio lays it out during the prefill
-  run_jobs raw
-  [ "$KEEP" = 1 ] || rm -f "$RAW_FILE"
+  defer_or_run raw
+  if [ "$INTERLEAVE" != 1 ]; then [ "$KEEP" = 1 ] || rm -f "$RAW_FILE"; fi
+fi
+
+# ---------------------------------------------------------------- interleaved
+# Every job on every target before the next job: the ratios of one job
+# come from runs a minute apart, not a quarter of an hour (the disk's pace
+# drifts that much). Dirty pages of one target are written back (`sync`)
+# before the next target's run, so none pays for another's writes.
+if [ "$INTERLEAVE" = 1 ]; then
+  for job in $JOBS_IN_ORDER; do
+    for t in $READY_TARGETS; do
+      sync
+      run_job "$t" "$job"
+    done
+  done
+  for t in $READY_TARGETS; do
+    case "$t" in
+      shoal) finish_shoal; stop_shoal ;;
+      nbdkit) stop_nbdkit ;;
+      raw) [ "$KEEP" = 1 ] || rm -f "$RAW_FILE" ;;
+    esac
+  done
 fi
 echo "$RAW_ENGINE" >"$OUT/raw-engine.txt"
 echo "$RAW_ENGINE $SYNC_NBDKIT $EXTRA $SIZE $RUNTIME $RAMP" >"$OUT/report-args"
