@@ -492,13 +492,13 @@ async fn metrics(State(h): State<Http>) -> String {
             "shoal_device_read_blocks_total",
             "counter",
             "Blocks client reads took from the device (not from memory)",
-            &|d| d.store.stats().read_blocks,
+            &|d| d.store.read_counters().0,
         ),
         (
             "shoal_device_header_misses_total",
             "counter",
             "Batch headers client reads had to read from the device too (not cached)",
-            &|d| d.store.stats().header_misses,
+            &|d| d.store.read_counters().1,
         ),
         (
             "shoal_device_checksum_errors_total",

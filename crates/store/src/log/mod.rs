@@ -704,6 +704,15 @@ impl LogStore {
         lacking_locked(&self.lock_state(), except) * BLOCK_U64
     }
 
+    /// [`LogStats::read_blocks`] and [`LogStats::header_misses`], without
+    /// the state lock (for metrics scraped often).
+    pub fn read_counters(&self) -> (u64, u64) {
+        (
+            self.read_blocks.load(Ordering::Relaxed),
+            self.header_misses.load(Ordering::Relaxed),
+        )
+    }
+
     /// Bytes of live (mapped) blocks.
     pub fn used(&self) -> u64 {
         self.lock_state().live * BLOCK_U64
@@ -713,8 +722,7 @@ impl LogStore {
     pub fn stats(&self) -> LogStats {
         let mut s = self.lock_state().stats.clone();
         s.flushes = self.flushes.load(Ordering::Relaxed);
-        s.read_blocks = self.read_blocks.load(Ordering::Relaxed);
-        s.header_misses = self.header_misses.load(Ordering::Relaxed);
+        (s.read_blocks, s.header_misses) = self.read_counters();
         s
     }
 
