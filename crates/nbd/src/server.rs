@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use futures::FutureExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
@@ -446,32 +447,33 @@ fn start_request<X: Export>(
     payload: Bytes,
 ) -> impl Future<Output = Reply> + Send + 'static {
     let fua = req.flags & NBD_CMD_FLAG_FUA != 0;
-    let op: Pin<Box<dyn Future<Output = Result<Option<Bytes>, IoError>> + Send>> = match req.command
-    {
-        Command::Read => {
-            let f = export.read(req.offset, req.len);
-            Box::pin(async move { f.await.map(Some) })
-        }
-        Command::Write => {
-            let f = export.write(req.offset, payload, fua);
-            Box::pin(async move { f.await.map(|_| None) })
-        }
-        Command::Flush => {
-            let f = export.flush();
-            Box::pin(async move { f.await.map(|_| None) })
-        }
-        Command::Trim => {
-            let f = export.trim(req.offset, req.len, fua);
-            Box::pin(async move { f.await.map(|_| None) })
-        }
+    // Combinators, not `async` blocks: an `async` wrapper keeps the inner
+    // future twice in its state, and these sit on every request's path.
+    type Op = Pin<Box<dyn Future<Output = Result<Option<Bytes>, IoError>> + Send>>;
+    let op: Op = match req.command {
+        Command::Read => Box::pin(export.read(req.offset, req.len).map(|r| r.map(Some))),
+        Command::Write => Box::pin(
+            export
+                .write(req.offset, payload, fua)
+                .map(|r| r.map(|_| None)),
+        ),
+        Command::Flush => Box::pin(export.flush().map(|r| r.map(|_| None))),
+        Command::Trim => Box::pin(
+            export
+                .trim(req.offset, req.len, fua)
+                .map(|r| r.map(|_| None)),
+        ),
         Command::WriteZeroes => {
             let may_trim = req.flags & NBD_CMD_FLAG_NO_HOLE == 0;
-            let f = export.write_zeroes(req.offset, req.len, fua, may_trim);
-            Box::pin(async move { f.await.map(|_| None) })
+            Box::pin(
+                export
+                    .write_zeroes(req.offset, req.len, fua, may_trim)
+                    .map(|r| r.map(|_| None)),
+            )
         }
-        _ => Box::pin(async { Err(IoError::Invalid) }),
+        _ => Box::pin(std::future::ready(Err(IoError::Invalid))),
     };
-    async move { answer(req, op.await) }
+    op.map(move |r| answer(req, r))
 }
 
 /// The reply to `req` from its export's answer.

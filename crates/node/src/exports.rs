@@ -2,6 +2,7 @@
 
 use crate::router::{Counters, IoFailure, Router};
 use bytes::Bytes;
+use futures::FutureExt;
 use shoal_model::VolumeId;
 use shoal_nbd::{Export, Exports, IoError};
 use shoal_rpc::VolumeOp;
@@ -60,13 +61,15 @@ impl VolumeExport {
         let started = Instant::now();
         let io = self.router.start_io(self.volume, op, payload);
         let router = self.router.clone();
-        async move {
-            let r = io.await.map_err(nbd_err);
+        // A combinator, not an `async` block: an `async` wrapper keeps the
+        // inner future twice in its state, and this one sits on every
+        // request's path.
+        io.map(move |r| {
             if let Some(f) = micros {
                 f(&router.counters).fetch_add(started.elapsed().as_micros() as u64, Relaxed);
             }
-            r
-        }
+            r.map_err(nbd_err)
+        })
     }
 }
 
@@ -105,17 +108,17 @@ impl Export for VolumeExport {
         let c = &self.router.counters;
         c.writes.fetch_add(1, Relaxed);
         c.write_bytes.fetch_add(data.len() as u64, Relaxed);
-        let io = self.run(
+        self.run(
             VolumeOp::Write { offset, fua },
             data,
             Some(|c| &c.write_micros),
-        );
-        async move { io.await.map(|_| ()) }
+        )
+        .map(|r| r.map(|_| ()))
     }
 
     fn flush(&self) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
-        let io = self.run(VolumeOp::Flush, Bytes::new(), None);
-        async move { io.await.map(|_| ()) }
+        self.run(VolumeOp::Flush, Bytes::new(), None)
+            .map(|r| r.map(|_| ()))
     }
 
     fn trim(
@@ -124,8 +127,8 @@ impl Export for VolumeExport {
         len: u32,
         _fua: bool,
     ) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
-        let io = self.run(VolumeOp::Trim { offset, len }, Bytes::new(), None);
-        async move { io.await.map(|_| ()) }
+        self.run(VolumeOp::Trim { offset, len }, Bytes::new(), None)
+            .map(|r| r.map(|_| ()))
     }
 
     fn write_zeroes(
@@ -135,8 +138,8 @@ impl Export for VolumeExport {
         _fua: bool,
         _may_trim: bool,
     ) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
-        let io = self.run(VolumeOp::WriteZeroes { offset, len }, Bytes::new(), None);
-        async move { io.await.map(|_| ()) }
+        self.run(VolumeOp::WriteZeroes { offset, len }, Bytes::new(), None)
+            .map(|r| r.map(|_| ()))
     }
 
     fn request_started(&self) {

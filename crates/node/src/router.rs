@@ -9,6 +9,8 @@ use shoal_model::{ComponentState, Generation, NodeId, NodeState, VolumeId};
 use shoal_owner::{Control, ControlError, Op, Owner, OwnerConfig, OwnerError, Target, View};
 use shoal_rpc::{Peer, RemoteError, Request, RpcError, VolumeOp};
 use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -310,8 +312,21 @@ impl Router {
                     }
                 }
             }
-            me.io(volume, op, payload).await
+            me.io_boxed(volume, op, payload).await
         }
+    }
+
+    /// [`Router::io`] on the heap. Its state is large (about 11 KiB), and
+    /// the fast path of `start_io` would otherwise carry it, and copy it,
+    /// for every request. Built in a plain function, so that the unboxed
+    /// future is never part of the caller's state.
+    fn io_boxed(
+        self: Arc<Self>,
+        volume: VolumeId,
+        op: VolumeOp,
+        payload: Bytes,
+    ) -> Pin<Box<dyn Future<Output = Result<Bytes, IoFailure>> + Send>> {
+        Box::pin(async move { self.io(volume, op, payload).await })
     }
 
     /// The client's answer for an owner error that retrying cannot change

@@ -194,12 +194,28 @@ impl Submitted {
             SubmitState::Loop(rx) => rx.await.map_err(|_| OwnerError::Stopped)?,
             SubmitState::Stopped => Err(OwnerError::Stopped),
             SubmitState::Local {
-                tx: owner,
+                tx,
                 pending,
                 timeout,
                 offset,
                 len,
-            } => match pending.wait(timeout).await {
+            } => Self::wait_local(tx, pending, timeout, offset, len).await,
+        }
+    }
+
+    /// A local read's answer, on the heap: its state is large, and writes,
+    /// which never take this path, should not carry it. Built in a plain
+    /// function, so that the unboxed future is never part of `wait`'s state.
+    fn wait_local(
+        owner: mpsc::UnboundedSender<Event>,
+        pending: shoal_rpc::PendingReply,
+        timeout: Duration,
+        offset: u64,
+        len: u32,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Bytes, OwnerError>> + Send>>
+    {
+        Box::pin(async move {
+            match pending.wait(timeout).await {
                 Ok((_, data)) if data.len() == len as usize => Ok(data),
                 _ => {
                     let (tx, rx) = oneshot::channel();
@@ -208,8 +224,8 @@ impl Submitted {
                         .map_err(|_| OwnerError::Stopped)?;
                     rx.await.map_err(|_| OwnerError::Stopped)?
                 }
-            },
-        }
+            }
+        })
     }
 }
 
