@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use futures::stream::{FuturesUnordered, StreamExt};
 use futures::FutureExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::tcp::OwnedWriteHalf;
@@ -286,6 +287,29 @@ async fn handshake<E: Exports>(
     Err(NbdError::Protocol("too many options".to_string()))
 }
 
+/// A request's answer as the writer task receives it: the writer polls it
+/// (no task per request), and sends its reply once it is ready.
+type Answer = Pin<Box<dyn Future<Output = Reply> + Send>>;
+
+/// A request being served: ends it on the export, and gives back its
+/// budget, when its answer is ready or dropped (the connection closing).
+struct InFlight<X: Export> {
+    export: Arc<X>,
+    _request: tokio::sync::OwnedSemaphorePermit,
+    _bytes: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl<X: Export> Drop for InFlight<X> {
+    fn drop(&mut self) {
+        self.export.request_ended();
+    }
+}
+
+/// An answer that is already known (a request refused before the export).
+fn ready_answer(r: Reply) -> Answer {
+    Box::pin(std::future::ready(r))
+}
+
 /// A reply queued for the writer task.
 struct Reply {
     handle: u64,
@@ -342,7 +366,7 @@ fn check_request(req: &Request, size: u64) -> Result<(), u32> {
 async fn transmission<X: Export>(stream: TcpStream, export: Arc<X>) -> Result<(), NbdError> {
     let (read_half, write_half) = stream.into_split();
     let mut reader = BufReader::with_capacity(256 * 1024, read_half);
-    let (tx, rx) = mpsc::channel::<Reply>(MAX_IN_FLIGHT);
+    let (tx, rx) = mpsc::channel::<Answer>(MAX_IN_FLIGHT);
     let writer = tokio::spawn(writer_loop(write_half, rx));
     let requests = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     let bytes_budget = Arc::new(Semaphore::new(MAX_IN_FLIGHT_UNITS as usize));
@@ -350,9 +374,9 @@ async fn transmission<X: Export>(stream: TcpStream, export: Arc<X>) -> Result<()
 
     let read_result = reader_loop(&mut reader, &export, &tx, &requests, &bytes_budget, size).await;
     drop(tx);
-    // Wait until every spawned request finished (they release their permits
-    // after dropping their export handle), so the export is released when
-    // this function returns.
+    // Wait until every request finished (each releases its permits after
+    // dropping its export handle), so the export is released when this
+    // function returns.
     let _ = requests.acquire_many(MAX_IN_FLIGHT as u32).await;
     let write_result = writer.await;
     drop(export);
@@ -367,7 +391,7 @@ async fn transmission<X: Export>(stream: TcpStream, export: Arc<X>) -> Result<()
 async fn reader_loop<X: Export, R: AsyncRead + Unpin>(
     reader: &mut R,
     export: &Arc<X>,
-    tx: &mpsc::Sender<Reply>,
+    tx: &mpsc::Sender<Answer>,
     requests: &Arc<Semaphore>,
     bytes_budget: &Arc<Semaphore>,
     size: u64,
@@ -397,7 +421,11 @@ async fn reader_loop<X: Export, R: AsyncRead + Unpin>(
                     .await
                     .map_err(eof_to_abort)?;
             }
-            if tx.send(Reply::err(req.handle, error)).await.is_err() {
+            if tx
+                .send(ready_answer(Reply::err(req.handle, error)))
+                .await
+                .is_err()
+            {
                 return Ok(());
             }
             continue;
@@ -423,20 +451,20 @@ async fn reader_loop<X: Export, R: AsyncRead + Unpin>(
             Bytes::new()
         };
 
-        let export = export.clone();
-        let tx = tx.clone();
         export.request_started();
+        let in_flight = InFlight {
+            export: export.clone(),
+            _request: permit,
+            _bytes: byte_permit,
+        };
         // Started here, in arrival order, before the next request is read.
-        let reply = start_request(&*export, req, payload);
-        tokio::spawn(async move {
-            let reply = reply.await;
-            export.request_ended();
-            let _ = tx.send(reply).await;
-            drop(export);
-            drop(tx);
-            drop(byte_permit);
-            drop(permit);
+        let answer = start_request(&**export, req, payload).map(move |reply| {
+            drop(in_flight);
+            reply
         });
+        if tx.send(Box::pin(answer)).await.is_err() {
+            return Ok(());
+        }
     }
 }
 
@@ -505,20 +533,39 @@ fn answer(req: Request, result: Result<Option<Bytes>, IoError>) -> Reply {
     )
 }
 
-/// Single writer: sends replies in completion order, coalescing whatever is
-/// ready into one vectored write (reply header and read payload together).
-async fn writer_loop(mut w: OwnedWriteHalf, mut rx: mpsc::Receiver<Reply>) -> io::Result<()> {
+/// Single writer: polls the answers of the requests in flight and sends
+/// their replies in completion order, coalescing whatever is ready into one
+/// vectored write (reply header and read payload together). Ends when the
+/// reader is gone and every answer was sent.
+async fn writer_loop(mut w: OwnedWriteHalf, mut rx: mpsc::Receiver<Answer>) -> io::Result<()> {
     let mut chunks: Vec<Bytes> = Vec::with_capacity(MAX_BATCH_CHUNKS * 2);
-    while let Some(first) = rx.recv().await {
-        // Let the other answers that are ready join this one: the runtime
-        // runs a task it just woke first, so without this the writer would
-        // send each reply of a burst on its own.
+    let mut pending: FuturesUnordered<Answer> = FuturesUnordered::new();
+    let mut reading = true;
+    loop {
+        let first = tokio::select! {
+            biased;
+            Some(r) = pending.next(), if !pending.is_empty() => r,
+            a = rx.recv(), if reading => {
+                match a {
+                    Some(a) => pending.push(a),
+                    None => reading = false,
+                }
+                continue;
+            }
+            else => break,
+        };
+        // Let the other answers that are about to be ready join this one:
+        // the tasks that complete them (an owner's loop, a replica's
+        // connection) may be queued behind this one.
         tokio::task::yield_now().await;
         let mut total = push_reply(first, &mut chunks);
         while chunks.len() < MAX_BATCH_CHUNKS && total < MAX_BATCH_BYTES {
-            match rx.try_recv() {
-                Ok(r) => total += push_reply(r, &mut chunks),
-                Err(_) => break,
+            while let Ok(a) = rx.try_recv() {
+                pending.push(a);
+            }
+            match pending.next().now_or_never() {
+                Some(Some(r)) => total += push_reply(r, &mut chunks),
+                _ => break,
             }
         }
         write_all_vectored(&mut w, &chunks).await?;

@@ -8,9 +8,12 @@ use crate::{
 };
 use bytes::Bytes;
 use futures::future::join_all;
+use futures::stream::{FuturesUnordered, StreamExt};
 use shoal_model::{ComponentRole, ComponentState, Generation, BLOCK_SIZE};
 use shoal_rpc::{Peer, RemoteError, Request, Response, RpcError};
 use std::collections::{BTreeSet, HashSet, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -182,6 +185,9 @@ struct Loop<C: Control> {
     route: ReadRoute,
     /// What `route` holds now: (replica, generation, size, connection).
     routed: Option<(usize, Generation, u64, usize)>,
+    /// The writes waiting for their copies' answers, polled by the loop
+    /// itself: no task per write, and no event to carry its outcome.
+    writes: FuturesUnordered<Pin<Box<dyn Future<Output = Internal> + Send>>>,
 }
 
 fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
@@ -396,6 +402,7 @@ pub(crate) async fn start<C: Control>(
         read_rr: 0,
         route,
         routed: None,
+        writes: FuturesUnordered::new(),
     };
     for i in to_fail {
         // Unreachable but recorded active: record it absent.
@@ -415,7 +422,17 @@ pub(crate) async fn start<C: Control>(
     });
     lp.publish_route();
     tokio::spawn(async move {
-        while let Some(ev) = rx.recv().await {
+        loop {
+            let ev = tokio::select! {
+                biased;
+                // Finished writes first: they answer clients and free
+                // their regions for the writes behind them.
+                Some(done) = lp.writes.next(), if !lp.writes.is_empty() => Event::Internal(done),
+                ev = rx.recv() => match ev {
+                    Some(ev) => ev,
+                    None => break,
+                },
+            };
             if !lp.apply(ev) {
                 break;
             }
@@ -695,9 +712,8 @@ impl<C: Control> Loop<C> {
                 Err(e) => results.push((i, Err(e))),
             }
         }
-        let tx = self.tx.clone();
         let timeout = self.cfg.io_timeout;
-        tokio::spawn(async move {
+        self.writes.push(Box::pin(async move {
             let done = join_all(
                 pending
                     .into_iter()
@@ -705,15 +721,12 @@ impl<C: Control> Loop<C> {
             )
             .await;
             results.extend(done);
-            Self::send_internal(
-                &tx,
-                Internal::WriteDone {
-                    seq,
-                    results,
-                    reply,
-                },
-            );
-        });
+            Internal::WriteDone {
+                seq,
+                results,
+                reply,
+            }
+        }));
     }
 
     /// In-sync copies with a connection, but those in `tried`.
