@@ -14,6 +14,15 @@ use shoal_model::parse_size;
 use shoal_node::{DeviceSpec, NodeConfig};
 use std::path::PathBuf;
 
+/// mimalloc instead of glibc's malloc: every request allocates and frees a
+/// few small objects (futures, frames, buffers), often on different
+/// threads; glibc spent about 8% of the busiest node thread's time in
+/// `malloc`/`free` and their consolidation at QD32. A/B, 4 rounds of 4 KiB
+/// random writes at QD32: CPU per write 50–57 µs against 56–68 µs, and
+/// QD1 latency unchanged.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(name = "shoal", version, about = "Shoal: hyperconverged block storage")]
 struct Cli {
