@@ -186,9 +186,10 @@ impl Flusher {
                 0 => format!("flush-{name}"),
                 _ => format!("flush{i}-{name}"),
             };
-            std::thread::Builder::new()
-                .name(name)
-                .spawn(move || run(&sh, &st))?;
+            std::thread::Builder::new().name(name).spawn(move || {
+                crate::as_batch_thread();
+                run(&sh, &st)
+            })?;
         }
         Ok(Flusher { shared, store })
     }

@@ -76,7 +76,10 @@ impl Reader {
             let (sh, st) = (shared.clone(), store.clone());
             std::thread::Builder::new()
                 .name(format!("read-{name}-{i}"))
-                .spawn(move || run(&sh, &st))?;
+                .spawn(move || {
+                    crate::as_batch_thread();
+                    run(&sh, &st)
+                })?;
         }
         Ok(Reader { shared })
     }
