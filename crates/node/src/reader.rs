@@ -59,6 +59,19 @@ struct Queue {
     woken: usize,
 }
 
+impl Queue {
+    /// Whether the caller should notify an idle thread, counting the
+    /// notification as on its way. A thread on its way takes the jobs
+    /// queued by then, so another is woken only once it has taken them.
+    fn wake_one(&mut self) -> bool {
+        let wake = self.idle > 0 && self.woken == 0;
+        if wake {
+            self.woken += 1;
+        }
+        wake
+    }
+}
+
 struct Shared {
     queue: Mutex<Queue>,
     wake: Condvar,
@@ -108,14 +121,7 @@ impl Reader {
                 len,
                 reply: tx,
             });
-            // One thread on its way takes every job queued by then: wake
-            // another only once it has taken them (and is reading), so a
-            // burst is one batch and the next burst overlaps its I/O.
-            let notify = q.idle > 0 && q.woken == 0;
-            if notify {
-                q.woken += 1;
-            }
-            notify
+            q.wake_one()
         };
         if notify {
             self.shared.wake.notify_one();
@@ -151,10 +157,7 @@ fn run(sh: &Shared, store: &LogStore) {
             let jobs = q.jobs.drain(..n).collect();
             // More than one batch waiting: hand the rest to an idle thread
             // now rather than after this batch.
-            let more = !q.jobs.is_empty() && q.idle > 0 && q.woken == 0;
-            if more {
-                q.woken += 1;
-            }
+            let more = !q.jobs.is_empty() && q.wake_one();
             drop(q);
             if more {
                 sh.wake.notify_one();
