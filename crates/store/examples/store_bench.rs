@@ -21,6 +21,15 @@
 //!   times `LogStore::open`. `--no-ckpt` keeps the child from taking
 //!   checkpoints, so the whole log is replayed (seconds per GiB of log).
 //!
+//! - `--driver pipeline` (write modes): the node's way instead of one
+//!   thread per write: one submitting thread keeps `--qd` writes in flight
+//!   (it applies each to the store as it goes, like the node's runtime
+//!   thread) and one flusher thread syncs whatever was applied before its
+//!   sync started (like the node's flusher). A write completes when a sync
+//!   that started after it ends; its slot is refilled at once. No thread
+//!   wake-up per write, one per sync. The default, `--driver threads`, is
+//!   `--qd` threads each blocking in `commit_blocking`.
+//!
 //! Common options: `--file PATH` (recreated unless `--keep`), `--size`
 //! (device bytes, sparse), `--runtime` seconds, `--ramp` seconds not
 //! measured. Sizes take k/M/G suffixes (powers of two).
@@ -49,6 +58,7 @@ struct Opts {
     gib: f64,
     keep: bool,
     no_ckpt: bool,
+    pipeline: bool,
 }
 
 fn parse_size(s: &str) -> u64 {
@@ -89,6 +99,7 @@ fn parse() -> Opts {
         gib: 1.0,
         keep: false,
         no_ckpt: false,
+        pipeline: false,
     };
     while let Some(k) = a.next() {
         let mut v = || {
@@ -107,6 +118,13 @@ fn parse() -> Opts {
             "--gib" => o.gib = v().parse().unwrap_or_else(|_| die("bad --gib")),
             "--keep" => o.keep = true,
             "--no-ckpt" => o.no_ckpt = true,
+            "--driver" => {
+                o.pipeline = match v().as_str() {
+                    "threads" => false,
+                    "pipeline" => true,
+                    d => die(&format!("unknown --driver {d} (threads or pipeline)")),
+                }
+            }
             _ => die(&format!("unknown option {k}")),
         }
     }
@@ -275,8 +293,144 @@ fn prefill(s: &LogStore, o: &Opts) {
     );
 }
 
+/// Applied and durable counts of the pipeline driver.
+#[derive(Default)]
+struct Pipe {
+    /// Writes applied to the store (a ticket each, in order).
+    applied: u64,
+    /// Every ticket up to this one is durable.
+    durable: u64,
+    /// The sync running covers tickets up to this one.
+    syncing: bool,
+    stop: bool,
+}
+
+/// `--driver pipeline`: one submitter keeps `qd` writes in flight, one
+/// flusher thread syncs. Returns the result and the number of syncs.
+fn run_pipeline(o: &Opts, s: Arc<LogStore>, sequential: bool) -> (Result_, u64) {
+    use std::collections::VecDeque;
+    use std::sync::{Condvar, Mutex};
+    let pipe = Arc::new((Mutex::new(Pipe::default()), Condvar::new(), Condvar::new()));
+    let syncs = Arc::new(AtomicU64::new(0));
+    let flusher = {
+        let (pipe, s, syncs) = (pipe.clone(), s.clone(), syncs.clone());
+        std::thread::spawn(move || {
+            let (m, work, done) = &*pipe;
+            let mut p = m.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                while p.applied == p.durable && !p.stop {
+                    p = work.wait(p).unwrap_or_else(|e| e.into_inner());
+                }
+                if p.stop {
+                    return;
+                }
+                let target = p.applied;
+                p.syncing = true;
+                drop(p);
+                s.sync().unwrap_or_else(|e| die(&format!("sync: {e}")));
+                syncs.fetch_add(1, Ordering::Relaxed);
+                p = m.lock().unwrap_or_else(|e| e.into_inner());
+                p.syncing = false;
+                p.durable = target;
+                done.notify_one();
+            }
+        })
+    };
+    let blocks = o.span / o.bs;
+    let bs = o.bs as usize;
+    let mut rng = SimRng::new(0x5eed);
+    let mut next = 0u64;
+    let mut buf = vec![0u8; bs];
+    // (ticket, start) of the writes in flight, oldest first.
+    let mut inflight: VecDeque<(u64, Instant)> = VecDeque::with_capacity(o.qd);
+    let mut ticket = 0u64;
+    let mut lat = Lat::default();
+    let mut ops = 0u64;
+    let t_start = Instant::now();
+    let ramp = Duration::from_secs_f64(o.ramp);
+    let end = ramp + Duration::from_secs_f64(o.runtime);
+    let (m, work, done) = &*pipe;
+    let (mut t0, mut t1) = (None, None);
+    while t1.is_none() {
+        // Refill every free slot, then publish the burst at once (the
+        // node's writes of one burst are ticketed before the flusher is
+        // woken).
+        while inflight.len() < o.qd {
+            let i = if sequential {
+                next += 1;
+                (next - 1) % blocks
+            } else {
+                rng.below(blocks)
+            };
+            buf[..8].copy_from_slice(&rng.next_u64().to_le_bytes());
+            s.write(COMP, i * bs as u64, &buf)
+                .unwrap_or_else(|e| die(&format!("write: {e}")));
+            ticket += 1;
+            inflight.push_back((ticket, Instant::now()));
+        }
+        let durable = {
+            let mut p = m.lock().unwrap_or_else(|e| e.into_inner());
+            p.applied = ticket;
+            if !p.syncing {
+                work.notify_one();
+            }
+            let oldest = inflight.front().map_or(0, |w| w.0);
+            while p.durable < oldest {
+                p = done.wait(p).unwrap_or_else(|e| e.into_inner());
+            }
+            p.durable
+        };
+        let now = Instant::now();
+        let el = now - t_start;
+        if t0.is_none() && el >= ramp {
+            t0 = Some(now);
+        }
+        if el >= end {
+            t1 = Some(now);
+        }
+        while inflight.front().is_some_and(|w| w.0 <= durable) {
+            let (_, at) = inflight.pop_front().unwrap_or_else(|| die("empty"));
+            if t0.is_some() && t1.is_none() {
+                ops += 1;
+                lat.add(now - at);
+            }
+        }
+    }
+    m.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
+    work.notify_one();
+    let _ = flusher.join();
+    let secs = match (t0, t1) {
+        (Some(a), Some(b)) => (b - a).as_secs_f64(),
+        _ => o.runtime,
+    };
+    let mut l = lat.0;
+    l.sort_unstable();
+    (Result_ { ops, secs, lat: l }, syncs.load(Ordering::Relaxed))
+}
+
 fn bench_write(o: &Opts, sequential: bool) {
     let s = Arc::new(fresh_store(o));
+    if o.pipeline {
+        let before = s.stats();
+        let (r, syncs) = run_pipeline(o, s.clone(), sequential);
+        let after = s.stats();
+        let flushes = after.flushes.saturating_sub(before.flushes);
+        let total_ops = (after.client_bytes - before.client_bytes) / o.bs;
+        report(
+            o,
+            &r,
+            &format!(
+                ",\"driver\":\"pipeline\",\"writes_per_flush\":{:.1},\"commits_per_sync\":{:.1},\"write_amp\":{:.3}",
+                total_ops as f64 / flushes.max(1) as f64,
+                total_ops as f64 / syncs.max(1) as f64,
+                after.write_amplification()
+            ),
+        );
+        if let Ok(s) = Arc::try_unwrap(s) {
+            let _ = s.close();
+        }
+        return;
+    }
     let gc = GroupCommit::new(s.clone());
     let blocks = o.span / o.bs;
     let next = Arc::new(AtomicU64::new(0));
