@@ -451,7 +451,7 @@ async fn metrics(State(h): State<Http>) -> String {
         &'a str,
         &'a dyn Fn(&crate::replica::Device) -> u64,
     );
-    let device_metrics: [DeviceMetric; 10] = [
+    let device_metrics: [DeviceMetric; 16] = [
         (
             "shoal_device_used_bytes",
             "gauge",
@@ -511,6 +511,42 @@ async fn metrics(State(h): State<Http>) -> String {
             "counter",
             "Bad blocks replaced with a good copy from another replica",
             &|d| d.repaired.load(Relaxed),
+        ),
+        (
+            "shoal_device_cleaner_blocks_total",
+            "counter",
+            "Live blocks the log cleaner moved to free segments (since the device was opened)",
+            &|d| d.store.stats().cleaner_blocks,
+        ),
+        (
+            "shoal_device_cleaned_segments_total",
+            "counter",
+            "Log segments the cleaner emptied (since the device was opened)",
+            &|d| d.store.stats().cleaned_segments,
+        ),
+        (
+            "shoal_device_cleaner_waits_total",
+            "counter",
+            "Client writes that waited for a step of the log cleaner (since the device was opened)",
+            &|d| d.store.stats().cleaner_waits,
+        ),
+        (
+            "shoal_device_checkpoints_total",
+            "counter",
+            "Index checkpoints written (since the device was opened)",
+            &|d| d.store.stats().checkpoints,
+        ),
+        (
+            "shoal_device_relocate_microseconds_total",
+            "counter",
+            "Time the log cleaner spent moving victims' live blocks while client writes waited",
+            &|d| d.store.stats().relocate_micros,
+        ),
+        (
+            "shoal_device_checkpoint_microseconds_total",
+            "counter",
+            "Time spent writing index checkpoints while client writes waited",
+            &|d| d.store.stats().checkpoint_micros,
         ),
     ];
     for (name, kind, help, f) in device_metrics {

@@ -140,6 +140,13 @@ impl LogStore {
     /// Writes a checkpoint of `st` to the inactive slot, then frees the
     /// segments that hold no live block.
     pub(super) fn checkpoint_locked(&self, st: &mut State) -> Result<()> {
+        let started = std::time::Instant::now();
+        let r = self.checkpoint_timed(st);
+        st.stats.checkpoint_micros += started.elapsed().as_micros() as u64;
+        r
+    }
+
+    fn checkpoint_timed(&self, st: &mut State) -> Result<()> {
         self.seal(st)?;
         self.drain(st)?;
         self.flush_written()?;
@@ -179,6 +186,10 @@ impl LogStore {
         // Segments no longer needed by this checkpoint (nor by replay from
         // it) may be written again.
         let rec = st.segs.reclaimable();
+        if st.cleaning.is_some_and(|v| rec.contains(&v)) {
+            // The background cleaner's copy of it is no longer safe to use.
+            st.cleaning = None;
+        }
         if !rec.is_empty() {
             let _g = self.reuse.write().unwrap_or_else(|e| e.into_inner());
             let mut cache = lock(&self.cache);

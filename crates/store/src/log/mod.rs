@@ -113,6 +113,11 @@ pub struct LogStats {
     /// Times a client write waited for a step of the background cleaner
     /// (free segments within one step of inline cleaning).
     pub cleaner_waits: u64,
+    /// Microseconds spent relocating victims, under the state lock (client
+    /// writes wait meanwhile).
+    pub relocate_micros: u64,
+    /// Microseconds spent writing checkpoints, under the state lock.
+    pub checkpoint_micros: u64,
     pub flushes: u64,
     /// Data blocks read from the device (not from memory) by client reads.
     pub read_blocks: u64,
@@ -267,6 +272,12 @@ struct State {
     /// persisted: the node sets them again after every open). A write may
     /// not take the blocks the *other* components still lack.
     reserved: HashMap<u64, u64>,
+    /// The segment the background cleaner is reading outside the state
+    /// lock. A checkpoint that frees it (every block of it was moved or
+    /// overwritten meanwhile) clears this, and the cleaner then drops what
+    /// it read: the segment may have been reused, and moving blocks from
+    /// the old copy would bring stale data back.
+    cleaning: Option<u32>,
 }
 
 /// Who wants space: clients keep the cleaner's reserve.
@@ -320,6 +331,10 @@ pub struct LogStore {
     /// exclusively while segments are made reusable.
     reuse: RwLock<()>,
     flush_lock: Mutex<()>,
+    /// Tests: how long the background cleaner waits between reading its
+    /// victim and moving its blocks, in microseconds (0: not at all).
+    #[cfg(test)]
+    cleaner_pause_us: AtomicU64,
     /// Highest batch seq written, and flushed.
     written: AtomicU64,
     flushed: AtomicU64,
@@ -573,6 +588,7 @@ impl LogStore {
             ckpt_due: false,
             stats: LogStats::default(),
             reserved: HashMap::new(),
+            cleaning: None,
         };
         let s = Self::assemble(dev, sb, st, 0);
         {
@@ -642,6 +658,8 @@ impl LogStore {
             state: Mutex::new(st),
             reuse: RwLock::new(()),
             flush_lock: Mutex::new(()),
+            #[cfg(test)]
+            cleaner_pause_us: AtomicU64::new(0),
             written: AtomicU64::new(flushed),
             flushed: AtomicU64::new(flushed),
             flushes: AtomicU64::new(0),

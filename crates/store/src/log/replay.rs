@@ -72,6 +72,7 @@ pub(super) fn recover(dev: &dyn BlockDevice, sb: &LogSuper) -> Result<(State, u6
         ckpt_due: false,
         stats: LogStats::default(),
         reserved: Default::default(),
+        cleaning: None,
     };
     replay(dev, sb, &mut st, &hdr)?;
     let last = st.seq - 1;
