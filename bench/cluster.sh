@@ -187,6 +187,52 @@ for j, label, kind in jobs:
         p(f"| {j} | {t} | {r['iops']:,.0f} | {r['mibs']:,.1f} | {us(r['clat_mean'])} | {us(r['clat_p99'])} | "
           f"{us(r['sync_mean'])} | {us(r['sync_p99'])} | {us(r['cycle'])} |")
 
+def log_work(job):
+    def load(which):
+        f = os.path.join(out, f"{job}__shoal.log-{which}")
+        d = {}
+        if os.path.exists(f):
+            for line in open(f):
+                n, k, v = line.split()
+                d[(n, k)] = float(v)
+        return d
+    a, b = load("before"), load("after")
+    if not a or not b:
+        return None
+    tot = {}
+    for (n, k), v in b.items():
+        if (n, k) in a:
+            tot.setdefault(n, {})[k.replace("shoal_device_", "").replace("_total", "")] = v - a[(n, k)]
+    return tot
+
+rows = []
+for j in ["prefill", "rw4k_qd32", "rw4k_qd1", "rr4k_qd32", "sw1m_qd8"]:
+    w = log_work(j)
+    if not w:
+        continue
+    for n in sorted(w):
+        d = w[n]
+        if not d.get("syncs") and not d.get("cleaner_blocks") and not d.get("checkpoints"):
+            continue
+        syncs = d.get("syncs", 0)
+        rows.append(f"| {j} | {n} | {syncs:,.0f} | "
+                    f"{us(d.get('sync_microseconds', 0) / syncs) if syncs else '–'} | "
+                    f"{d.get('cleaner_blocks', 0):,.0f} | {d.get('cleaned_segments', 0):,.0f} | "
+                    f"{d.get('cleaner_waits', 0):,.0f} | {d.get('checkpoints', 0):,.0f} | "
+                    f"{d.get('relocate_microseconds', 0) / 1000:,.0f} ms | "
+                    f"{d.get('checkpoint_microseconds', 0) / 1000:,.0f} ms |")
+if rows:
+    p()
+    p("## Shoal's log during each job (per node, from /metrics)")
+    p()
+    p("Syncs are group commits; the cleaner moves live blocks so emptied segments can be reused;")
+    p("the last two columns are the time client writes were locked out by the cleaner's moves and by checkpoints.")
+    p()
+    p("| Job | Node | syncs | mean sync | blocks moved | segments cleaned | writes that waited | checkpoints | locked: moves | locked: checkpoints |")
+    p("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        p(r)
+
 notes = os.path.join(out, "notes.txt")
 if os.path.exists(notes):
     p()
@@ -407,9 +453,25 @@ run_job() { # run_job TARGET JOB
   esac
 }
 
+# scrape_log_metrics FILE: the Shoal nodes' per-device log counters (syncs,
+# cleaner, checkpoints), one "node metric value" line each.
+scrape_log_metrics() {
+  local n
+  for n in 1 2 3 4; do
+    curl -s --max-time 3 "http://$NET.$n:9400/metrics" 2>/dev/null \
+      | grep -E '^shoal_device_(syncs|sync_microseconds|cleaner_blocks|cleaned_segments|cleaner_waits|checkpoints|checkpoint_microseconds|relocate_microseconds)_total' \
+      | awk -v n="$n" '{ sub(/\{.*\}/, "", $1); s[$1] += $2 } END { for (k in s) print n, k, s[k] }'
+  done >"$1" || true
+}
+
 run_jobs() { # run_jobs TARGET: every job, in order, on one target
   local job
-  for job in $JOBS_IN_ORDER; do run_job "$1" "$job"; done
+  for job in $JOBS_IN_ORDER; do
+    # Shoal's own log work during each job (the report sums it up).
+    if [ "$1" = shoal ]; then scrape_log_metrics "$OUT/${job}__shoal.log-before"; fi
+    run_job "$1" "$job"
+    if [ "$1" = shoal ]; then scrape_log_metrics "$OUT/${job}__shoal.log-after"; fi
+  done
 }
 
 # Targets that are set up (INTERLEAVE=1 runs them after all are up).
