@@ -11,9 +11,22 @@ async fn start(
     dir: &Path,
     addr: Option<SocketAddr>,
 ) -> (Directory, SocketAddr, tokio::task::JoinHandle<()>) {
-    let listener = TcpListener::bind(addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap()))
-        .await
-        .unwrap();
+    let want = addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap());
+    // A restart binds its old port again: the socket of the old server
+    // may take a moment to close, so retry for a while.
+    let started = Instant::now();
+    let listener = loop {
+        match TcpListener::bind(want).await {
+            Ok(l) => break l,
+            Err(e)
+                if e.kind() == std::io::ErrorKind::AddrInUse
+                    && started.elapsed() < Duration::from_secs(10) =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("binding {want}: {e}"),
+        }
+    };
     let addr = listener.local_addr().unwrap();
     let d = Directory::open(DirectoryConfig {
         node_id: id,
@@ -93,6 +106,8 @@ async fn snapshot_catches_up_a_new_member_and_survives_restart() {
     for (d, h) in [(d1, h1), (d2, h2)] {
         d.shutdown().await;
         h.abort();
+        // The listener closes when the aborted task is gone.
+        let _ = h.await;
     }
     let (d1, _, h1) = start(1, t1.path(), Some(a1)).await;
     let (d2, _, h2) = start(2, t2.path(), Some(a2)).await;
@@ -107,5 +122,7 @@ async fn snapshot_catches_up_a_new_member_and_survives_restart() {
     for (d, h) in [(d1, h1), (d2, h2)] {
         d.shutdown().await;
         h.abort();
+        // The listener closes when the aborted task is gone.
+        let _ = h.await;
     }
 }

@@ -25,7 +25,21 @@ struct Member {
 impl Member {
     async fn start(id: NodeId, data_dir: &Path, addr: Option<SocketAddr>) -> Member {
         let bind = addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap());
-        let listener = TcpListener::bind(bind).await.expect("bind");
+        // A restarted member binds its old port again: the old server's
+        // socket may take a moment to close, so retry for a while.
+        let started = Instant::now();
+        let listener = loop {
+            match TcpListener::bind(bind).await {
+                Ok(l) => break l,
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::AddrInUse
+                        && started.elapsed() < Duration::from_secs(10) =>
+                {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("binding {bind}: {e}"),
+            }
+        };
         let addr = listener.local_addr().unwrap();
         let dir = Directory::open(DirectoryConfig {
             node_id: id,
@@ -62,6 +76,8 @@ impl Member {
             .is_err()
         {
             self.server.abort();
+            // The listener closes when the aborted task is gone.
+            let _ = (&mut self.server).await;
         }
     }
 }
