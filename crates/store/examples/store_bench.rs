@@ -408,23 +408,42 @@ fn run_pipeline(o: &Opts, s: Arc<LogStore>, sequential: bool) -> (Result_, u64) 
     (Result_ { ops, secs, lat: l }, syncs.load(Ordering::Relaxed))
 }
 
+/// Reports a write run with the store's group-commit figures between
+/// `before` and `after`; `extra` is more JSON fields (with a leading comma).
+fn report_write(
+    o: &Opts,
+    r: &Result_,
+    before: &shoal_store::LogStats,
+    after: &shoal_store::LogStats,
+    syncs: u64,
+    extra: &str,
+) {
+    let flushes = after.flushes.saturating_sub(before.flushes);
+    let total_ops = (after.client_bytes - before.client_bytes) / o.bs;
+    report(
+        o,
+        r,
+        &format!(
+            "{extra},\"writes_per_flush\":{:.1},\"commits_per_sync\":{:.1},\"write_amp\":{:.3}",
+            total_ops as f64 / flushes.max(1) as f64,
+            total_ops as f64 / syncs.max(1) as f64,
+            after.write_amplification()
+        ),
+    );
+}
+
 fn bench_write(o: &Opts, sequential: bool) {
     let s = Arc::new(fresh_store(o));
     if o.pipeline {
         let before = s.stats();
         let (r, syncs) = run_pipeline(o, s.clone(), sequential);
-        let after = s.stats();
-        let flushes = after.flushes.saturating_sub(before.flushes);
-        let total_ops = (after.client_bytes - before.client_bytes) / o.bs;
-        report(
+        report_write(
             o,
             &r,
-            &format!(
-                ",\"driver\":\"pipeline\",\"writes_per_flush\":{:.1},\"commits_per_sync\":{:.1},\"write_amp\":{:.3}",
-                total_ops as f64 / flushes.max(1) as f64,
-                total_ops as f64 / syncs.max(1) as f64,
-                after.write_amplification()
-            ),
+            &before,
+            &s.stats(),
+            syncs,
+            ",\"driver\":\"pipeline\"",
         );
         if let Ok(s) = Arc::try_unwrap(s) {
             let _ = s.close();
@@ -451,20 +470,7 @@ fn bench_write(o: &Opts, sequential: bool) {
         gc2.commit_blocking()
             .unwrap_or_else(|e| die(&format!("commit: {e}")));
     });
-    let after = s.stats();
-    let syncs = gc.syncs() - syncs0;
-    let flushes = after.flushes.saturating_sub(before.flushes);
-    let total_ops = (after.client_bytes - before.client_bytes) / o.bs;
-    report(
-        o,
-        &r,
-        &format!(
-            ",\"writes_per_flush\":{:.1},\"commits_per_sync\":{:.1},\"write_amp\":{:.3}",
-            total_ops as f64 / flushes.max(1) as f64,
-            total_ops as f64 / syncs.max(1) as f64,
-            after.write_amplification()
-        ),
-    );
+    report_write(o, &r, &before, &s.stats(), gc.syncs() - syncs0, "");
     drop(gc);
     if let Ok(s) = Arc::try_unwrap(s) {
         let _ = s.close();
