@@ -126,6 +126,12 @@ pub fn running(n: &LocalNode) -> Option<i32> {
 /// machine's cores shared among them, at least one each (more threads than
 /// cores only adds wake-ups of idle workers to every I/O).
 fn workers_per_node(nodes: usize) -> usize {
+    if let Some(n) = std::env::var("SHOAL_NODE_WORKERS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        return n.clamp(1, 64);
+    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     (cores / nodes.max(1)).max(1)
 }

@@ -13,6 +13,7 @@ pub mod http;
 pub mod liveness;
 pub mod reader;
 pub mod replica;
+pub mod ring;
 pub mod router;
 pub mod scrub;
 pub mod space;

@@ -1,6 +1,8 @@
-//! Reads of one device, batched on threads of their own.
+//! Reads of one device: on an io_uring driven by the runtime
+//! ([`crate::ring`]) where the device allows it, else batched on threads of
+//! their own.
 //!
-//! A read request is queued with a oneshot for its answer; a reader thread
+//! On threads, a read request is queued with a oneshot for its answer; a reader thread
 //! takes up to a batch of the requests waiting and hands them to
 //! `LogStore::read_batch`, which sends all their device reads in one
 //! io_uring submission; what it leaves goes to the other thread at once.
@@ -9,6 +11,7 @@
 //!
 //! Owns only its queue; the store decides what is read and checks it.
 
+use crate::ring::ReadRing;
 use bytes::{Bytes, BytesMut};
 use shoal_model::ComponentId;
 use shoal_store::{LogStore, ReadReq, StoreError};
@@ -77,13 +80,49 @@ struct Shared {
     wake: Condvar,
 }
 
-/// Handle to a device's reader threads. Dropping it stops them.
+/// Handle to a device's reads. Dropping it stops its threads or ring.
 pub struct Reader {
-    shared: Arc<Shared>,
+    mode: Mode,
 }
 
+enum Mode {
+    Threads(Arc<Shared>),
+    Ring {
+        ring: ReadRing,
+        store: Arc<LogStore>,
+    },
+}
+
+/// Whether reads may use a ring on the runtime (`SHOAL_READ_RING=0`: the
+/// reader threads; for measuring).
+static READ_RING: std::sync::LazyLock<bool> =
+    std::sync::LazyLock::new(|| crate::env_knob("SHOAL_READ_RING", 1) != 0);
+
 impl Reader {
+    /// Reads of `store`: on a ring if its device has a descriptor for one
+    /// and a runtime is running, else on threads.
     pub fn start(store: Arc<LogStore>, name: &str) -> io::Result<Reader> {
+        if let (true, Some((fd, _)), Ok(_)) = (
+            *READ_RING,
+            store.ring_fd(),
+            tokio::runtime::Handle::try_current(),
+        ) {
+            match ReadRing::start(fd, store.clone()) {
+                Ok(ring) => {
+                    return Ok(Reader {
+                        mode: Mode::Ring { ring, store },
+                    })
+                }
+                Err(e) => {
+                    tracing::warn!(device = name, error = %e, "no read ring; reader threads")
+                }
+            }
+        }
+        Self::start_threads(store, name)
+    }
+
+    /// Reads of `store` on reader threads.
+    pub fn start_threads(store: Arc<LogStore>, name: &str) -> io::Result<Reader> {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue {
                 jobs: Vec::new(),
@@ -102,7 +141,14 @@ impl Reader {
                     run(&sh, &st)
                 })?;
         }
-        Ok(Reader { shared })
+        Ok(Reader {
+            mode: Mode::Threads(shared),
+        })
+    }
+
+    /// Whether reads go through a ring on the runtime.
+    pub fn on_ring(&self) -> bool {
+        matches!(self.mode, Mode::Ring { .. })
     }
 
     /// Reads `len` bytes of `component` at `offset`.
@@ -112,9 +158,15 @@ impl Reader {
         offset: u64,
         len: usize,
     ) -> Result<Bytes, StoreError> {
+        let shared = match &self.mode {
+            Mode::Threads(sh) => sh,
+            Mode::Ring { ring, store } => {
+                return read_on_ring(ring, store, component, offset, len).await
+            }
+        };
         let (tx, rx) = oneshot::channel();
         let notify = {
-            let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
             q.jobs.push(Job {
                 component,
                 offset,
@@ -124,7 +176,7 @@ impl Reader {
             q.wake_one()
         };
         if notify {
-            self.shared.wake.notify_one();
+            shared.wake.notify_one();
         }
         rx.await
             .unwrap_or_else(|_| Err(StoreError::Io(io::Error::other("device reader stopped"))))
@@ -133,11 +185,51 @@ impl Reader {
 
 impl Drop for Reader {
     fn drop(&mut self) {
-        if let Ok(mut q) = self.shared.queue.lock() {
-            q.stop = true;
+        // A ring stops by itself when dropped.
+        if let Mode::Threads(sh) = &self.mode {
+            if let Ok(mut q) = sh.queue.lock() {
+                q.stop = true;
+            }
+            sh.wake.notify_all();
         }
-        self.shared.wake.notify_all();
     }
+}
+
+/// One read through the ring: located here, read by the kernel, checked
+/// here when it is in.
+async fn read_on_ring(
+    ring: &ReadRing,
+    store: &LogStore,
+    component: ComponentId,
+    offset: u64,
+    len: usize,
+) -> Result<Bytes, StoreError> {
+    let mut buf = BytesMut::zeroed(len);
+    fn one(id: ComponentId, offset: u64, buf: &mut [u8]) -> [ReadReq<'_>; 1] {
+        [ReadReq { id, offset, buf }]
+    }
+    let plan = store.plan_reads(&mut one(component, offset, &mut buf[..]));
+    let (plan, read) = if plan.device_reads() == 0 {
+        (plan, Ok(()))
+    } else {
+        let rx = ring.submit(plan).map_err(StoreError::Io)?;
+        rx.await
+            .map_err(|_| StoreError::Io(io::Error::other("device read ring stopped")))?
+    };
+    if read
+        .as_ref()
+        .is_err_and(|e| e.kind() == io::ErrorKind::UnexpectedEof)
+    {
+        // A short read from the kernel: read it again the plain way.
+        drop(plan);
+        store.read(component, offset, &mut buf[..])?;
+        return Ok(buf.freeze());
+    }
+    store
+        .finish_reads(plan, read, &mut one(component, offset, &mut buf[..]))
+        .pop()
+        .unwrap_or_else(|| Err(StoreError::Io(io::Error::other("no read result"))))?;
+    Ok(buf.freeze())
 }
 
 fn run(sh: &Shared, store: &LogStore) {
@@ -187,23 +279,45 @@ fn run(sh: &Shared, store: &LogStore) {
 mod tests {
     use super::*;
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn concurrent_reads_return_their_own_data() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("dev.img");
-        let store = Arc::new(LogStore::create(&p, 64 << 20, "t").unwrap());
-        store.create_component(1, 1, 16 << 20).unwrap();
-        for i in 0..64u64 {
-            store.write(1, i * 8192, &[i as u8 + 1; 8192]).unwrap();
+    /// A store whose 64 blocks of 8 KiB at `i * 8192` hold `i + 1`,
+    /// reopened so that every read goes to the device (headers included),
+    /// plus one unsynced write still in memory.
+    fn store(dir: &std::path::Path) -> Arc<LogStore> {
+        let p = dir.join("dev.img");
+        {
+            let store = LogStore::create(&p, 64 << 20, "t").unwrap();
+            store.create_component(1, 1, 16 << 20).unwrap();
+            for i in 0..64u64 {
+                store.write(1, i * 8192, &[i as u8 + 1; 8192]).unwrap();
+            }
+            store.sync().unwrap();
         }
-        store.sync().unwrap();
-        let r = Arc::new(Reader::start(store.clone(), "t").unwrap());
+        let store = Arc::new(LogStore::open(&p).unwrap());
+        store.write(1, 64 * 8192, &[65; 8192]).unwrap();
+        store
+    }
+
+    async fn reads_return_their_own_data(ring: bool) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(dir.path());
+        let r = if ring {
+            Reader::start(store.clone(), "t").unwrap()
+        } else {
+            Reader::start_threads(store.clone(), "t").unwrap()
+        };
+        // The ring is used wherever the device offers it.
+        assert_eq!(r.on_ring(), ring && store.ring_fd().is_some());
+        let r = Arc::new(r);
         let mut tasks = Vec::new();
-        for i in 0..64u64 {
+        for i in 0..65u64 {
             let r = r.clone();
             tasks.push(tokio::spawn(async move {
                 let d = r.read(1, i * 8192 + 100, 8000).await.unwrap();
                 assert!(d.iter().all(|&b| b == i as u8 + 1), "read {i}");
+                // Across two blocks and one unwritten.
+                let d = r.read(1, i * 8192 + 4096, 12288).await.unwrap();
+                assert!(d[..4096].iter().all(|&b| b == i as u8 + 1), "read {i}");
+                assert!(d[4096..].iter().all(|&b| b == i as u8 + 2 || i >= 64));
             }));
         }
         for t in tasks {
@@ -213,5 +327,75 @@ mod tests {
             r.read(9, 0, 10).await,
             Err(StoreError::NoSuchComponent(9))
         ));
+        assert!(matches!(
+            r.read(1, 16 << 20, 4096).await,
+            Err(StoreError::OutOfRange { .. })
+        ));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ring_reads_return_their_own_data() {
+        reads_return_their_own_data(true).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn thread_reads_return_their_own_data() {
+        reads_return_their_own_data(false).await;
+    }
+
+    /// Reads abandoned by their callers while at the kernel (a client
+    /// that disconnects) leave the ring working, and a ring dropped with
+    /// reads in flight stops without waiting on anyone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn abandoned_reads_and_a_dropped_ring() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(dir.path());
+        let r = Arc::new(Reader::start(store.clone(), "t").unwrap());
+        for round in 0..20u64 {
+            let tasks: Vec<_> = (0..64u64)
+                .map(|i| {
+                    let r = r.clone();
+                    tokio::spawn(async move { r.read(1, i * 8192, 8192).await })
+                })
+                .collect();
+            // Abandon every other read, some of them surely mid-flight.
+            for (i, t) in tasks.iter().enumerate() {
+                if (i as u64 + round).is_multiple_of(2) {
+                    t.abort();
+                }
+            }
+            for (i, t) in tasks.into_iter().enumerate() {
+                if let Ok(d) = t.await {
+                    assert!(d.unwrap().iter().all(|&b| b == i as u8 + 1));
+                }
+            }
+        }
+        let d = r.read(1, 5 * 8192, 8192).await.unwrap();
+        assert!(d.iter().all(|&b| b == 6));
+        // Abandon reads at the kernel and drop the reader (its ring) with
+        // them in flight: the ring's reaper waits for them, then stops and
+        // lets go of the store.
+        let tasks: Vec<_> = (0..64u64)
+            .map(|i| {
+                let r = r.clone();
+                tokio::spawn(async move { r.read(1, i * 8192, 8192).await.map(|_| ()) })
+            })
+            .collect();
+        tokio::task::yield_now().await;
+        for t in &tasks {
+            t.abort();
+        }
+        for t in tasks {
+            let _ = t.await;
+        }
+        drop(r);
+        let t0 = std::time::Instant::now();
+        while Arc::strong_count(&store) > 1 {
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(10),
+                "the ring's reaper did not stop"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
     }
 }

@@ -191,7 +191,7 @@ impl LogStore {
             st.cleaning = None;
         }
         if !rec.is_empty() {
-            let _g = self.reuse.write().unwrap_or_else(|e| e.into_inner());
+            self.reuse.wait_clear();
             let mut cache = lock(&self.cache);
             for s in rec {
                 for off in st.segs.headers(s) {

@@ -58,6 +58,12 @@ pub trait BlockDevice: Send + Sync {
     fn is_direct(&self) -> bool {
         false
     }
+    /// The descriptor to read this device through on a caller's own
+    /// io_uring, and whether it is `O_DIRECT`; `None` (the default) if
+    /// reads must go through [`read_many`](Self::read_many).
+    fn ring_fd(&self) -> Option<(std::os::fd::RawFd, bool)> {
+        None
+    }
     /// Name for messages (the path of a file).
     fn name(&self) -> &Path;
 }

@@ -19,6 +19,7 @@ mod checkpoint;
 mod cleaner;
 pub mod device;
 pub mod format;
+mod gate;
 pub mod index;
 mod replay;
 mod scrub;
@@ -43,7 +44,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 type Result<T, E = StoreError> = std::result::Result<T, E>;
 
@@ -162,6 +163,58 @@ pub struct ReadReq<'a> {
     pub id: u64,
     pub offset: u64,
     pub buf: &'a mut [u8],
+}
+
+/// Reads located by [`LogStore::plan_reads`] whose device part is still to
+/// be done; finished by [`LogStore::finish_reads`]. Its buffer does not
+/// move when the plan does, so a ring may read into it while the plan
+/// travels. Holding it keeps the located blocks from being reused.
+pub struct ReadPlan {
+    res: Vec<Result<()>>,
+    todo: Vec<ToRead>,
+    hs: Vec<u32>,
+    refs: Vec<Option<Arc<[DataRef]>>>,
+    missing: Vec<usize>,
+    io: Option<crate::direct::AlignedBuf>,
+    /// Device reads: (device byte offset, offset in `io`, length).
+    runs: Vec<(u64, usize, usize)>,
+    _pass: Option<gate::GatePass>,
+}
+
+impl ReadPlan {
+    /// How many device reads remain (0: the plan is complete as it is).
+    pub fn device_reads(&self) -> usize {
+        self.runs.len()
+    }
+
+    /// The device reads as (device byte offset, buffer) pairs.
+    pub fn parts(&mut self) -> Vec<(u64, &mut [u8])> {
+        let Some(io) = self.io.as_mut() else {
+            return Vec::new();
+        };
+        let mut rest = io.as_mut_slice();
+        let mut at = 0;
+        let mut out = Vec::with_capacity(self.runs.len());
+        for &(off, start, len) in &self.runs {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(start - at);
+            let (part, tail) = tail.split_at_mut(len);
+            out.push((off, part));
+            rest = tail;
+            at = start + len;
+        }
+        out
+    }
+
+    /// The device reads as raw (device byte offset, address, length), for
+    /// a ring. The addresses stay valid while the plan lives, wherever it
+    /// is moved; the caller must not drop the plan, nor use [`parts`]
+    /// (Self::parts), while the kernel may still write to them.
+    pub fn raw_parts(&mut self) -> Vec<(u64, *mut u8, usize)> {
+        self.parts()
+            .into_iter()
+            .map(|(off, b)| (off, b.as_mut_ptr(), b.len()))
+            .collect()
+    }
 }
 
 /// Derived constants of a device's geometry.
@@ -327,9 +380,9 @@ pub struct LogStore {
     sb: LogSuper,
     geo: Geo,
     state: Mutex<State>,
-    /// Held shared by reads between the index lookup and the device read;
-    /// exclusively while segments are made reusable.
-    reuse: RwLock<()>,
+    /// Passed by reads between the index lookup and the device read;
+    /// cleared while segments are made reusable.
+    reuse: Arc<gate::ReuseGate>,
     flush_lock: Mutex<()>,
     /// Tests: how long the background cleaner waits between reading its
     /// victim and moving its blocks, in microseconds (0: not at all).
@@ -656,7 +709,7 @@ impl LogStore {
             dev,
             sb,
             state: Mutex::new(st),
-            reuse: RwLock::new(()),
+            reuse: Arc::default(),
             flush_lock: Mutex::new(()),
             #[cfg(test)]
             cleaner_pause_us: AtomicU64::new(0),
@@ -1520,12 +1573,40 @@ impl LogStore {
     /// own request; a device error fails every request that needed the
     /// device).
     pub fn read_batch(&self, reqs: &mut [ReadReq<'_>]) -> Vec<Result<()>> {
+        let mut plan = self.plan_reads(reqs);
+        if plan.device_reads() == 0 {
+            return plan.res;
+        }
+        let read = {
+            let mut parts = plan.parts();
+            self.dev.read_many(&mut parts)
+        };
+        self.finish_reads(plan, read, reqs)
+    }
+
+    /// The first half of [`read_batch`](Self::read_batch), for callers that
+    /// do the device reads themselves (on a ring of their own): fills what
+    /// needs no device read (unwritten blocks, blocks still in memory) and
+    /// says what remains. The blocks it locates are not reused until the
+    /// plan is finished or dropped.
+    pub fn plan_reads(&self, reqs: &mut [ReadReq<'_>]) -> ReadPlan {
         let mut res: Vec<Result<()>> = (0..reqs.len()).map(|_| Ok(())).collect();
+        let mut plan = ReadPlan {
+            res: Vec::new(),
+            todo: Vec::new(),
+            hs: Vec::new(),
+            refs: Vec::new(),
+            missing: Vec::new(),
+            io: None,
+            runs: Vec::new(),
+            _pass: None,
+        };
         if let Err(e) = self.fail_check() {
             let msg = e.to_string();
-            return (0..reqs.len())
+            plan.res = (0..reqs.len())
                 .map(|_| Err(StoreError::Io(io::Error::other(msg.clone()))))
                 .collect();
+            return plan;
         }
         let mut todo: Vec<ToRead> = Vec::new();
         let st = self.lock_state();
@@ -1561,11 +1642,12 @@ impl LogStore {
                 }
             }
         }
+        plan.res = res;
         if todo.is_empty() {
-            return res;
+            return plan;
         }
         // Keep the located blocks from being reused until they are read.
-        let gate = self.reuse.read().unwrap_or_else(|e| e.into_inner());
+        plan._pass = Some(self.reuse.pass());
         drop(st);
         // The headers to check against: cached, or read with the data.
         let mut hs: Vec<u32> = todo
@@ -1590,28 +1672,59 @@ impl LogStore {
             .fetch_add(todo.len() as u64, Ordering::Relaxed);
         self.header_misses
             .fetch_add(missing.len() as u64, Ordering::Relaxed);
-        // One buffer: the data blocks in `todo` order, then the headers.
-        let mut io = crate::direct::AlignedBuf::zeroed((todo.len() + missing.len()) * BLOCK);
-        let read = {
-            let (mut data, hdrs) = io.as_mut_slice().split_at_mut(todo.len() * BLOCK);
-            let mut dev_reqs: Vec<(u64, &mut [u8])> = Vec::new();
-            let mut k = 0;
-            while k < todo.len() {
-                // A run of consecutive device blocks.
-                let mut e = k + 1;
-                while e < todo.len() && e - k < MAX_RUN && todo[e].5 == todo[e - 1].5 + 1 {
-                    e += 1;
-                }
-                let (run, rest) = std::mem::take(&mut data).split_at_mut((e - k) * BLOCK);
-                dev_reqs.push((byte_off(todo[k].5), run));
-                data = rest;
-                k = e;
+        // One buffer: the data blocks in `todo` order, then the headers;
+        // one device read per run of consecutive device blocks.
+        let mut runs = Vec::new();
+        let mut k = 0;
+        while k < todo.len() {
+            let mut e = k + 1;
+            while e < todo.len() && e - k < MAX_RUN && todo[e].5 == todo[e - 1].5 + 1 {
+                e += 1;
             }
-            for (&i, b) in missing.iter().zip(hdrs.chunks_mut(BLOCK)) {
-                dev_reqs.push((byte_off(hs[i]), b));
-            }
-            self.dev.read_many(&mut dev_reqs)
-        };
+            runs.push((byte_off(todo[k].5), k * BLOCK, (e - k) * BLOCK));
+            k = e;
+        }
+        let hdr_at = todo.len() * BLOCK;
+        for (j, &i) in missing.iter().enumerate() {
+            runs.push((byte_off(hs[i]), hdr_at + j * BLOCK, BLOCK));
+        }
+        plan.io = Some(crate::direct::AlignedBuf::zeroed(
+            (todo.len() + missing.len()) * BLOCK,
+        ));
+        plan.todo = todo;
+        plan.hs = hs;
+        plan.refs = refs;
+        plan.missing = missing;
+        plan.runs = runs;
+        plan
+    }
+
+    /// The second half of [`read_batch`](Self::read_batch): given the
+    /// outcome of the plan's device reads, checks every block against its
+    /// checksum and copies it into `reqs` (the same requests, in the same
+    /// order, as planned). Returns the result of each request.
+    pub fn finish_reads(
+        &self,
+        plan: ReadPlan,
+        read: io::Result<()>,
+        reqs: &mut [ReadReq<'_>],
+    ) -> Vec<Result<()>> {
+        let ReadPlan {
+            mut res,
+            todo,
+            hs,
+            mut refs,
+            missing,
+            io,
+            _pass,
+            ..
+        } = plan;
+        assert_eq!(
+            res.len(),
+            reqs.len(),
+            "finish_reads: not the planned requests"
+        );
+        let Some(io) = io else { return res };
         if let Err(e) = read {
             let msg = e.to_string();
             for t in &todo {
@@ -1639,8 +1752,15 @@ impl LogStore {
                 Err(e) => res[r] = Err(e),
             }
         }
-        drop(gate);
         res
+    }
+
+    /// The file descriptor of the device, for callers that read it on a
+    /// ring of their own, and whether it is opened `O_DIRECT`. `None` when
+    /// the device is not a plain file or block device with io_uring
+    /// allowed (fault-injecting devices in tests, `SHOAL_IO_URING=0`).
+    pub fn ring_fd(&self) -> Option<(std::os::fd::RawFd, bool)> {
+        self.dev.ring_fd()
     }
 
     /// Zeroes a range: whole blocks are unmapped (free space), partial ones

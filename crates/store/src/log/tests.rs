@@ -1959,3 +1959,71 @@ fn sequential_data_has_a_small_index() {
     eprintln!("sequential: {per:.3} index bytes per block ({blocks} blocks)");
     assert!(per < 0.5, "{per}");
 }
+
+/// A read whose blocks were located before their segment was freed, and
+/// read from the device only afterwards, still gets its data: making
+/// segments reusable waits for the reads in flight (their gate passes).
+#[test]
+fn planned_read_keeps_its_blocks_from_reuse() {
+    let (_d, s) = mem_store(64, 64);
+    let s = Arc::new(s);
+    let cap = s.capacity() / B;
+    let per = cap / 2;
+    s.create_component(1, 1, per * B).unwrap();
+    for b in 0..per {
+        s.write(1, b * B, &noise(b, BLOCK)).unwrap();
+    }
+    s.sync().unwrap();
+    s.checkpoint().unwrap();
+    let mut buf = vec![0u8; BLOCK];
+    let mut plan = s.plan_reads(&mut [ReadReq {
+        id: 1,
+        offset: 0,
+        buf: &mut buf,
+    }]);
+    assert_eq!(plan.device_reads(), 1);
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (s, done) = (s.clone(), done.clone());
+        std::thread::spawn(move || {
+            // Overwrite everything four times over the device's size:
+            // block 0's segment is cleaned, freed and, but for the gate,
+            // written again.
+            for k in 0..4 * cap {
+                s.write(1, (k % per) * B, &noise(1_000_000 + k, BLOCK))
+                    .unwrap();
+                if k % 64 == 0 {
+                    s.sync().unwrap();
+                }
+            }
+            s.sync().unwrap();
+            s.checkpoint().unwrap();
+            done.store(true, std::sync::atomic::Ordering::SeqCst);
+        })
+    };
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        !done.load(std::sync::atomic::Ordering::SeqCst),
+        "segments were made reusable while a located read was out"
+    );
+    let read = {
+        let mut parts = plan.parts();
+        s.dev.read_many(&mut parts)
+    };
+    let res = s.finish_reads(
+        plan,
+        read,
+        &mut [ReadReq {
+            id: 1,
+            offset: 0,
+            buf: &mut buf,
+        }],
+    );
+    assert!(res[0].is_ok(), "{:?}", res[0]);
+    assert!(buf == noise(0, BLOCK), "the planned read got other data");
+    writer.join().unwrap();
+    assert!(done.load(std::sync::atomic::Ordering::SeqCst));
+    // And the block now reads its last value.
+    let last = (0..4 * cap).filter(|k| k % per == 0).max().unwrap();
+    assert!(read_vec(&s, 1, 0, BLOCK) == noise(1_000_000 + last, BLOCK));
+}

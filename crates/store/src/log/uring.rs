@@ -286,6 +286,10 @@ impl BlockDevice for UringDevice {
         self.file.discard(off, len)
     }
 
+    fn ring_fd(&self) -> Option<(std::os::fd::RawFd, bool)> {
+        Some((self.file.io_fd(), self.file.is_direct()))
+    }
+
     fn is_direct(&self) -> bool {
         self.file.is_direct()
     }
