@@ -12,6 +12,7 @@ use crate::direct::AlignedBuf;
 use crate::{StoreError, MAX_SIZE};
 use std::collections::BTreeMap;
 use std::io;
+use std::sync::MutexGuard;
 
 /// Bytes a checkpoint body is written and read in.
 const CHUNK: usize = 1 << 20;
@@ -136,9 +137,70 @@ pub(super) struct Loaded {
     pub segs: Vec<(u32, u32, Vec<u64>)>,
 }
 
+/// Largest checkpoint body, in bytes, encoded in memory so that it can be
+/// written outside the state lock (the size of the previous checkpoint
+/// decides): the copy costs memory next to the index it encodes, so a
+/// larger body (an index of hundreds of GiB of random 4 KiB writes) is
+/// streamed to the device under the lock as before.
+const UNLOCKED_BODY_MAX: u64 = 256 << 20;
+
+/// A checkpoint whose device writes are under way (taken by
+/// `begin_checkpoint`, made current by `end_checkpoint`).
+pub(super) struct CkptInFlight {
+    seq: u64,
+    slot: usize,
+    /// `log_since_ckpt` when it was taken.
+    log_at: u64,
+    /// Device blocks of the checkpoint.
+    blocks: u64,
+    /// Used segments without live blocks when it was taken: free once it
+    /// is durable.
+    rec: Vec<u32>,
+}
+
+/// What `write_checkpoint` writes, outside the state lock.
+pub(super) struct CkptWrite {
+    body: Vec<u8>,
+    hdr: CkptHeader,
+    /// Byte offset of the slot.
+    base: u64,
+    /// Last batch the checkpoint covers: written and flushed before it.
+    target: u64,
+}
+
+/// The outcome of the checkpoint writes in flight.
+#[derive(Default)]
+pub(super) struct CkptDone {
+    /// Set by the writer, taken by `end_checkpoint`.
+    result: Option<std::result::Result<(), String>>,
+    /// Checkpoint writes finished so far (for callers that only wait).
+    writes_done: u64,
+}
+
+/// Sets the outcome of the checkpoint writes in flight when dropped,
+/// panics included, so that nobody waits for it forever.
+struct Outcome<'a> {
+    store: &'a LogStore,
+    result: Option<std::result::Result<(), String>>,
+}
+
+impl Drop for Outcome<'_> {
+    fn drop(&mut self) {
+        let r = self
+            .result
+            .take()
+            .unwrap_or_else(|| Err("checkpoint writer ended early".into()));
+        let mut d = lock(&self.store.ckpt_done);
+        d.result = Some(r);
+        d.writes_done += 1;
+        self.store.ckpt_landed.notify_all();
+    }
+}
+
 impl LogStore {
     /// Writes a checkpoint of `st` to the inactive slot, then frees the
-    /// segments that hold no live block.
+    /// segments that hold no live block; all under the state lock (for
+    /// callers that need the space now: the cleaner, open and close).
     pub(super) fn checkpoint_locked(&self, st: &mut State) -> Result<()> {
         let started = std::time::Instant::now();
         let r = self.checkpoint_timed(st);
@@ -147,6 +209,173 @@ impl LogStore {
     }
 
     fn checkpoint_timed(&self, st: &mut State) -> Result<()> {
+        // One that is being written outside the lock first.
+        self.end_checkpoint(st)?;
+        if st.last_ckpt_blocks * BLOCK_U64 > UNLOCKED_BODY_MAX {
+            return self.checkpoint_streamed(st);
+        }
+        let Some(w) = self.begin_checkpoint(st)? else {
+            unreachable!("no checkpoint in flight after end_checkpoint");
+        };
+        self.write_with_outcome(w);
+        self.end_checkpoint(st)
+    }
+
+    /// A checkpoint taken under the lock, written outside it: `st` is
+    /// released while the body and headers are written and flushed, so
+    /// writers go on meanwhile (they used to wait 5–30 ms per checkpoint
+    /// on this machine's disk). Returns at once if another checkpoint is
+    /// being written.
+    pub(super) fn checkpoint_unlocked(&self, mut st: MutexGuard<'_, State>) -> Result<()> {
+        if st.ckpt_io.is_some() {
+            // Wait (without the lock) for its writes: what the caller
+            // wanted durable is then durable, and it needs no other.
+            let (seen, landed) = {
+                let d = lock(&self.ckpt_done);
+                (d.writes_done, d.result.is_some())
+            };
+            if landed {
+                // Written: make it current now rather than wait for its
+                // writer to come back for the lock.
+                return self.end_checkpoint(&mut st);
+            }
+            drop(st);
+            let mut d = lock(&self.ckpt_done);
+            while d.writes_done == seen {
+                d = self.ckpt_landed.wait(d).unwrap_or_else(|e| e.into_inner());
+            }
+            return Ok(());
+        }
+        if st.last_ckpt_blocks * BLOCK_U64 > UNLOCKED_BODY_MAX {
+            return self.checkpoint_locked(&mut st);
+        }
+        let t0 = std::time::Instant::now();
+        let w = self.begin_checkpoint(&mut st)?;
+        let held = t0.elapsed();
+        drop(st);
+        let Some(w) = w else { return Ok(()) };
+        self.write_with_outcome(w);
+        let mut st = self.lock_state();
+        let t1 = std::time::Instant::now();
+        let r = self.end_checkpoint(&mut st);
+        st.stats.checkpoint_micros += (held + t1.elapsed()).as_micros() as u64;
+        r
+    }
+
+    /// Under the lock: seals the open batch and takes the checkpoint (the
+    /// body encoded in memory, the log position, the segments it frees).
+    /// `None` if one is already being written.
+    fn begin_checkpoint(&self, st: &mut State) -> Result<Option<CkptWrite>> {
+        if st.ckpt_io.is_some() {
+            return Ok(None);
+        }
+        self.seal(st)?;
+        let slot = 1 - st.active_slot;
+        let seq = st.ckpt_seq + 1;
+        let mut body = Vec::with_capacity((st.last_ckpt_blocks * BLOCK_U64) as usize);
+        Self::encode_body(st, &mut |b: &[u8]| {
+            body.extend_from_slice(b);
+            Ok(())
+        })
+        .map_err(|e| self.poison(e))?;
+        let hdr = CkptHeader {
+            uuid: self.sb.uuid,
+            seq,
+            epoch: st.epoch,
+            next_batch: st.seq,
+            head_seg: st.batch.seg,
+            head_off: st.batch.off,
+            next_seg: st.next_seg,
+            body_len: 0,
+            body_crc: 0,
+        };
+        st.ckpt_io = Some(CkptInFlight {
+            seq,
+            slot,
+            log_at: st.log_since_ckpt,
+            blocks: 2 + (body.len() as u64).div_ceil(BLOCK_U64),
+            rec: st.segs.reclaimable(),
+        });
+        lock(&self.ckpt_done).result = None;
+        Ok(Some(CkptWrite {
+            body,
+            hdr,
+            base: self.sb.slot_block(slot) * BLOCK_U64,
+            target: st.seq - 1,
+        }))
+    }
+
+    /// Without the state lock: makes the batches the checkpoint covers
+    /// durable, then writes the body, flush, header copy 0, flush, header
+    /// copy 1, flush. Records the outcome for `end_checkpoint`.
+    fn write_with_outcome(&self, w: CkptWrite) {
+        let mut o = Outcome {
+            store: self,
+            result: None,
+        };
+        o.result = Some(self.write_checkpoint(w).map_err(|e| e.to_string()));
+    }
+
+    fn write_checkpoint(&self, w: CkptWrite) -> Result<()> {
+        self.write_sealed(false)?;
+        self.wait_written(w.target)?;
+        self.flush_written()?;
+        let io = |e| self.poison(e);
+        let mut bw = BodyWriter::new(&*self.dev, w.base + 2 * BLOCK_U64, self.sb.body_capacity());
+        bw.put(&w.body).map_err(io)?;
+        let (len, crc) = bw.finish().map_err(io)?;
+        self.dev.flush().map_err(io)?;
+        let hdr = CkptHeader {
+            body_len: len,
+            body_crc: crc,
+            ..w.hdr
+        };
+        for copy in 0..2u32 {
+            self.dev
+                .write_at(&hdr.encode(copy), w.base + copy as u64 * BLOCK_U64)
+                .map_err(io)?;
+            self.dev.flush().map_err(io)?;
+        }
+        Ok(())
+    }
+
+    /// Under the lock: waits for the writes of the checkpoint in flight
+    /// (if any), then makes it the current one and frees the segments it
+    /// no longer needs. Whoever holds the lock first after the writes
+    /// does this: the writer, or a caller that needs a checkpoint now.
+    fn end_checkpoint(&self, st: &mut State) -> Result<()> {
+        let Some(c) = st.ckpt_io.take() else {
+            return Ok(());
+        };
+        let outcome = {
+            let mut d = lock(&self.ckpt_done);
+            loop {
+                if let Some(r) = d.result.take() {
+                    break r;
+                }
+                d = self.ckpt_landed.wait(d).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        if let Err(msg) = outcome {
+            // The writer poisoned the store already.
+            return Err(StoreError::Io(io::Error::other(format!(
+                "checkpoint failed: {msg}"
+            ))));
+        }
+        st.ckpt_seq = c.seq;
+        st.active_slot = c.slot;
+        st.log_since_ckpt = st.log_since_ckpt.saturating_sub(c.log_at);
+        st.last_ckpt_blocks = c.blocks;
+        st.ckpt_due = st.log_since_ckpt >= self.ckpt_interval(st);
+        st.stats.checkpoints += 1;
+        st.stats.checkpoint_blocks += c.blocks;
+        self.reclaim(st, c.rec);
+        Ok(())
+    }
+
+    /// The old way, for bodies too large to copy: encoded and streamed to
+    /// the device under the lock.
+    fn checkpoint_streamed(&self, st: &mut State) -> Result<()> {
         self.seal(st)?;
         self.drain(st)?;
         self.flush_written()?;
@@ -155,7 +384,7 @@ impl LogStore {
         let base = self.sb.slot_block(slot) * BLOCK_U64;
         let io = |e| self.poison(e);
         let mut w = BodyWriter::new(&*self.dev, base + 2 * BLOCK_U64, self.sb.body_capacity());
-        Self::encode_body(st, &mut w).map_err(io)?;
+        Self::encode_body(st, &mut |b: &[u8]| w.put(b)).map_err(io)?;
         let (len, crc) = w.finish().map_err(io)?;
         self.dev.flush().map_err(io)?;
         let hdr = CkptHeader {
@@ -183,9 +412,14 @@ impl LogStore {
         st.ckpt_due = false;
         st.stats.checkpoints += 1;
         st.stats.checkpoint_blocks += blocks;
-        // Segments no longer needed by this checkpoint (nor by replay from
-        // it) may be written again.
         let rec = st.segs.reclaimable();
+        self.reclaim(st, rec);
+        Ok(())
+    }
+
+    /// Frees `rec`, segments no longer needed by the checkpoint just made
+    /// durable (nor by replay from it): they may be written again.
+    fn reclaim(&self, st: &mut State, rec: Vec<u32>) {
         if st.cleaning.is_some_and(|v| rec.contains(&v)) {
             // The background cleaner's copy of it is no longer safe to use.
             st.cleaning = None;
@@ -194,6 +428,12 @@ impl LogStore {
             self.reuse.wait_clear();
             let mut cache = lock(&self.cache);
             for s in rec {
+                // Nothing writes into a used segment, and only checkpoints
+                // (one at a time) free segments: still used and empty.
+                assert!(
+                    st.segs.state(s) == SegState::Used && st.segs.live(s) == 0,
+                    "segment {s} changed between a checkpoint and its end"
+                );
                 for off in st.segs.headers(s) {
                     cache.remove(st.segs.block(s, off));
                 }
@@ -207,19 +447,18 @@ impl LogStore {
         }
         self.free_hint
             .store(st.segs.free_count(), std::sync::atomic::Ordering::Relaxed);
-        Ok(())
     }
 
     /// Body: component count (u64); per component id, volume, size,
     /// generation (u64 each) and its index; count of segment records
     /// (u64); per record segment (u32), live blocks (u32), header bitmap.
-    fn encode_body(st: &State, w: &mut BodyWriter<'_>) -> io::Result<()> {
-        w.put(&(st.comps.len() as u64).to_le_bytes())?;
+    fn encode_body(st: &State, w: &mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
+        w(&(st.comps.len() as u64).to_le_bytes())?;
         for (&id, c) in &st.comps {
             for v in [id, c.volume, c.size, c.generation] {
-                w.put(&v.to_le_bytes())?;
+                w(&v.to_le_bytes())?;
             }
-            c.index.encode(|b| w.put(b))?;
+            c.index.encode(|b| w(b))?;
         }
         let recs: Vec<u32> = (0..st.segs.count())
             .filter(|&s| match st.segs.state(s) {
@@ -228,12 +467,12 @@ impl LogStore {
                 _ => false,
             })
             .collect();
-        w.put(&(recs.len() as u64).to_le_bytes())?;
+        w(&(recs.len() as u64).to_le_bytes())?;
         for s in recs {
-            w.put(&s.to_le_bytes())?;
-            w.put(&st.segs.live(s).to_le_bytes())?;
+            w(&s.to_le_bytes())?;
+            w(&st.segs.live(s).to_le_bytes())?;
             for word in st.segs.bitmap(s) {
-                w.put(&word.to_le_bytes())?;
+                w(&word.to_le_bytes())?;
             }
         }
         Ok(())

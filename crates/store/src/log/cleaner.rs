@@ -57,6 +57,9 @@ enum Step {
     /// Segment to relocate: read it outside the state lock, then move its
     /// live blocks.
     Victim(u32),
+    /// Emptied segments are worth a checkpoint: take it, with its device
+    /// writes outside the lock.
+    Checkpoint,
     /// `bg_high` segments are free.
     Done,
     /// Nothing worth doing now.
@@ -102,7 +105,7 @@ impl Bg {
         let mut g = lock(&self.m);
         g.steps += 1;
         match step {
-            Ok(Step::Progress) | Ok(Step::Victim(_)) => {}
+            Ok(Step::Progress) | Ok(Step::Victim(_)) | Ok(Step::Checkpoint) => {}
             Ok(Step::Done) | Ok(Step::Stuck) => g.stuck = true,
             Err(_) => g.running = false,
         }
@@ -298,6 +301,9 @@ impl LogStore {
         self.fail_check()?;
         let mut st = self.lock_state();
         let r = self.clean_step_locked(&mut st);
+        if let Ok(Step::Checkpoint) = r {
+            return self.checkpoint_unlocked(st).map(|()| Step::Progress);
+        }
         let victim = match r {
             Ok(Step::Victim(v)) => {
                 // Its last batches may still be in flight.
@@ -360,18 +366,14 @@ impl LogStore {
         let recl = st.segs.reclaimable().len();
         let round = self.geo.clean_high - self.geo.clean_low;
         if recl >= round.max(1) {
-            self.checkpoint_locked(st)?;
-            return Ok(Step::Progress);
+            return Ok(Step::Checkpoint);
         }
         if free + recl >= self.geo.bg_high {
             return Ok(Step::Done);
         }
         match self.best_victim(st) {
             Some(v) if free > self.geo.rotations(st.segs.live(v) as u64, 0) => Ok(Step::Victim(v)),
-            _ if recl > 0 => {
-                self.checkpoint_locked(st)?;
-                Ok(Step::Progress)
-            }
+            _ if recl > 0 => Ok(Step::Checkpoint),
             _ => Ok(Step::Stuck),
         }
     }

@@ -320,6 +320,8 @@ struct State {
     log_since_ckpt: u64,
     last_ckpt_blocks: u64,
     ckpt_due: bool,
+    /// A checkpoint whose device writes are under way, outside the lock.
+    ckpt_io: Option<checkpoint::CkptInFlight>,
     stats: LogStats,
     /// Blocks promised to reserved components (by the cluster; not
     /// persisted: the node sets them again after every open). A write may
@@ -384,6 +386,10 @@ pub struct LogStore {
     /// cleared while segments are made reusable.
     reuse: Arc<gate::ReuseGate>,
     flush_lock: Mutex<()>,
+    /// Outcome of the checkpoint writes in flight (`State::ckpt_io`), set
+    /// by their writer; `ckpt_landed` signals it.
+    ckpt_done: Mutex<checkpoint::CkptDone>,
+    ckpt_landed: Condvar,
     /// Tests: how long the background cleaner waits between reading its
     /// victim and moving its blocks, in microseconds (0: not at all).
     #[cfg(test)]
@@ -639,6 +645,7 @@ impl LogStore {
             log_since_ckpt: 0,
             last_ckpt_blocks: 0,
             ckpt_due: false,
+            ckpt_io: None,
             stats: LogStats::default(),
             reserved: HashMap::new(),
             cleaning: None,
@@ -711,6 +718,8 @@ impl LogStore {
             state: Mutex::new(st),
             reuse: Arc::default(),
             flush_lock: Mutex::new(()),
+            ckpt_done: Mutex::default(),
+            ckpt_landed: Condvar::new(),
             #[cfg(test)]
             cleaner_pause_us: AtomicU64::new(0),
             written: AtomicU64::new(flushed),
@@ -1139,9 +1148,13 @@ impl LogStore {
         Ok(())
     }
 
-    /// Runs a due checkpoint at the end of an operation.
+    /// Runs a checkpoint at the end of an operation if one is long
+    /// overdue. A due checkpoint is taken by the next `sync` (with its
+    /// device writes outside the lock): a writer thread (the node's
+    /// runtime) must not block on one. Only a store that is never synced
+    /// reaches twice the interval.
     fn after_op(&self, st: &mut State) -> Result<()> {
-        if st.ckpt_due {
+        if st.ckpt_due && st.ckpt_io.is_none() && st.log_since_ckpt >= 2 * self.ckpt_interval(st) {
             self.checkpoint_locked(st)?;
         }
         Ok(())
@@ -1826,10 +1839,11 @@ impl LogStore {
         self.fail_check()?;
         let target = {
             let mut st = self.lock_state();
-            self.seal(&mut st)?;
-            if st.ckpt_due {
-                return self.checkpoint_locked(&mut st);
+            if st.ckpt_due && st.ckpt_io.is_none() {
+                // The checkpoint makes everything written so far durable.
+                return self.checkpoint_unlocked(st);
             }
+            self.seal(&mut st)?;
             st.seq - 1
         };
         // The device write happens here, outside the state lock: writers

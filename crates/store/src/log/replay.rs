@@ -70,6 +70,7 @@ pub(super) fn recover(dev: &dyn BlockDevice, sb: &LogSuper) -> Result<(State, u6
         log_since_ckpt: 0,
         last_ckpt_blocks: 0,
         ckpt_due: false,
+        ckpt_io: None,
         stats: LogStats::default(),
         reserved: Default::default(),
         cleaning: None,
