@@ -137,12 +137,13 @@ pub(super) struct Loaded {
     pub segs: Vec<(u32, u32, Vec<u64>)>,
 }
 
-/// Largest checkpoint body, in bytes, encoded in memory so that it can be
-/// written outside the state lock (the size of the previous checkpoint
-/// decides): the copy costs memory next to the index it encodes, so a
-/// larger body (an index of hundreds of GiB of random 4 KiB writes) is
+/// Largest checkpoint body, in bytes, for which the index is copied under
+/// the lock so that it can be encoded and written outside it (the size of
+/// the previous checkpoint decides). The copy costs memory next to the
+/// index, a few times the body at most (dense regions), so a larger one
+/// (an index of hundreds of GiB of random 4 KiB writes) is encoded and
 /// streamed to the device under the lock as before.
-const UNLOCKED_BODY_MAX: u64 = 256 << 20;
+const UNLOCKED_BODY_MAX: u64 = 64 << 20;
 
 /// A checkpoint whose device writes are under way (taken by
 /// `begin_checkpoint`, made current by `end_checkpoint`).
@@ -151,16 +152,23 @@ pub(super) struct CkptInFlight {
     slot: usize,
     /// `log_since_ckpt` when it was taken.
     log_at: u64,
-    /// Device blocks of the checkpoint.
-    blocks: u64,
     /// Used segments without live blocks when it was taken: free once it
     /// is durable.
     rec: Vec<u32>,
 }
 
+/// What a checkpoint body holds, copied under the lock (a copy of an
+/// index costs far less than encoding it: about 1/10 here).
+struct Snapshot {
+    /// (id, volume, size, generation, index) per component.
+    comps: Vec<(u64, u64, u64, u64, BlockIndex)>,
+    /// (segment, live blocks, header bitmap) per recorded segment.
+    segs: Vec<(u32, u32, Vec<u64>)>,
+}
+
 /// What `write_checkpoint` writes, outside the state lock.
 pub(super) struct CkptWrite {
-    body: Vec<u8>,
+    snap: Snapshot,
     hdr: CkptHeader,
     /// Byte offset of the slot.
     base: u64,
@@ -272,12 +280,17 @@ impl LogStore {
         self.seal(st)?;
         let slot = 1 - st.active_slot;
         let seq = st.ckpt_seq + 1;
-        let mut body = Vec::with_capacity((st.last_ckpt_blocks * BLOCK_U64) as usize);
-        Self::encode_body(st, &mut |b: &[u8]| {
-            body.extend_from_slice(b);
-            Ok(())
-        })
-        .map_err(|e| self.poison(e))?;
+        let snap = Snapshot {
+            comps: st
+                .comps
+                .iter()
+                .map(|(&id, c)| (id, c.volume, c.size, c.generation, c.index.clone()))
+                .collect(),
+            segs: Self::seg_records(st)
+                .into_iter()
+                .map(|s| (s, st.segs.live(s), st.segs.bitmap(s).to_vec()))
+                .collect(),
+        };
         let hdr = CkptHeader {
             uuid: self.sb.uuid,
             seq,
@@ -293,12 +306,11 @@ impl LogStore {
             seq,
             slot,
             log_at: st.log_since_ckpt,
-            blocks: 2 + (body.len() as u64).div_ceil(BLOCK_U64),
             rec: st.segs.reclaimable(),
         });
         lock(&self.ckpt_done).result = None;
         Ok(Some(CkptWrite {
-            body,
+            snap,
             hdr,
             base: self.sb.slot_block(slot) * BLOCK_U64,
             target: st.seq - 1,
@@ -322,8 +334,15 @@ impl LogStore {
         self.flush_written()?;
         let io = |e| self.poison(e);
         let mut bw = BodyWriter::new(&*self.dev, w.base + 2 * BLOCK_U64, self.sb.body_capacity());
-        bw.put(&w.body).map_err(io)?;
+        let comps = w
+            .snap
+            .comps
+            .iter()
+            .map(|(i, v, s, g, x)| (*i, *v, *s, *g, x));
+        let segs = w.snap.segs.iter().map(|(s, l, b)| (*s, *l, &b[..]));
+        Self::encode_parts(comps, segs, &mut |b: &[u8]| bw.put(b)).map_err(io)?;
         let (len, crc) = bw.finish().map_err(io)?;
+        *lock(&self.ckpt_blocks) = 2 + len.div_ceil(BLOCK_U64);
         self.dev.flush().map_err(io)?;
         let hdr = CkptHeader {
             body_len: len,
@@ -362,13 +381,14 @@ impl LogStore {
                 "checkpoint failed: {msg}"
             ))));
         }
+        let blocks = std::mem::take(&mut *lock(&self.ckpt_blocks));
         st.ckpt_seq = c.seq;
         st.active_slot = c.slot;
         st.log_since_ckpt = st.log_since_ckpt.saturating_sub(c.log_at);
-        st.last_ckpt_blocks = c.blocks;
+        st.last_ckpt_blocks = blocks;
         st.ckpt_due = st.log_since_ckpt >= self.ckpt_interval(st);
         st.stats.checkpoints += 1;
-        st.stats.checkpoint_blocks += c.blocks;
+        st.stats.checkpoint_blocks += blocks;
         self.reclaim(st, c.rec);
         Ok(())
     }
@@ -384,7 +404,15 @@ impl LogStore {
         let base = self.sb.slot_block(slot) * BLOCK_U64;
         let io = |e| self.poison(e);
         let mut w = BodyWriter::new(&*self.dev, base + 2 * BLOCK_U64, self.sb.body_capacity());
-        Self::encode_body(st, &mut |b: &[u8]| w.put(b)).map_err(io)?;
+        let comps = st
+            .comps
+            .iter()
+            .map(|(&id, c)| (id, c.volume, c.size, c.generation, &c.index));
+        let recs = Self::seg_records(st);
+        let segs = recs
+            .iter()
+            .map(|&s| (s, st.segs.live(s), st.segs.bitmap(s)));
+        Self::encode_parts(comps, segs, &mut |b: &[u8]| w.put(b)).map_err(io)?;
         let (len, crc) = w.finish().map_err(io)?;
         self.dev.flush().map_err(io)?;
         let hdr = CkptHeader {
@@ -449,29 +477,38 @@ impl LogStore {
             .store(st.segs.free_count(), std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Body: component count (u64); per component id, volume, size,
-    /// generation (u64 each) and its index; count of segment records
-    /// (u64); per record segment (u32), live blocks (u32), header bitmap.
-    fn encode_body(st: &State, w: &mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
-        w(&(st.comps.len() as u64).to_le_bytes())?;
-        for (&id, c) in &st.comps {
-            for v in [id, c.volume, c.size, c.generation] {
-                w(&v.to_le_bytes())?;
-            }
-            c.index.encode(|b| w(b))?;
-        }
-        let recs: Vec<u32> = (0..st.segs.count())
+    /// The segments a checkpoint records: the head and the used ones
+    /// with live blocks.
+    fn seg_records(st: &State) -> Vec<u32> {
+        (0..st.segs.count())
             .filter(|&s| match st.segs.state(s) {
                 SegState::Head => true,
                 SegState::Used => st.segs.live(s) > 0,
                 _ => false,
             })
-            .collect();
-        w(&(recs.len() as u64).to_le_bytes())?;
-        for s in recs {
+            .collect()
+    }
+
+    /// Body: component count (u64); per component id, volume, size,
+    /// generation (u64 each) and its index; count of segment records
+    /// (u64); per record segment (u32), live blocks (u32), header bitmap.
+    fn encode_parts<'a>(
+        comps: impl ExactSizeIterator<Item = (u64, u64, u64, u64, &'a BlockIndex)>,
+        segs: impl ExactSizeIterator<Item = (u32, u32, &'a [u64])>,
+        w: &mut dyn FnMut(&[u8]) -> io::Result<()>,
+    ) -> io::Result<()> {
+        w(&(comps.len() as u64).to_le_bytes())?;
+        for (id, volume, size, generation, index) in comps {
+            for v in [id, volume, size, generation] {
+                w(&v.to_le_bytes())?;
+            }
+            index.encode(|b| w(b))?;
+        }
+        w(&(segs.len() as u64).to_le_bytes())?;
+        for (s, live, bitmap) in segs {
             w(&s.to_le_bytes())?;
-            w(&st.segs.live(s).to_le_bytes())?;
-            for word in st.segs.bitmap(s) {
+            w(&live.to_le_bytes())?;
+            for word in bitmap {
                 w(&word.to_le_bytes())?;
             }
         }
