@@ -59,10 +59,12 @@ fn bench_quick_run_reports_sane_figures_and_cleans_up() {
                 r["lat"]
             );
             assert_eq!(r["errors"], 0, "{name}");
-            // 4 KiB per I/O
+            // 4 KiB per I/O. fio's byte count and its latency samples may
+            // differ by an I/O at the edge of the measured window (seen:
+            // 4097.04 bytes per I/O over ~3,900 I/Os), so allow 0.2%.
             let mbps = r["mbps"].as_f64().unwrap();
             assert!(
-                (mbps * 1e6 / iops - 4096.0).abs() < 1.0,
+                (mbps * 1e6 / iops - 4096.0).abs() < 4096.0 * 0.002,
                 "{name}: {mbps} MB/s at {iops} IOPS"
             );
             assert!(

@@ -291,17 +291,7 @@ impl LogStore {
                 .map(|s| (s, st.segs.live(s), st.segs.bitmap(s).to_vec()))
                 .collect(),
         };
-        let hdr = CkptHeader {
-            uuid: self.sb.uuid,
-            seq,
-            epoch: st.epoch,
-            next_batch: st.seq,
-            head_seg: st.batch.seg,
-            head_off: st.batch.off,
-            next_seg: st.next_seg,
-            body_len: 0,
-            body_crc: 0,
-        };
+        let hdr = self.ckpt_header(st, seq);
         st.ckpt_io = Some(CkptInFlight {
             seq,
             slot,
@@ -349,11 +339,32 @@ impl LogStore {
             body_crc: crc,
             ..w.hdr
         };
+        self.write_ckpt_headers(&hdr, w.base)
+    }
+
+    /// A checkpoint header for the state now (body length and CRC to be
+    /// filled in once the body is written).
+    fn ckpt_header(&self, st: &State, seq: u64) -> CkptHeader {
+        CkptHeader {
+            uuid: self.sb.uuid,
+            seq,
+            epoch: st.epoch,
+            next_batch: st.seq,
+            head_seg: st.batch.seg,
+            head_off: st.batch.off,
+            next_seg: st.next_seg,
+            body_len: 0,
+            body_crc: 0,
+        }
+    }
+
+    /// Header copy 0, flush, header copy 1, flush (the body is durable).
+    fn write_ckpt_headers(&self, hdr: &CkptHeader, base: u64) -> Result<()> {
         for copy in 0..2u32 {
             self.dev
-                .write_at(&hdr.encode(copy), w.base + copy as u64 * BLOCK_U64)
-                .map_err(io)?;
-            self.dev.flush().map_err(io)?;
+                .write_at(&hdr.encode(copy), base + copy as u64 * BLOCK_U64)
+                .map_err(|e| self.poison(e))?;
+            self.dev.flush().map_err(|e| self.poison(e))?;
         }
         Ok(())
     }
@@ -382,14 +393,7 @@ impl LogStore {
             ))));
         }
         let blocks = std::mem::take(&mut *lock(&self.ckpt_blocks));
-        st.ckpt_seq = c.seq;
-        st.active_slot = c.slot;
-        st.log_since_ckpt = st.log_since_ckpt.saturating_sub(c.log_at);
-        st.last_ckpt_blocks = blocks;
-        st.ckpt_due = st.log_since_ckpt >= self.ckpt_interval(st);
-        st.stats.checkpoints += 1;
-        st.stats.checkpoint_blocks += blocks;
-        self.reclaim(st, c.rec);
+        self.made_current(st, c, blocks);
         Ok(())
     }
 
@@ -416,33 +420,32 @@ impl LogStore {
         let (len, crc) = w.finish().map_err(io)?;
         self.dev.flush().map_err(io)?;
         let hdr = CkptHeader {
-            uuid: self.sb.uuid,
-            seq,
-            epoch: st.epoch,
-            next_batch: st.seq,
-            head_seg: st.batch.seg,
-            head_off: st.batch.off,
-            next_seg: st.next_seg,
             body_len: len,
             body_crc: crc,
+            ..self.ckpt_header(st, seq)
         };
-        for copy in 0..2u32 {
-            self.dev
-                .write_at(&hdr.encode(copy), base + copy as u64 * BLOCK_U64)
-                .map_err(io)?;
-            self.dev.flush().map_err(io)?;
-        }
-        let blocks = 2 + len.div_ceil(BLOCK_U64);
-        st.ckpt_seq = seq;
-        st.active_slot = slot;
-        st.log_since_ckpt = 0;
+        self.write_ckpt_headers(&hdr, base)?;
+        let done = CkptInFlight {
+            seq,
+            slot,
+            log_at: st.log_since_ckpt,
+            rec: st.segs.reclaimable(),
+        };
+        self.made_current(st, done, 2 + len.div_ceil(BLOCK_U64));
+        Ok(())
+    }
+
+    /// A durable checkpoint of `blocks` device blocks becomes the current
+    /// one: the log counts from it, and the segments it frees are freed.
+    fn made_current(&self, st: &mut State, c: CkptInFlight, blocks: u64) {
+        st.ckpt_seq = c.seq;
+        st.active_slot = c.slot;
+        st.log_since_ckpt = st.log_since_ckpt.saturating_sub(c.log_at);
         st.last_ckpt_blocks = blocks;
-        st.ckpt_due = false;
+        st.ckpt_due = st.log_since_ckpt >= self.ckpt_interval(st);
         st.stats.checkpoints += 1;
         st.stats.checkpoint_blocks += blocks;
-        let rec = st.segs.reclaimable();
-        self.reclaim(st, rec);
-        Ok(())
+        self.reclaim(st, c.rec);
     }
 
     /// Frees `rec`, segments no longer needed by the checkpoint just made
