@@ -219,7 +219,7 @@ impl LogStore {
     fn checkpoint_timed(&self, st: &mut State) -> Result<()> {
         // One that is being written outside the lock first.
         self.end_checkpoint(st)?;
-        if st.last_ckpt_blocks * BLOCK_U64 > UNLOCKED_BODY_MAX {
+        if self.streams_checkpoint(st) {
             return self.checkpoint_streamed(st);
         }
         let Some(w) = self.begin_checkpoint(st)? else {
@@ -227,6 +227,19 @@ impl LogStore {
         };
         self.write_with_outcome(w);
         self.end_checkpoint(st)
+    }
+
+    /// Whether the next checkpoint is too large to copy (see
+    /// [`UNLOCKED_BODY_MAX`]) and is streamed under the lock.
+    fn streams_checkpoint(&self, st: &State) -> bool {
+        #[cfg(test)]
+        if self
+            .stream_checkpoints
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return true;
+        }
+        st.last_ckpt_blocks * BLOCK_U64 > UNLOCKED_BODY_MAX
     }
 
     /// A checkpoint taken under the lock, written outside it: `st` is
@@ -254,7 +267,7 @@ impl LogStore {
             }
             return Ok(());
         }
-        if st.last_ckpt_blocks * BLOCK_U64 > UNLOCKED_BODY_MAX {
+        if self.streams_checkpoint(&st) {
             return self.checkpoint_locked(&mut st);
         }
         let t0 = std::time::Instant::now();
@@ -322,24 +335,39 @@ impl LogStore {
         self.write_sealed(false)?;
         self.wait_written(w.target)?;
         self.flush_written()?;
-        let io = |e| self.poison(e);
-        let mut bw = BodyWriter::new(&*self.dev, w.base + 2 * BLOCK_U64, self.sb.body_capacity());
         let comps = w
             .snap
             .comps
             .iter()
             .map(|(i, v, s, g, x)| (*i, *v, *s, *g, x));
         let segs = w.snap.segs.iter().map(|(s, l, b)| (*s, *l, &b[..]));
-        Self::encode_parts(comps, segs, &mut |b: &[u8]| bw.put(b)).map_err(io)?;
-        let (len, crc) = bw.finish().map_err(io)?;
-        *lock(&self.ckpt_blocks) = 2 + len.div_ceil(BLOCK_U64);
+        let blocks = self.write_ckpt(comps, segs, w.hdr, w.base)?;
+        *lock(&self.ckpt_blocks) = blocks;
+        Ok(())
+    }
+
+    /// Writes a checkpoint to the slot at `base`: the body, flush, then
+    /// `hdr` (completed with the body's length and CRC) in both copies,
+    /// each flushed. Returns the checkpoint's size in device blocks.
+    fn write_ckpt<'a>(
+        &self,
+        comps: impl ExactSizeIterator<Item = (u64, u64, u64, u64, &'a BlockIndex)>,
+        segs: impl ExactSizeIterator<Item = (u32, u32, &'a [u64])>,
+        hdr: CkptHeader,
+        base: u64,
+    ) -> Result<u64> {
+        let io = |e| self.poison(e);
+        let mut w = BodyWriter::new(&*self.dev, base + 2 * BLOCK_U64, self.sb.body_capacity());
+        Self::encode_parts(comps, segs, &mut |b: &[u8]| w.put(b)).map_err(io)?;
+        let (len, crc) = w.finish().map_err(io)?;
         self.dev.flush().map_err(io)?;
         let hdr = CkptHeader {
             body_len: len,
             body_crc: crc,
-            ..w.hdr
+            ..hdr
         };
-        self.write_ckpt_headers(&hdr, w.base)
+        self.write_ckpt_headers(&hdr, base)?;
+        Ok(2 + len.div_ceil(BLOCK_U64))
     }
 
     /// A checkpoint header for the state now (body length and CRC to be
@@ -406,8 +434,6 @@ impl LogStore {
         let slot = 1 - st.active_slot;
         let seq = st.ckpt_seq + 1;
         let base = self.sb.slot_block(slot) * BLOCK_U64;
-        let io = |e| self.poison(e);
-        let mut w = BodyWriter::new(&*self.dev, base + 2 * BLOCK_U64, self.sb.body_capacity());
         let comps = st
             .comps
             .iter()
@@ -416,22 +442,14 @@ impl LogStore {
         let segs = recs
             .iter()
             .map(|&s| (s, st.segs.live(s), st.segs.bitmap(s)));
-        Self::encode_parts(comps, segs, &mut |b: &[u8]| w.put(b)).map_err(io)?;
-        let (len, crc) = w.finish().map_err(io)?;
-        self.dev.flush().map_err(io)?;
-        let hdr = CkptHeader {
-            body_len: len,
-            body_crc: crc,
-            ..self.ckpt_header(st, seq)
-        };
-        self.write_ckpt_headers(&hdr, base)?;
+        let blocks = self.write_ckpt(comps, segs, self.ckpt_header(st, seq), base)?;
         let done = CkptInFlight {
             seq,
             slot,
             log_at: st.log_since_ckpt,
             rec: st.segs.reclaimable(),
         };
-        self.made_current(st, done, 2 + len.div_ceil(BLOCK_U64));
+        self.made_current(st, done, blocks);
         Ok(())
     }
 

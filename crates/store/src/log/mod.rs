@@ -396,6 +396,10 @@ pub struct LogStore {
     /// victim and moving its blocks, in microseconds (0: not at all).
     #[cfg(test)]
     cleaner_pause_us: AtomicU64,
+    /// Tests: every checkpoint is encoded and streamed under the lock (as
+    /// for bodies too large to copy).
+    #[cfg(test)]
+    stream_checkpoints: std::sync::atomic::AtomicBool,
     /// Highest batch seq written, and flushed.
     written: AtomicU64,
     flushed: AtomicU64,
@@ -725,6 +729,8 @@ impl LogStore {
             ckpt_blocks: Mutex::new(0),
             #[cfg(test)]
             cleaner_pause_us: AtomicU64::new(0),
+            #[cfg(test)]
+            stream_checkpoints: std::sync::atomic::AtomicBool::new(false),
             written: AtomicU64::new(flushed),
             flushed: AtomicU64::new(flushed),
             flushes: AtomicU64::new(0),

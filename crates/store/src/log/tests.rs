@@ -2035,8 +2035,20 @@ fn planned_read_keeps_its_blocks_from_reuse() {
 /// each block either its value at the last sync or a later one.
 #[test]
 fn checkpoints_outside_the_lock_survive_power_cuts_amid_writers() {
+    power_cuts_amid_writers_and_checkpoints(false);
+}
+
+/// The same with every checkpoint streamed under the lock (the path of
+/// bodies too large to copy).
+#[test]
+fn streamed_checkpoints_survive_power_cuts_amid_writers() {
+    power_cuts_amid_writers_and_checkpoints(true);
+}
+
+fn power_cuts_amid_writers_and_checkpoints(streamed: bool) {
     use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
     let (d, s) = mem_store(64, 64);
+    s.stream_checkpoints.store(streamed, SeqCst);
     let s = Arc::new(s);
     // A checkpoint every 96 blocks of log: many of them, under way at
     // most moments.
