@@ -179,8 +179,9 @@ pub(super) struct CkptWrite {
 /// The outcome of the checkpoint writes in flight.
 #[derive(Default)]
 pub(super) struct CkptDone {
-    /// Set by the writer, taken by `end_checkpoint`.
-    result: Option<std::result::Result<(), String>>,
+    /// Set by the writer (the checkpoint's device blocks, or the error),
+    /// taken by `end_checkpoint`.
+    result: Option<std::result::Result<u64, String>>,
     /// Checkpoint writes finished so far (for callers that only wait).
     writes_done: u64,
 }
@@ -189,7 +190,7 @@ pub(super) struct CkptDone {
 /// panics included, so that nobody waits for it forever.
 struct Outcome<'a> {
     store: &'a LogStore,
-    result: Option<std::result::Result<(), String>>,
+    result: Option<std::result::Result<u64, String>>,
 }
 
 impl Drop for Outcome<'_> {
@@ -331,7 +332,8 @@ impl LogStore {
         o.result = Some(self.write_checkpoint(w).map_err(|e| e.to_string()));
     }
 
-    fn write_checkpoint(&self, w: CkptWrite) -> Result<()> {
+    /// Returns the checkpoint's size in device blocks.
+    fn write_checkpoint(&self, w: CkptWrite) -> Result<u64> {
         self.write_sealed(false)?;
         self.wait_written(w.target)?;
         self.flush_written()?;
@@ -341,9 +343,7 @@ impl LogStore {
             .iter()
             .map(|(i, v, s, g, x)| (*i, *v, *s, *g, x));
         let segs = w.snap.segs.iter().map(|(s, l, b)| (*s, *l, &b[..]));
-        let blocks = self.write_ckpt(comps, segs, w.hdr, w.base)?;
-        *lock(&self.ckpt_blocks) = blocks;
-        Ok(())
+        self.write_ckpt(comps, segs, w.hdr, w.base)
     }
 
     /// Writes a checkpoint to the slot at `base`: the body, flush, then
@@ -414,13 +414,9 @@ impl LogStore {
                 d = self.ckpt_landed.wait(d).unwrap_or_else(|e| e.into_inner());
             }
         };
-        if let Err(msg) = outcome {
-            // The writer poisoned the store already.
-            return Err(StoreError::Io(io::Error::other(format!(
-                "checkpoint failed: {msg}"
-            ))));
-        }
-        let blocks = std::mem::take(&mut *lock(&self.ckpt_blocks));
+        // On an error the writer poisoned the store already.
+        let blocks = outcome
+            .map_err(|msg| StoreError::Io(io::Error::other(format!("checkpoint failed: {msg}"))))?;
         self.made_current(st, c, blocks);
         Ok(())
     }

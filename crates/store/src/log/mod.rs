@@ -390,8 +390,6 @@ pub struct LogStore {
     /// by their writer; `ckpt_landed` signals it.
     ckpt_done: Mutex<checkpoint::CkptDone>,
     ckpt_landed: Condvar,
-    /// Device blocks of the checkpoint just written (its writer sets it).
-    ckpt_blocks: Mutex<u64>,
     /// Tests: how long the background cleaner waits between reading its
     /// victim and moving its blocks, in microseconds (0: not at all).
     #[cfg(test)]
@@ -726,7 +724,6 @@ impl LogStore {
             flush_lock: Mutex::new(()),
             ckpt_done: Mutex::default(),
             ckpt_landed: Condvar::new(),
-            ckpt_blocks: Mutex::new(0),
             #[cfg(test)]
             cleaner_pause_us: AtomicU64::new(0),
             #[cfg(test)]
