@@ -309,6 +309,10 @@ pub async fn up(a: UpArgs) -> Result<()> {
     for n in &cluster.nodes {
         println!("  nbd://{}/demo", n.nbd);
     }
+    println!("and, for clients on this host, on each node's Unix socket:");
+    let sock = cluster.nodes[0].dir.join("nbd.sock");
+    let sock = std::path::absolute(&sock).unwrap_or(sock);
+    println!("  nbd+unix:///demo?socket={}", sock.display());
     println!();
     println!("Try:");
     println!("  nbdinfo nbd://{nbd1}/demo");

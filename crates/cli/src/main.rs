@@ -131,7 +131,7 @@ enum VolumeCmd {
 #[derive(Args)]
 struct NodeArgs {
     /// Optional TOML file with the same keys as the flags (id, data,
-    /// device = ["PATH:SIZE"], peer, nbd, api, join, fault_domain,
+    /// device = ["PATH:SIZE"], peer, nbd, nbd_socket, api, join, fault_domain,
     /// scrub_mib_per_s, scrub_interval_h).
     #[arg(long)]
     config: Option<PathBuf>,
@@ -153,6 +153,11 @@ struct NodeArgs {
     /// NBD address.
     #[arg(long)]
     nbd: Option<String>,
+    /// NBD also on this Unix socket, for clients on this host
+    /// (`nbd+unix:///VOLUME?socket=PATH`): no TCP stack on either side.
+    /// Default DATA/nbd.sock; "none" serves NBD over TCP only.
+    #[arg(long)]
+    nbd_socket: Option<String>,
     /// HTTP API address.
     #[arg(long)]
     api: Option<String>,
@@ -184,6 +189,7 @@ struct NodeFile {
     device: Vec<String>,
     peer: Option<String>,
     nbd: Option<String>,
+    nbd_socket: Option<String>,
     api: Option<String>,
     join: Option<String>,
     fault_domain: Option<String>,
@@ -244,6 +250,11 @@ fn node_config(a: NodeArgs) -> Result<NodeConfig> {
         devices,
         peer_addr: a.peer.or(f.peer).unwrap_or_else(|| "127.0.0.1:9500".into()),
         nbd_addr: a.nbd.or(f.nbd).unwrap_or_else(|| "127.0.0.1:10809".into()),
+        nbd_socket: match a.nbd_socket.or(f.nbd_socket).as_deref() {
+            None => shoal_node::NbdSocket::Default(data.join("nbd.sock")),
+            Some("none") => shoal_node::NbdSocket::None,
+            Some(p) => shoal_node::NbdSocket::Path(PathBuf::from(p)),
+        },
         api_addr: a.api.or(f.api).unwrap_or_else(|| "127.0.0.1:9400".into()),
         join: a.join.or(f.join),
         fault_domain: a.fault_domain.or(f.fault_domain),

@@ -765,6 +765,102 @@ fn nbdinfo_list_and_errors() {
     c.verify_copies("alpha");
 }
 
+/// The same volume through a node's Unix socket (a client on the node's
+/// host) and through TCP on another node; wrong export names refused; a
+/// socket file left by a node killed with -9 replaced at its restart.
+#[test]
+fn unix_socket_serves_local_clients() {
+    let _t = Timed::start("unix_socket_serves_local_clients");
+    require("nbdinfo");
+    require("qemu-io");
+    let c = start_volume(27, "vol", "64M");
+
+    let info = nbdinfo_json(&[&c.unix_uri(1, "vol")]);
+    assert_eq!(
+        info["exports"][0]["export-size"].as_u64(),
+        Some(64 * MIB),
+        "{info}"
+    );
+    let names = export_names(&nbdinfo_json(&[
+        "--list",
+        &format!(
+            "nbd+unix:///?socket={}",
+            c.node_dir(2).join("nbd.sock").display()
+        ),
+    ]));
+    assert_eq!(
+        names,
+        vec!["vol".to_string()],
+        "listing over node 2's socket"
+    );
+    let bad = run(Command::new("nbdinfo").arg(c.unix_uri(1, "nosuch")));
+    assert!(
+        !bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("nosuch"),
+        "an unknown export over the socket:\n{}",
+        show(&bad)
+    );
+
+    // Written over one node's socket, read over TCP elsewhere, and back.
+    qemu_io(&c.unix_uri(1, "vol"), &["write -P 0x5a 1M 256k", "flush"]);
+    qemu_io(
+        &c.uri(3, "vol"),
+        &["read -P 0x5a 1M 256k", "write -P 0xa5 8M 64k"],
+    );
+    qemu_io(
+        &c.unix_uri(2, "vol"),
+        &["read -P 0xa5 8M 64k", "read -P 0x5a 1M 256k"],
+    );
+
+    // kill -9 leaves the socket file; the restarted node replaces it.
+    let sock = c.node_dir(2).join("nbd.sock");
+    c.signal(2, "KILL");
+    wait_gone(c.pid(2));
+    assert!(sock.exists(), "the killed node's socket file is gone");
+    c.up();
+    c.wait_healthy("vol", HEALTHY);
+    qemu_io(&c.unix_uri(2, "vol"), &["read -P 0xa5 8M 64k"]);
+
+    // A node asked to serve a socket another node serves does not start.
+    let out = run(Command::new(common::shoal_bin()).args([
+        "node",
+        "--id",
+        "9",
+        "--data",
+        &c.data.join("node9").display().to_string(),
+        "--peer",
+        &format!("{}.9:9500", c.net),
+        "--nbd",
+        &format!("{}.9:10809", c.net),
+        "--api",
+        &format!("{}.9:9400", c.net),
+        "--nbd-socket",
+        &sock.display().to_string(),
+    ]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("served by another process"),
+        "a second node on a live socket:\n{}",
+        show(&out)
+    );
+    qemu_io(&c.unix_uri(2, "vol"), &["read -P 0x5a 1M 256k"]);
+    c.verify_copies("vol");
+}
+
+/// Waits until process `pid` is gone (or a zombie nobody reaped yet).
+fn wait_gone(pid: i32) {
+    let t0 = Instant::now();
+    let alive = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            s.rsplit_once(')')
+                .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
+        })
+    };
+    while alive() {
+        assert!(t0.elapsed() < HEALTHY, "process {pid} did not end");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 // ---------------------------------------------------------------------------
 // 5. nbdcopy
 

@@ -14,7 +14,7 @@ pub mod mem;
 mod server;
 
 pub use codec::*;
-pub use server::{serve, serve_connection};
+pub use server::{serve, serve_connection, Conn, Listener};
 
 /// Error an export reports for one request; mapped onto the NBD error field.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]

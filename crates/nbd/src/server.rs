@@ -11,8 +11,7 @@ use bytes::{Bytes, BytesMut};
 use futures::stream::{FuturesUnordered, StreamExt};
 use futures::FutureExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
-use tokio::net::tcp::OwnedWriteHalf;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{mpsc, Semaphore};
 use tracing::{debug, warn};
 
@@ -37,11 +36,73 @@ const MAX_BATCH_BYTES: usize = 4 * 1024 * 1024;
 const HANDSHAKE_FLAGS: u16 = NBD_FLAG_FIXED_NEWSTYLE | NBD_FLAG_NO_ZEROES;
 const KNOWN_CLIENT_FLAGS: u32 = NBD_FLAG_C_FIXED_NEWSTYLE | NBD_FLAG_C_NO_ZEROES;
 
+/// A byte stream the protocol runs over: TCP, or a Unix socket for a
+/// client on the server's own host (a hyperconverged node's virtual
+/// machines), which skips the TCP stack on both sides.
+pub trait Conn: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+    type Reader: AsyncRead + Unpin + Send + 'static;
+    type Writer: AsyncWrite + Unpin + Send + 'static;
+    /// Owned halves, so that requests are read while replies are written.
+    fn into_halves(self) -> (Self::Reader, Self::Writer);
+    /// Socket options before the handshake.
+    fn prepare(&self) {}
+}
+
+impl Conn for TcpStream {
+    type Reader = tokio::net::tcp::OwnedReadHalf;
+    type Writer = tokio::net::tcp::OwnedWriteHalf;
+    fn into_halves(self) -> (Self::Reader, Self::Writer) {
+        self.into_split()
+    }
+    fn prepare(&self) {
+        // Replies are coalesced by the writer: Nagle would only delay them.
+        if let Err(e) = self.set_nodelay(true) {
+            debug!(error = %e, "set_nodelay failed");
+        }
+    }
+}
+
+impl Conn for UnixStream {
+    type Reader = tokio::net::unix::OwnedReadHalf;
+    type Writer = tokio::net::unix::OwnedWriteHalf;
+    fn into_halves(self) -> (Self::Reader, Self::Writer) {
+        self.into_split()
+    }
+}
+
+/// Where connections come from: a TCP or a Unix-socket listener.
+pub trait Listener: Send {
+    type Conn: Conn;
+    /// The next connection and a name of its peer for the logs.
+    fn accept(&self) -> impl Future<Output = io::Result<(Self::Conn, String)>> + Send;
+}
+
+impl Listener for TcpListener {
+    type Conn = TcpStream;
+    async fn accept(&self) -> io::Result<(TcpStream, String)> {
+        let (s, peer) = TcpListener::accept(self).await?;
+        Ok((s, peer.to_string()))
+    }
+}
+
+impl Listener for UnixListener {
+    type Conn = UnixStream;
+    async fn accept(&self) -> io::Result<(UnixStream, String)> {
+        let (s, _) = UnixListener::accept(self).await?;
+        // Unix-socket clients are unnamed; the credentials say who it is.
+        let peer = match s.peer_cred() {
+            Ok(c) => format!("unix:pid={}", c.pid().unwrap_or(0)),
+            Err(_) => "unix".to_string(),
+        };
+        Ok((s, peer))
+    }
+}
+
 /// Accept loop: one task per connection; returns when `shutdown` resolves.
 /// Errors of one connection are logged (tracing) and never stop the loop.
 /// Connections already accepted keep running after `serve` returns.
-pub async fn serve<E: Exports>(
-    listener: TcpListener,
+pub async fn serve<L: Listener, E: Exports>(
+    listener: L,
     exports: Arc<E>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> io::Result<()> {
@@ -71,13 +132,11 @@ pub async fn serve<E: Exports>(
 }
 
 /// Serve one already-accepted connection (used by serve and tests).
-pub async fn serve_connection<E: Exports>(
-    mut stream: TcpStream,
+pub async fn serve_connection<S: Conn, E: Exports>(
+    mut stream: S,
     exports: Arc<E>,
 ) -> Result<(), NbdError> {
-    if let Err(e) = stream.set_nodelay(true) {
-        debug!(error = %e, "set_nodelay failed");
-    }
+    stream.prepare();
     let export = match handshake(&mut stream, &*exports).await? {
         Some(export) => export,
         None => return Ok(()),
@@ -122,8 +181,8 @@ async fn discard<R: AsyncRead + Unpin>(r: &mut R, n: u64) -> io::Result<()> {
 
 /// Fixed newstyle handshake and option haggling. `Ok(None)`: the client
 /// aborted cleanly (NBD_OPT_ABORT).
-async fn handshake<E: Exports>(
-    stream: &mut TcpStream,
+async fn handshake<S: AsyncRead + AsyncWrite + Unpin, E: Exports>(
+    stream: &mut S,
     exports: &E,
 ) -> Result<Option<E::Export>, NbdError> {
     stream
@@ -363,8 +422,8 @@ fn check_request(req: &Request, size: u64) -> Result<(), u32> {
     }
 }
 
-async fn transmission<X: Export>(stream: TcpStream, export: Arc<X>) -> Result<(), NbdError> {
-    let (read_half, write_half) = stream.into_split();
+async fn transmission<S: Conn, X: Export>(stream: S, export: Arc<X>) -> Result<(), NbdError> {
+    let (read_half, write_half) = stream.into_halves();
     let mut reader = BufReader::with_capacity(256 * 1024, read_half);
     let (tx, rx) = mpsc::channel::<Answer>(MAX_IN_FLIGHT);
     let writer = tokio::spawn(writer_loop(write_half, rx));
@@ -537,7 +596,10 @@ fn answer(req: Request, result: Result<Option<Bytes>, IoError>) -> Reply {
 /// their replies in completion order, coalescing whatever is ready into one
 /// vectored write (reply header and read payload together). Ends when the
 /// reader is gone and every answer was sent.
-async fn writer_loop(mut w: OwnedWriteHalf, mut rx: mpsc::Receiver<Answer>) -> io::Result<()> {
+async fn writer_loop<W: AsyncWrite + Unpin>(
+    mut w: W,
+    mut rx: mpsc::Receiver<Answer>,
+) -> io::Result<()> {
     let mut chunks: Vec<Bytes> = Vec::with_capacity(MAX_BATCH_CHUNKS * 2);
     let mut pending: FuturesUnordered<Answer> = FuturesUnordered::new();
     let mut reading = true;

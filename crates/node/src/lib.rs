@@ -112,6 +112,9 @@ pub struct NodeConfig {
     pub peer_addr: String,
     /// `ip:port` of the NBD server.
     pub nbd_addr: String,
+    /// The NBD server's Unix socket, for clients on this host.
+    #[serde(default)]
+    pub nbd_socket: NbdSocket,
     /// `ip:port` of the HTTP API.
     pub api_addr: String,
     /// API address of any member, to join an existing cluster.
@@ -121,6 +124,37 @@ pub struct NodeConfig {
     /// Background scrubbing of the devices.
     #[serde(default)]
     pub scrub: scrub::ScrubConfig,
+}
+
+/// Where the node serves NBD to clients on its own host.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NbdSocket {
+    /// TCP only.
+    #[default]
+    None,
+    /// The default path: a socket that cannot be made there (a path too
+    /// long for a socket address, a read-only folder) is logged, and the
+    /// node serves TCP only.
+    Default(PathBuf),
+    /// A path asked for: failing to listen there fails the start.
+    Path(PathBuf),
+}
+
+/// Listens on `path`, replacing a socket file left by a node that died
+/// (nothing answers on it), never one a live process serves.
+fn bind_unix(path: &Path) -> Result<tokio::net::UnixListener> {
+    use std::os::unix::fs::FileTypeExt;
+    if let Ok(m) = std::fs::symlink_metadata(path) {
+        if !m.file_type().is_socket() {
+            bail!("{} exists and is not a socket", path.display());
+        }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            bail!("{} is served by another process", path.display());
+        }
+        std::fs::remove_file(path)
+            .with_context(|| format!("removing the stale socket {}", path.display()))?;
+    }
+    tokio::net::UnixListener::bind(path).with_context(|| format!("listening on {}", path.display()))
 }
 
 /// What a data folder remembers about the node that owns it.
@@ -243,6 +277,17 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
     let nbd_l = tokio::net::TcpListener::bind(&cfg.nbd_addr)
         .await
         .with_context(|| format!("NBD address {}", cfg.nbd_addr))?;
+    let nbd_unix = match &cfg.nbd_socket {
+        NbdSocket::None => None,
+        NbdSocket::Path(p) => Some((bind_unix(p).context("NBD socket")?, p.clone())),
+        NbdSocket::Default(p) => match bind_unix(p) {
+            Ok(l) => Some((l, p.clone())),
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "NBD over TCP only");
+                None
+            }
+        },
+    };
 
     let dir = Directory::open(DirectoryConfig {
         node_id: cfg.id,
@@ -426,7 +471,26 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
             _ = term.recv() => {},
         }
     };
+    let (stop_unix, unix_stopped) = tokio::sync::watch::channel(());
+    if let Some((l, path)) = nbd_unix {
+        println!(
+            "shoal node {} serves nbd+unix:///VOLUME?socket={}",
+            cfg.id,
+            path.display()
+        );
+        let (exports, mut stopped) = (exports.clone(), unix_stopped);
+        tokio::spawn(async move {
+            let stop = async move {
+                let _ = stopped.changed().await;
+            };
+            if let Err(e) = shoal_nbd::serve(l, exports, stop).await {
+                tracing::error!(error = %e, "NBD socket server failed");
+            }
+            let _ = std::fs::remove_file(&path);
+        });
+    }
     shoal_nbd::serve(nbd_l, exports, shutdown).await?;
+    let _ = stop_unix.send(());
     tracing::info!("shutting down");
     dir.shutdown().await;
     Ok(())

@@ -131,6 +131,14 @@ impl Cluster {
         format!("nbd://{}.{node}:10809/{volume}", self.net)
     }
 
+    /// The volume's URI on the node's Unix socket (clients on its host).
+    pub fn unix_uri(&self, node: u32, volume: &str) -> String {
+        format!(
+            "nbd+unix:///{volume}?socket={}",
+            self.node_dir(node).join("nbd.sock").display()
+        )
+    }
+
     pub fn node_dir(&self, node: u32) -> PathBuf {
         self.data.join(format!("node{node}"))
     }
