@@ -546,3 +546,38 @@ where
         last.map(|e| e.to_string()).unwrap_or_default()
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn nbd_socket_replaces_a_stale_file_and_never_a_live_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nbd.sock");
+
+        // A socket file nobody answers on (its node was killed): replaced.
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        assert!(path.exists());
+        let live = bind_unix(&path).expect("a stale socket is replaced");
+
+        // One a live listener answers on: refused, and left in place.
+        let err = format!("{:#}", bind_unix(&path).unwrap_err());
+        assert!(err.contains("served by another process"), "{err}");
+        assert!(path.exists());
+        let client = tokio::net::UnixStream::connect(&path).await;
+        assert!(client.is_ok(), "the live listener still answers");
+        drop(live);
+
+        // Not a socket: refused, and the file is untouched.
+        let file = dir.path().join("data");
+        std::fs::write(&file, b"keep").unwrap();
+        let err = format!("{:#}", bind_unix(&file).unwrap_err());
+        assert!(err.contains("not a socket"), "{err}");
+        assert_eq!(std::fs::read(&file).unwrap(), b"keep");
+
+        // A path too long for a socket address: a clear error.
+        let long = dir.path().join("x".repeat(120));
+        assert!(bind_unix(&long).is_err());
+    }
+}
