@@ -76,6 +76,11 @@ struct Shared {
     event: AsyncFd<OwnedFd>,
 }
 
+/// Rings set up with `IORING_SETUP_COOP_TASKRUN`; `SHOAL_RING_COOP=0`
+/// turns it off (for measuring).
+static COOP: std::sync::LazyLock<bool> =
+    std::sync::LazyLock::new(|| crate::env_knob("SHOAL_RING_COOP", 1u8) != 0);
+
 /// A device's read ring. Dropping it stops the reaper once nothing is in
 /// flight.
 pub struct ReadRing {
@@ -90,7 +95,22 @@ impl ReadRing {
     /// A ring reading `dev_fd`, reaped on the current runtime; `keep`
     /// (the store) holds `dev_fd` open, and is held as long as the ring is.
     pub fn start(dev_fd: RawFd, keep: Arc<dyn Send + Sync>) -> io::Result<ReadRing> {
-        let ring = IoUring::new(DEPTH)?;
+        let ring = if *COOP {
+            // Completions run when this thread next enters the kernel (it
+            // does so for every request anyway), or wake it from its
+            // wait, instead of interrupting it in user space for each
+            // one. A/B, 10 rounds of 4K reads at QD32 in two orders:
+            // medians 60.0k and 60.1k IOPS against 58.7k and 58.4k, and
+            // 12.5–13.0 µs of the runtime thread per read against
+            // 13.2–16.7. Kernels before 5.19 refuse the flag: a plain
+            // ring then.
+            IoUring::builder()
+                .setup_coop_taskrun()
+                .build(DEPTH)
+                .or_else(|_| IoUring::new(DEPTH))?
+        } else {
+            IoUring::new(DEPTH)?
+        };
         // SAFETY: plain system call; the result is checked.
         let efd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
         if efd < 0 {
