@@ -3,7 +3,8 @@
 //! replication or the cluster: it serves whatever implements `Exports`.
 //!
 //! * [`codec`]: constants and pure encode/decode functions (re-exported at the root).
-//! * [`serve`] / [`serve_connection`]: the server (fixed newstyle only, simple replies only).
+//! * [`serve`] / [`serve_connection`]: the server (fixed newstyle only, simple replies only),
+//!   over TCP or a Unix socket ([`Listener`], [`Conn`]).
 //! * [`mem`]: an in-memory [`Exports`] implementation for tests and examples.
 
 use std::future::Future;
