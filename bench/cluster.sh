@@ -256,6 +256,65 @@ if rows:
     for r in rows:
         p(r)
 
+def disk(job, t):
+    """What the disk did during one fio run (ramp included), from the
+    /proc/diskstats counters recorded before and after it."""
+    f = os.path.join(out, f"{job}__{t}.disk")
+    if not os.path.exists(f):
+        return None
+    rows = [l.split() for l in open(f) if l.strip()]
+    if len(rows) != 2 or len(rows[0]) < 12 or len(rows[0]) != len(rows[1]):
+        return None
+    a, b = [[int(x) for x in r] for r in rows]
+    d = [y - x for x, y in zip(a, b)]
+    secs = d[0] / 1e9
+    if secs <= 0:
+        return None
+    # fields after the time: reads, merged, sectors, ms, writes, merged,
+    # sectors, ms, in flight, io ms, weighted ms, [discards x4], [flushes, ms]
+    flushes = d[16] if len(d) >= 18 else None
+    # An fdatasync reaches the disk as an empty write carrying the flush,
+    # counted with the writes: those are taken out, so writes/s and the
+    # write size are the writes that carry data.
+    w = max(d[5] - (flushes or 0), 0)
+    r = {"r_s": d[1] / secs, "r_await": d[4] / d[1] if d[1] else None,
+         "w_s": w / secs, "w_await": d[8] / d[5] if d[5] else None,
+         "wkib": d[7] / 2 / w if w else 0, "qd": d[11] / 1000 / secs,
+         "f_s": None, "f_await": None}
+    if flushes is not None:
+        r["f_s"] = flushes / secs
+        r["f_await"] = d[17] / flushes if flushes else None
+    return r
+
+
+def ms(x):
+    return "–" if x is None else f"{x:.2f} ms"
+
+
+drows = []
+for j, label, kind in jobs:
+    for t in targets:
+        r = disk(j, t)
+        if r is None:
+            continue
+        flushes = "–" if r["f_s"] is None else f"{r['f_s']:,.0f}"
+        drows.append(f"| {j} | {t} | {r['r_s']:,.0f} | {ms(r['r_await'])} | {r['w_s']:,.0f} | "
+                     f"{r['wkib']:,.0f} KiB | {ms(r['w_await'])} | {flushes} | "
+                     f"{ms(r['f_await'])} | {r['qd']:.1f} |")
+if drows:
+    p()
+    p("## The disk during each job (/proc/diskstats, ramp included)")
+    p()
+    p("All three targets share this disk. Queue depth is the mean number of requests the disk")
+    p("held: a target that keeps fewer reads there than the raw file gets fewer IOPS from it.")
+    p("Writes are those carrying data (an fdatasync's empty write is counted under flushes);")
+    p("nbdkit's file plugin writes to the page cache, so its rows show little or no disk work.")
+    p()
+    p("| Job | Target | reads/s | read await | writes/s | write size | write await | flushes/s | flush await | queue depth |")
+    p("|---|---|---|---|---|---|---|---|---|---|")
+    for r in drows:
+        p(r)
+
 notes = os.path.join(out, "notes.txt")
 if os.path.exists(notes):
     p()
@@ -408,7 +467,9 @@ run_fio() {
   local name="$1" to="$2"; shift 2
   printf 'fio %s\n' "$*" >"$OUT/$name.cmd"
   local rc=0
+  disk_snap >"$OUT/$name.disk"
   timeout --kill-after=10 "$to" fio --output-format=json "$@" >"$OUT/$name.raw" 2>"$OUT/$name.err" || rc=$?
+  disk_snap >>"$OUT/$name.disk"
   # The nbd engine prints "fio: connected to NBD server" before the JSON.
   local pyrc=0
   python3 - "$OUT/$name.raw" "$OUT/$name.json" <<'PY' || pyrc=$?
@@ -429,6 +490,20 @@ PY
     [ "$rc" = 124 ] && note "$name: fio did not finish within ${to}s and was killed (stall?)"
     return 1
   fi
+}
+
+# The disk under BENCH_DIR (all three targets use it), as /proc/diskstats
+# names it: each fio run records its counters before and after, and the
+# report shows what the disk did (queue depth, awaits, flushes).
+DISK=""
+if src=$(df --output=source "$BENCH_DIR" 2>/dev/null | tail -n 1) && [ -b "$src" ]; then
+  DISK=$(basename "$(readlink -f "$src")")
+  grep -qw "$DISK" /proc/diskstats || DISK=""
+fi
+# disk_snap: "NANOSECONDS DISKSTATS-FIELDS..." of $DISK (nothing if unknown).
+disk_snap() {
+  [ -n "$DISK" ] || return 0
+  awk -v d="$DISK" -v t="$(date +%s%N)" '$3 == d { $1 = t; $2 = ""; $3 = ""; print; exit }' /proc/diskstats
 }
 
 TIMED=(--time_based "--runtime=$RUNTIME" "--ramp_time=$RAMP")
