@@ -34,7 +34,7 @@ SPAN="${SPAN:-2G}"
 RUNS="${RUNS:-3}"
 RUNTIME="${RUNTIME:-10}"
 RAMP="${RAMP:-2}"
-JOBS="${JOBS:-4k-randwrite 4k-randwrite-pipeline 4k-randread 1m-seqwrite 512k-seqread-scattered}"
+JOBS="${JOBS:-4k-randwrite 4k-randwrite-pipeline 4k-randread 4k-randread-ring 1m-seqwrite 512k-seqread-scattered}"
 RECOVERY="${RECOVERY:-1}"
 RECOVERY_GIB="${RECOVERY_GIB:-1}"
 KEEP="${KEEP:-0}"
@@ -57,6 +57,7 @@ job_spec() {
     4k-randwrite) echo "randwrite --bs 4k --qd 32|--rw=randwrite --bs=4k --iodepth=32 --fdatasync=32|0.80|iops" ;;
     4k-randwrite-pipeline) echo "randwrite --bs 4k --qd 32 --driver pipeline|--rw=randwrite --bs=4k --iodepth=32 --fdatasync=32|0.80|iops" ;;
     4k-randread) echo "randread --bs 4k --qd 32 --fill seq|--rw=randread --bs=4k --iodepth=32|0.80|iops" ;;
+    4k-randread-ring) echo "randread --bs 4k --qd 32 --fill seq --driver ring|--rw=randread --bs=4k --iodepth=32|0.80|iops" ;;
     1m-seqwrite) echo "seqwrite --bs 1M --qd 8|--rw=write --bs=1M --iodepth=8 --fdatasync=8|0.90|mib_s" ;;
     512k-seqread-scattered) echo "seqread --bs 512k --qd 8 --fill random --span 1G|--rw=read --bs=512k --iodepth=8|-|mib_s" ;;
     *) echo "unknown job $1" >&2; exit 2 ;;
@@ -86,7 +87,7 @@ for f in sorted(glob.glob(os.path.join(d, "*.json"))):
     else:
         v = j
     rows.setdefault(job, {}).setdefault(target, []).append(v)
-spec = {"4k-randwrite": ("iops", 0.80), "4k-randwrite-pipeline": ("iops", 0.80), "4k-randread": ("iops", 0.80),
+spec = {"4k-randwrite": ("iops", 0.80), "4k-randwrite-pipeline": ("iops", 0.80), "4k-randread": ("iops", 0.80), "4k-randread-ring": ("iops", 0.80),
         "1m-seqwrite": ("mib_s", 0.90), "512k-seqread-scattered": ("mib_s", None)}
 med = lambda xs: statistics.median(xs) if xs else float("nan")
 print("| job | store | fio | store/fio | target | met | runs | store writes/flush |")
