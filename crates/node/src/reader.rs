@@ -146,6 +146,12 @@ impl Reader {
         })
     }
 
+    /// Whether reads go through a ring set up with
+    /// `IORING_SETUP_DEFER_TASKRUN` (a runtime of one worker).
+    pub fn deferred_ring(&self) -> bool {
+        matches!(&self.mode, Mode::Ring { ring, .. } if ring.deferred())
+    }
+
     /// Whether reads go through a ring on the runtime.
     pub fn on_ring(&self) -> bool {
         matches!(self.mode, Mode::Ring { .. })
@@ -207,6 +213,11 @@ async fn read_on_ring(
     let mut buf = BytesMut::zeroed(len);
     fn one(id: ComponentId, offset: u64, buf: &mut [u8]) -> [ReadReq<'_>; 1] {
         [ReadReq { id, offset, buf }]
+    }
+    if !ring.here() {
+        // Not the ring's thread (see `ReadRing::here`): the plain way.
+        store.read(component, offset, &mut buf[..])?;
+        return Ok(buf.freeze());
     }
     let plan = store.plan_reads(&mut one(component, offset, &mut buf[..]));
     let (plan, read) = if plan.device_reads() == 0 {
@@ -338,6 +349,57 @@ mod tests {
         reads_return_their_own_data(true).await;
     }
 
+    /// A runtime of one worker gets a deferred ring (on kernels that
+    /// have it): reads spawned on the worker go through it, and a read
+    /// from another thread (this test's own, which is not the worker)
+    /// is done the plain way, with the same data.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn deferred_ring_reads_return_their_own_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(dir.path());
+        let r = Reader::start(store.clone(), "t").unwrap();
+        if store.ring_fd().is_some() && crate::ring::kernel_at_least(6, 2) {
+            assert!(r.deferred_ring(), "one worker, a recent kernel: deferred");
+        }
+        let r = Arc::new(r);
+        let before = store.read_counters();
+        let mut tasks = Vec::new();
+        for i in 0..64u64 {
+            let r = r.clone();
+            tasks.push(tokio::spawn(async move {
+                let d = r.read(1, i * 8192, 8192).await.unwrap();
+                assert!(d.iter().all(|&b| b == i as u8 + 1), "read {i}");
+            }));
+        }
+        for t in tasks {
+            // A ring that never reaps would hang here: fail instead.
+            tokio::time::timeout(std::time::Duration::from_secs(20), t)
+                .await
+                .expect("a read on the deferred ring never completed")
+                .unwrap();
+        }
+        assert!(
+            store.read_counters().0 > before.0,
+            "reads went to the device"
+        );
+        // This thread is not the ring's: the plain way, the same data.
+        for i in [0u64, 17, 63] {
+            let d = r.read(1, i * 8192, 8192).await.unwrap();
+            assert!(
+                d.iter().all(|&b| b == i as u8 + 1),
+                "read {i} off the worker"
+            );
+        }
+        let d = r.read(1, 64 * 8192, 8192).await.unwrap();
+        assert!(d.iter().all(|&b| b == 65), "the block still in memory");
+    }
+
+    /// A current-thread runtime: everything runs on the ring's thread.
+    #[tokio::test]
+    async fn current_thread_ring_reads_return_their_own_data() {
+        reads_return_their_own_data(true).await;
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn thread_reads_return_their_own_data() {
         reads_return_their_own_data(false).await;
@@ -348,6 +410,16 @@ mod tests {
     /// reads in flight stops without waiting on anyone.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn abandoned_reads_and_a_dropped_ring() {
+        abandoned_reads().await;
+    }
+
+    /// The same on a deferred ring (one worker).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn abandoned_reads_and_a_dropped_deferred_ring() {
+        abandoned_reads().await;
+    }
+
+    async fn abandoned_reads() {
         let dir = tempfile::tempdir().unwrap();
         let store = store(dir.path());
         let r = Arc::new(Reader::start(store.clone(), "t").unwrap());
