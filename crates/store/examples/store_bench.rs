@@ -526,6 +526,30 @@ struct RingSlot {
     t0: Instant,
 }
 
+/// Checks a ring read that is in and copies it into its slot's buffer;
+/// a bad block or a failed device read ends the benchmark.
+fn finish_slot(
+    s: &LogStore,
+    sl: &mut RingSlot,
+    plan: shoal_store::ReadPlan,
+    read: std::io::Result<()>,
+) {
+    let r = s.finish_reads(
+        plan,
+        read,
+        &mut [shoal_store::ReadReq {
+            id: COMP,
+            offset: sl.offset,
+            buf: &mut sl.buf,
+        }],
+    );
+    if let Some(Err(e)) = r.into_iter().next() {
+        die(&format!("read: {e}"));
+    }
+}
+
+/// Reads handed to the kernel one `io_uring_enter` each (the default), or,
+/// with `RING_BURST` set, all that are ready in one (for measuring).
 static SUBMIT_EACH: std::sync::LazyLock<bool> =
     std::sync::LazyLock::new(|| std::env::var("RING_BURST").is_err());
 
@@ -584,18 +608,7 @@ fn run_ring(o: &Opts, s: &LogStore, sequential: bool) -> Result_ {
             }]);
             if plan.device_reads() == 0 {
                 // Answered from memory: finish at once, refill next round.
-                let r = s.finish_reads(
-                    plan,
-                    Ok(()),
-                    &mut [shoal_store::ReadReq {
-                        id: COMP,
-                        offset: sl.offset,
-                        buf: &mut sl.buf,
-                    }],
-                );
-                if let Some(Err(e)) = r.into_iter().next() {
-                    die(&format!("read: {e}"));
-                }
+                finish_slot(s, sl, plan, Ok(()));
                 if measured_from.is_some() {
                     ops += 1;
                     lat.add(sl.t0.elapsed());
@@ -655,18 +668,7 @@ fn run_ring(o: &Opts, s: &LogStore, sequential: bool) -> Result_ {
             } else {
                 Ok(())
             };
-            let r = s.finish_reads(
-                plan,
-                read,
-                &mut [shoal_store::ReadReq {
-                    id: COMP,
-                    offset: sl.offset,
-                    buf: &mut sl.buf,
-                }],
-            );
-            if let Some(Err(e)) = r.into_iter().next() {
-                die(&format!("read: {e}"));
-            }
+            finish_slot(s, sl, plan, read);
             if measured_from.is_some() {
                 ops += 1;
                 lat.add(sl.t0.elapsed());
