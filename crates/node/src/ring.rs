@@ -78,18 +78,18 @@ struct State {
     /// Parts at the kernel (or queued for the next submission).
     at_kernel: usize,
     stop: bool,
-    /// Set up with `IORING_SETUP_DEFER_TASKRUN`: only `issuer` may
-    /// submit and reap.
-    deferred: bool,
-    /// The thread that enabled a deferred ring (the reaper's, on its first
-    /// run); none before that.
-    issuer: Option<std::thread::ThreadId>,
 }
 
 struct Shared {
     /// Keeps the device's descriptor open while the ring may use it.
     _keep: Arc<dyn Send + Sync>,
     dev_fd: RawFd,
+    /// Set up with `IORING_SETUP_DEFER_TASKRUN`: only `issuer` may
+    /// submit and reap.
+    deferred: bool,
+    /// The thread that enabled a deferred ring (the reaper's, on its first
+    /// run); unset before that. Read without the state lock on every read.
+    issuer: std::sync::OnceLock<std::thread::ThreadId>,
     state: Mutex<State>,
     event: AsyncFd<OwnedFd>,
 }
@@ -127,6 +127,14 @@ pub(crate) fn kernel_at_least(major: u32, minor: u32) -> bool {
         .map(|x| x.parse::<u32>().unwrap_or(0));
     let (a, b) = (it.next().unwrap_or(0), it.next().unwrap_or(0));
     (a, b) >= (major, minor)
+}
+
+impl Shared {
+    /// Whether the calling thread may submit to and reap the ring: any
+    /// thread for a plain ring, only the issuer for a deferred one.
+    fn may_use_here(&self) -> bool {
+        !self.deferred || self.issuer.get() == Some(&std::thread::current().id())
+    }
 }
 
 /// A device's read ring. Dropping it stops the reaper once nothing is in
@@ -194,6 +202,8 @@ impl ReadRing {
         let shared = Arc::new(Shared {
             _keep: keep,
             dev_fd,
+            deferred,
+            issuer: std::sync::OnceLock::new(),
             state: Mutex::new(State {
                 ring,
                 slots: Vec::new(),
@@ -201,8 +211,6 @@ impl ReadRing {
                 backlog: VecDeque::new(),
                 at_kernel: 0,
                 stop: false,
-                deferred,
-                issuer: None,
             }),
             event,
         });
@@ -212,15 +220,14 @@ impl ReadRing {
 
     /// Whether the ring was set up with `IORING_SETUP_DEFER_TASKRUN`.
     pub fn deferred(&self) -> bool {
-        lock(&self.shared.state).deferred
+        self.shared.deferred
     }
 
     /// Whether this thread may submit to the ring. A deferred ring takes
     /// submissions only from the thread that enabled it; a caller on any
     /// other thread (or before the reaper first ran) reads the plain way.
     pub fn here(&self) -> bool {
-        let st = lock(&self.shared.state);
-        !st.deferred || st.issuer == Some(std::thread::current().id())
+        self.shared.may_use_here()
     }
 
     /// Submits the device reads of `plan` (which has some) at once. The
@@ -236,7 +243,7 @@ impl ReadRing {
         if st.stop {
             return Err(io::Error::other("device read ring stopped"));
         }
-        if st.deferred && st.issuer != Some(std::thread::current().id()) {
+        if !self.shared.may_use_here() {
             return Err(io::Error::new(
                 io::ErrorKind::WouldBlock,
                 "device read ring: not its thread",
@@ -343,19 +350,16 @@ fn push_backlog(st: &mut State, dev_fd: RawFd) -> io::Result<()> {
 /// Reaps completions whenever the eventfd fires and answers the reads
 /// that are complete.
 async fn reap(sh: Arc<Shared>) {
-    {
-        let mut st = lock(&sh.state);
-        if st.deferred {
-            // This thread (the runtime's only worker) submits and reaps
-            // from now on.
-            match st.ring.submitter().register_enable_rings() {
-                Ok(()) => st.issuer = Some(std::thread::current().id()),
-                Err(e) => {
-                    // Nothing was submitted: every read goes the plain
-                    // way (`here` stays false).
-                    tracing::warn!(error = %e, "device read ring: cannot enable");
-                }
+    if sh.deferred {
+        // This thread (the runtime's only worker) submits and reaps from
+        // now on.
+        match lock(&sh.state).ring.submitter().register_enable_rings() {
+            Ok(()) => {
+                let _ = sh.issuer.set(std::thread::current().id());
             }
+            // Nothing was submitted: every read goes the plain way
+            // (`here` stays false).
+            Err(e) => tracing::warn!(error = %e, "device read ring: cannot enable"),
         }
     }
     loop {
@@ -392,8 +396,8 @@ async fn reap(sh: Arc<Shared>) {
         let finished = {
             let mut st = lock(&sh.state);
             let st = &mut *st;
-            let deferred = st.deferred && st.issuer.is_some();
-            if deferred && st.issuer != Some(std::thread::current().id()) {
+            let deferred = sh.deferred && sh.issuer.get().is_some();
+            if deferred && !sh.may_use_here() {
                 // Cannot happen with one worker; the kernel would refuse
                 // the calls below, and reads would time out.
                 tracing::error!("device read ring reaped off its thread");
