@@ -210,16 +210,13 @@ async fn read_on_ring(
     offset: u64,
     len: usize,
 ) -> Result<Bytes, StoreError> {
-    let mut buf = BytesMut::zeroed(len);
-    fn one(id: ComponentId, offset: u64, buf: &mut [u8]) -> [ReadReq<'_>; 1] {
-        [ReadReq { id, offset, buf }]
-    }
     if !ring.here() {
         // Not the ring's thread (see `ReadRing::here`): the plain way.
-        store.read(component, offset, &mut buf[..])?;
-        return Ok(buf.freeze());
+        return read_plain(store, component, offset, len);
     }
-    let plan = store.plan_reads(&mut one(component, offset, &mut buf[..]));
+    // The answer is the plan's device buffer when the device serves the
+    // whole read (no zeroed buffer, no copy).
+    let (plan, answer) = store.plan_read(component, offset, len);
     let (plan, read) = if plan.device_reads() == 0 {
         (plan, Ok(()))
     } else {
@@ -233,13 +230,19 @@ async fn read_on_ring(
     {
         // A short read from the kernel: read it again the plain way.
         drop(plan);
-        store.read(component, offset, &mut buf[..])?;
-        return Ok(buf.freeze());
+        return read_plain(store, component, offset, len);
     }
-    store
-        .finish_reads(plan, read, &mut one(component, offset, &mut buf[..]))
-        .pop()
-        .unwrap_or_else(|| Err(StoreError::Io(io::Error::other("no read result"))))?;
+    store.finish_read(plan, read, answer)
+}
+
+fn read_plain(
+    store: &LogStore,
+    component: ComponentId,
+    offset: u64,
+    len: usize,
+) -> Result<Bytes, StoreError> {
+    let mut buf = BytesMut::zeroed(len);
+    store.read(component, offset, &mut buf[..])?;
     Ok(buf.freeze())
 }
 

@@ -80,10 +80,19 @@ struct State {
     stop: bool,
 }
 
+/// How reads name the device: registered with the ring (the kernel then
+/// skips looking the descriptor up and taking a reference to it for every
+/// read), or by its descriptor where registering was refused.
+#[derive(Clone, Copy)]
+enum DevFile {
+    Registered,
+    Fd(RawFd),
+}
+
 struct Shared {
     /// Keeps the device's descriptor open while the ring may use it.
     _keep: Arc<dyn Send + Sync>,
-    dev_fd: RawFd,
+    file: DevFile,
     /// Set up with `IORING_SETUP_DEFER_TASKRUN`: only `issuer` may
     /// submit and reap.
     deferred: bool,
@@ -195,13 +204,20 @@ impl ReadRing {
         // SAFETY: a new descriptor that nothing else owns.
         let efd = unsafe { OwnedFd::from_raw_fd(efd) };
         ring.submitter().register_eventfd(efd.as_raw_fd())?;
+        let file = match ring.submitter().register_files(&[dev_fd]) {
+            Ok(()) => DevFile::Registered,
+            Err(e) => {
+                tracing::debug!(error = %e, "device not registered with its read ring");
+                DevFile::Fd(dev_fd)
+            }
+        };
         // SAFETY: the eventfd is owned by the AsyncFd from here on, and
         // stays open (the same descriptor) until it is dropped.
         let event = unsafe { AsyncFd::register_with_interest(efd, tokio::io::Interest::READABLE) }
             .map_err(|e| io::Error::other(e.to_string()))?;
         let shared = Arc::new(Shared {
             _keep: keep,
-            dev_fd,
+            file,
             deferred,
             issuer: std::sync::OnceLock::new(),
             state: Mutex::new(State {
@@ -268,7 +284,7 @@ impl ReadRing {
         // On an error the entries stay queued (the reaper retries the
         // submission when a completion comes in); the caller gives up on
         // this read, whose plan stays here until the kernel is done.
-        push_backlog(&mut st, self.shared.dev_fd)?;
+        push_backlog(&mut st, self.shared.file)?;
         Ok(rx)
     }
 }
@@ -289,7 +305,7 @@ fn poke(efd: RawFd) {
 
 /// Moves backlog parts into the submission queue while the kernel has
 /// room for them, then submits.
-fn push_backlog(st: &mut State, dev_fd: RawFd) -> io::Result<()> {
+fn push_backlog(st: &mut State, file: DevFile) -> io::Result<()> {
     let mut pushed = false;
     while let Some(&slot) = st.backlog.front() {
         if st.at_kernel >= DEPTH as usize {
@@ -309,10 +325,13 @@ fn push_backlog(st: &mut State, dev_fd: RawFd) -> io::Result<()> {
         let mut sq = ring.submission();
         while p.sent < p.parts.len() && *at_kernel < DEPTH as usize && !sq.is_full() {
             let (off, ptr, len) = p.parts[p.sent];
-            let e = opcode::Read::new(types::Fd(dev_fd), ptr, len as u32)
-                .offset(off)
-                .build()
-                .user_data(((slot as u64) << 24) | p.sent as u64);
+            let e = match file {
+                DevFile::Registered => opcode::Read::new(types::Fixed(0), ptr, len as u32),
+                DevFile::Fd(fd) => opcode::Read::new(types::Fd(fd), ptr, len as u32),
+            }
+            .offset(off)
+            .build()
+            .user_data(((slot as u64) << 24) | p.sent as u64);
             // SAFETY: the buffer is the plan's, kept in this slot until the
             // completion of this entry is reaped.
             if unsafe { sq.push(&e) }.is_err() {
@@ -457,7 +476,7 @@ async fn reap(sh: Arc<Shared>) {
                 }
             }
             if !st.backlog.is_empty() {
-                let _ = push_backlog(st, sh.dev_fd);
+                let _ = push_backlog(st, sh.file);
             } else if !st.ring.submission().is_empty() {
                 // Left queued by a failed submission: try again.
                 let _ = st.ring.submit();

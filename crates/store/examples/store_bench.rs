@@ -23,8 +23,8 @@
 //!
 //! - `--driver ring` (read modes): the node's way of reading: one thread
 //!   keeps `--qd` reads in flight on an io_uring of its own. Each read is
-//!   located with `LogStore::plan_reads`, its device reads go into the
-//!   ring, and it is checked and copied out with `LogStore::finish_reads`
+//!   located with `LogStore::plan_read`, its device reads go into the
+//!   ring, and it is checked and answered with `LogStore::finish_read`
 //!   as soon as they complete; its slot is refilled at once.
 //!
 //! - `--driver pipeline` (write modes): the node's way instead of one
@@ -517,7 +517,9 @@ fn bench_read(o: &Opts, sequential: bool) {
 /// reads are in flight.
 struct RingSlot {
     offset: u64,
-    buf: Vec<u8>,
+    /// The answer to come (the store allocates it only when some block
+    /// is not read from the device), with the plan.
+    answer: Option<shoal_store::ReadAnswer>,
     plan: Option<shoal_store::ReadPlan>,
     /// Device reads not yet completed, and whether one failed or came
     /// back short.
@@ -526,24 +528,18 @@ struct RingSlot {
     t0: Instant,
 }
 
-/// Checks a ring read that is in and copies it into its slot's buffer;
-/// a bad block or a failed device read ends the benchmark.
+/// Checks a ring read that is in and answers it, as the node does; a bad
+/// block or a failed device read ends the benchmark.
 fn finish_slot(
     s: &LogStore,
     sl: &mut RingSlot,
     plan: shoal_store::ReadPlan,
     read: std::io::Result<()>,
 ) {
-    let r = s.finish_reads(
-        plan,
-        read,
-        &mut [shoal_store::ReadReq {
-            id: COMP,
-            offset: sl.offset,
-            buf: &mut sl.buf,
-        }],
-    );
-    if let Some(Err(e)) = r.into_iter().next() {
+    let Some(answer) = sl.answer.take() else {
+        die("a finished read without its answer")
+    };
+    if let Err(e) = s.finish_read(plan, read, answer) {
         die(&format!("read: {e}"));
     }
 }
@@ -568,7 +564,7 @@ fn run_ring(o: &Opts, s: &LogStore, sequential: bool) -> Result_ {
     let mut slots: Vec<RingSlot> = (0..o.qd)
         .map(|_| RingSlot {
             offset: 0,
-            buf: vec![0u8; bs],
+            answer: None,
             plan: None,
             left: 0,
             failed: false,
@@ -601,11 +597,8 @@ fn run_ring(o: &Opts, s: &LogStore, sequential: bool) -> Result_ {
             };
             sl.offset = b * o.bs;
             sl.t0 = Instant::now();
-            let mut plan = s.plan_reads(&mut [shoal_store::ReadReq {
-                id: COMP,
-                offset: sl.offset,
-                buf: &mut sl.buf,
-            }]);
+            let (mut plan, answer) = s.plan_read(COMP, sl.offset, bs);
+            sl.answer = Some(answer);
             if plan.device_reads() == 0 {
                 // Answered from memory: finish at once, refill next round.
                 finish_slot(s, sl, plan, Ok(()));

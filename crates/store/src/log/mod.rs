@@ -152,10 +152,26 @@ impl LogStats {
     }
 }
 
-/// A block [`LogStore::read_batch`] reads from the device: (request,
-/// block, byte offset in the block, length, offset in the request's
-/// buffer, device block, header block).
-type ToRead = (usize, u64, usize, usize, usize, u32, Option<u32>);
+/// A block [`LogStore::read_batch`] reads from the device.
+struct ToRead {
+    /// The request it belongs to.
+    r: usize,
+    /// Component and block.
+    id: u64,
+    block: u64,
+    /// The part of the block the request wants: byte offset in the block,
+    /// length, and offset in the request's buffer.
+    within: usize,
+    len: usize,
+    at: usize,
+    /// Device block, and the header block that describes it.
+    d: u32,
+    h: Option<u32>,
+    /// The header's entry for this block, copied at planning time when the
+    /// header was cached (`Some(None)`: no such entry); `None` while the
+    /// header is read with the data.
+    entry: Option<Option<DataRef>>,
+}
 
 /// One read of [`LogStore::read_batch`]: `buf.len()` bytes of component
 /// `id` at `offset`.
@@ -163,6 +179,53 @@ pub struct ReadReq<'a> {
     pub id: u64,
     pub offset: u64,
     pub buf: &'a mut [u8],
+}
+
+/// Where a plan puts what it finds without the device: the callers'
+/// buffers ([`ReadReq`]) or one answer the store allocates when a block
+/// first needs it ([`ReadAnswer`]).
+trait ReadTargets {
+    fn count(&self) -> usize;
+    /// (component, offset, length) of request `r`.
+    fn req(&self, r: usize) -> (u64, u64, usize);
+    /// Bytes `at..at + n` of request `r`'s answer.
+    fn out(&mut self, r: usize, at: usize, n: usize) -> &mut [u8];
+}
+
+impl ReadTargets for [ReadReq<'_>] {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    fn req(&self, r: usize) -> (u64, u64, usize) {
+        (self[r].id, self[r].offset, self[r].buf.len())
+    }
+    fn out(&mut self, r: usize, at: usize, n: usize) -> &mut [u8] {
+        &mut self[r].buf[at..at + n]
+    }
+}
+
+/// The answer of one read planned by [`LogStore::plan_read`]. Its buffer
+/// is allocated only when some block does not come from the device (an
+/// unwritten block, one still in memory); a read served wholly by the
+/// device answers with the plan's own device buffer, without a copy.
+pub struct ReadAnswer {
+    id: u64,
+    offset: u64,
+    len: usize,
+    buf: Option<Vec<u8>>,
+}
+
+impl ReadTargets for ReadAnswer {
+    fn count(&self) -> usize {
+        1
+    }
+    fn req(&self, _: usize) -> (u64, u64, usize) {
+        (self.id, self.offset, self.len)
+    }
+    fn out(&mut self, _: usize, at: usize, n: usize) -> &mut [u8] {
+        let len = self.len;
+        &mut self.buf.get_or_insert_with(|| vec![0; len])[at..at + n]
+    }
 }
 
 /// Reads located by [`LogStore::plan_reads`] whose device part is still to
@@ -1213,18 +1276,37 @@ impl LogStore {
         refs: Option<&[DataRef]>,
         data: &[u8],
     ) -> Result<()> {
+        let entry = match h.filter(|&h| h < d) {
+            Some(h) => refs.map(|r| r.get((d - h - 1) as usize).copied()),
+            None => None,
+        };
+        Self::check_entry(id, block, d, entry, data)
+    }
+
+    /// Checks `data` of device block `d` against its header's `entry`
+    /// (`None`: no usable header; `Some(None)`: the header has no entry
+    /// for this block).
+    fn check_entry(
+        id: u64,
+        block: u64,
+        d: u32,
+        entry: Option<Option<DataRef>>,
+        data: &[u8],
+    ) -> Result<()> {
         let bad = || StoreError::Checksum {
             component: id,
             offset: block * BLOCK_U64,
         };
-        let Some(h) = h.filter(|&h| h < d) else {
+        let Some(entry) = entry else {
+            tracing::warn!(
+                component = id,
+                block,
+                device_block = d,
+                "batch header missing or damaged"
+            );
             return Err(bad());
         };
-        let Some(refs) = refs else {
-            tracing::warn!(component = id, block, header = h, "batch header damaged");
-            return Err(bad());
-        };
-        match refs.get((d - h - 1) as usize) {
+        match entry {
             Some(r) if r.comp == id && r.block == block && !r.bad => {
                 if crc32c::crc32c(data) == r.crc {
                     Ok(())
@@ -1609,7 +1691,23 @@ impl LogStore {
     /// says what remains. The blocks it locates are not reused until the
     /// plan is finished or dropped.
     pub fn plan_reads(&self, reqs: &mut [ReadReq<'_>]) -> ReadPlan {
-        let mut res: Vec<Result<()>> = (0..reqs.len()).map(|_| Ok(())).collect();
+        self.plan_into(reqs)
+    }
+
+    /// [`plan_reads`](Self::plan_reads) for one read whose answer the
+    /// store allocates: finished by [`finish_read`](Self::finish_read).
+    pub fn plan_read(&self, id: u64, offset: u64, len: usize) -> (ReadPlan, ReadAnswer) {
+        let mut answer = ReadAnswer {
+            id,
+            offset,
+            len,
+            buf: None,
+        };
+        (self.plan_into(&mut answer), answer)
+    }
+
+    fn plan_into<T: ReadTargets + ?Sized>(&self, reqs: &mut T) -> ReadPlan {
+        let mut res: Vec<Result<()>> = (0..reqs.count()).map(|_| Ok(())).collect();
         let mut plan = ReadPlan {
             res: Vec::new(),
             todo: Vec::new(),
@@ -1622,7 +1720,7 @@ impl LogStore {
         };
         if let Err(e) = self.fail_check() {
             let msg = e.to_string();
-            plan.res = (0..reqs.len())
+            plan.res = (0..reqs.count())
                 .map(|_| Err(StoreError::Io(io::Error::other(msg.clone()))))
                 .collect();
             return plan;
@@ -1631,30 +1729,42 @@ impl LogStore {
         let st = self.lock_state();
         {
             let flight = lock(&self.flight);
-            for (r, q) in reqs.iter_mut().enumerate() {
-                let len = q.buf.len() as u64;
-                let c = match st.comps.get(&q.id) {
+            for (r, res_r) in res.iter_mut().enumerate() {
+                let (id, offset, len) = reqs.req(r);
+                let len = len as u64;
+                let c = match st.comps.get(&id) {
                     Some(c) => c,
                     None => {
-                        res[r] = Err(StoreError::NoSuchComponent(q.id));
+                        *res_r = Err(StoreError::NoSuchComponent(id));
                         continue;
                     }
                 };
-                if let Err(e) = check_range(q.id, q.offset, len, c.size) {
-                    res[r] = Err(e);
+                if let Err(e) = check_range(id, offset, len, c.size) {
+                    *res_r = Err(e);
                     continue;
                 }
-                for (b, within, n, at) in blocks_of(q.offset, len) {
-                    let out = &mut q.buf[at..at + n];
+                for (b, within, n, at) in blocks_of(offset, len) {
                     match c.index.get(b) {
-                        None => out.fill(0),
+                        None => reqs.out(r, at, n).fill(0),
                         Some(d) => match st.batch.slot_of(d) {
-                            Some(i) => out.copy_from_slice(&st.batch.data(i)[within..within + n]),
+                            Some(i) => reqs
+                                .out(r, at, n)
+                                .copy_from_slice(&st.batch.data(i)[within..within + n]),
                             None => match flight.find(d) {
-                                Some((fb, k)) => out.copy_from_slice(
+                                Some((fb, k)) => reqs.out(r, at, n).copy_from_slice(
                                     &fb.as_slice()[k * BLOCK + within..k * BLOCK + within + n],
                                 ),
-                                None => todo.push((r, b, within, n, at, d, st.segs.header_of(d))),
+                                None => todo.push(ToRead {
+                                    r,
+                                    id,
+                                    block: b,
+                                    within,
+                                    len: n,
+                                    at,
+                                    d,
+                                    h: st.segs.header_of(d),
+                                    entry: None,
+                                }),
                             },
                         },
                     }
@@ -1668,25 +1778,25 @@ impl LogStore {
         // Keep the located blocks from being reused until they are read.
         plan._pass = Some(self.reuse.pass());
         drop(st);
-        // The headers to check against: cached, or read with the data.
-        let mut hs: Vec<u32> = todo
-            .iter()
-            .filter_map(|t| t.6.filter(|&h| h < t.5))
-            .collect();
-        hs.sort_unstable();
-        hs.dedup();
-        let mut refs: Vec<Option<Arc<[DataRef]>>> = Vec::with_capacity(hs.len());
-        let mut missing: Vec<usize> = Vec::new();
+        // The headers to check against: the entries of cached ones are
+        // copied now; the others are read with the data.
+        let mut hs: Vec<u32> = Vec::new();
         {
             let cache = lock(&self.cache);
-            for (i, &h) in hs.iter().enumerate() {
-                let r = cache.get(h);
-                if r.is_none() {
-                    missing.push(i);
+            for t in todo.iter_mut() {
+                let Some(h) = t.h.filter(|&h| h < t.d) else {
+                    continue;
+                };
+                match cache.entry(h, (t.d - h - 1) as usize) {
+                    Some(e) => t.entry = Some(e),
+                    None => hs.push(h),
                 }
-                refs.push(r);
             }
         }
+        hs.sort_unstable();
+        hs.dedup();
+        let refs: Vec<Option<Arc<[DataRef]>>> = vec![None; hs.len()];
+        let missing: Vec<usize> = (0..hs.len()).collect();
         self.read_blocks
             .fetch_add(todo.len() as u64, Ordering::Relaxed);
         self.header_misses
@@ -1697,10 +1807,10 @@ impl LogStore {
         let mut k = 0;
         while k < todo.len() {
             let mut e = k + 1;
-            while e < todo.len() && e - k < MAX_RUN && todo[e].5 == todo[e - 1].5 + 1 {
+            while e < todo.len() && e - k < MAX_RUN && todo[e].d == todo[e - 1].d + 1 {
                 e += 1;
             }
-            runs.push((byte_off(todo[k].5), k * BLOCK, (e - k) * BLOCK));
+            runs.push((byte_off(todo[k].d), k * BLOCK, (e - k) * BLOCK));
             k = e;
         }
         let hdr_at = todo.len() * BLOCK;
@@ -1724,54 +1834,115 @@ impl LogStore {
     /// order, as planned). Returns the result of each request.
     pub fn finish_reads(
         &self,
-        plan: ReadPlan,
+        mut plan: ReadPlan,
         read: io::Result<()>,
         reqs: &mut [ReadReq<'_>],
     ) -> Vec<Result<()>> {
-        let ReadPlan {
-            mut res,
-            todo,
-            hs,
-            mut refs,
-            missing,
-            io,
-            _pass,
-            ..
-        } = plan;
         assert_eq!(
-            res.len(),
+            plan.res.len(),
             reqs.len(),
             "finish_reads: not the planned requests"
         );
-        let Some(io) = io else { return res };
+        self.check_plan(&mut plan, read, |r, at, data| {
+            reqs[r].buf[at..at + data.len()].copy_from_slice(data)
+        });
+        plan.res
+    }
+
+    /// The second half of [`plan_read`](Self::plan_read): checks the
+    /// blocks read from the device and answers the read. A read served
+    /// wholly by the device answers with the plan's device buffer.
+    pub fn finish_read(
+        &self,
+        mut plan: ReadPlan,
+        read: io::Result<()>,
+        mut answer: ReadAnswer,
+    ) -> Result<bytes::Bytes> {
+        assert_eq!(plan.res.len(), 1, "finish_read: not a plan of one read");
+        let buf = &mut answer.buf;
+        self.check_plan(&mut plan, read, |_, at, data| {
+            if let Some(buf) = buf.as_mut() {
+                buf[at..at + data.len()].copy_from_slice(data)
+            }
+        });
+        plan.res.pop().unwrap_or(Ok(()))?;
+        if let Some(buf) = answer.buf {
+            return Ok(bytes::Bytes::from(buf));
+        }
+        match plan.io.take() {
+            // Every block came from the device, into `io` in block order.
+            Some(io) => {
+                let start = (answer.offset % BLOCK_U64) as usize;
+                assert_eq!(
+                    plan.todo.len(),
+                    (start + answer.len).div_ceil(BLOCK),
+                    "finish_read: a block neither read nor filled"
+                );
+                Ok(bytes::Bytes::from_owner(io).slice(start..start + answer.len))
+            }
+            None => {
+                assert_eq!(
+                    answer.len, 0,
+                    "finish_read: a block neither read nor filled"
+                );
+                Ok(bytes::Bytes::new())
+            }
+        }
+    }
+
+    /// Checks every block `plan` read from the device, given the outcome
+    /// of its device reads: a block that passes is handed to `put` as
+    /// (request, offset in the request, bytes); a failure goes to the
+    /// request's result.
+    fn check_plan(
+        &self,
+        plan: &mut ReadPlan,
+        read: io::Result<()>,
+        mut put: impl FnMut(usize, usize, &[u8]),
+    ) {
+        let ReadPlan {
+            res,
+            todo,
+            hs,
+            refs,
+            missing,
+            io,
+            ..
+        } = plan;
+        let Some(io) = io else { return };
         if let Err(e) = read {
             let msg = e.to_string();
-            for t in &todo {
-                if res[t.0].is_ok() {
-                    res[t.0] = Err(StoreError::Io(io::Error::new(e.kind(), msg.clone())));
+            for t in todo.iter() {
+                if res[t.r].is_ok() {
+                    res[t.r] = Err(StoreError::Io(io::Error::new(e.kind(), msg.clone())));
                 }
             }
-            return res;
+            return;
         }
         let hdr_at = todo.len() * BLOCK;
         for (j, &i) in missing.iter().enumerate() {
             let b = &io.as_slice()[hdr_at + j * BLOCK..hdr_at + (j + 1) * BLOCK];
             refs[i] = self.parse_header(hs[i], b);
         }
-        for (k, &(r, b, within, len, at, d, h)) in todo.iter().enumerate() {
-            if res[r].is_err() {
+        for (k, t) in todo.iter().enumerate() {
+            if res[t.r].is_err() {
                 continue;
             }
             let data = &io.as_slice()[k * BLOCK..(k + 1) * BLOCK];
-            let hr = h
-                .and_then(|h| hs.binary_search(&h).ok())
-                .and_then(|i| refs[i].as_deref());
-            match Self::check_block(reqs[r].id, b, d, h, hr, data) {
-                Ok(()) => reqs[r].buf[at..at + len].copy_from_slice(&data[within..within + len]),
-                Err(e) => res[r] = Err(e),
+            let entry = match (t.entry, t.h) {
+                (Some(e), _) => Some(e),
+                (None, Some(h)) if h < t.d => hs
+                    .binary_search(&h)
+                    .ok()
+                    .and_then(|i| refs[i].as_deref())
+                    .map(|r| r.get((t.d - h - 1) as usize).copied()),
+                (None, _) => None,
+            };
+            match Self::check_entry(t.id, t.block, t.d, entry, data) {
+                Ok(()) => put(t.r, t.at, &data[t.within..t.within + t.len]),
+                Err(e) => res[t.r] = Err(e),
             }
         }
-        res
     }
 
     /// The file descriptor of the device, for callers that read it on a

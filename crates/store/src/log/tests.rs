@@ -56,6 +56,23 @@ fn read_vec(s: &LogStore, id: u64, off: u64, len: usize) -> Vec<u8> {
     b
 }
 
+/// A read the way the node's ring does it: [`LogStore::plan_read`], the
+/// device reads, [`LogStore::finish_read`]. Also says whether the answer
+/// is the plan's device buffer (no block came from anywhere else).
+fn read_owned(s: &LogStore, id: u64, off: u64, len: usize) -> Result<(bytes::Bytes, bool)> {
+    let (mut plan, answer) = s.plan_read(id, off, len);
+    let read = {
+        let mut parts = plan.parts();
+        if parts.is_empty() {
+            Ok(())
+        } else {
+            s.dev.read_many(&mut parts)
+        }
+    };
+    let device_only = answer.buf.is_none() && plan.device_reads() > 0;
+    s.finish_read(plan, read, answer).map(|b| (b, device_only))
+}
+
 /// A small in-memory device: `nsegs` segments of `seg` blocks.
 fn small_cfg(seg: u32) -> LogConfig {
     LogConfig {
@@ -862,6 +879,8 @@ proptest! {
                     let (off, len) = clip(off, len as u64, m.len() as u64);
                     let got = read_vec(&s, id, off, len as usize);
                     prop_assert!(got[..] == m[off as usize..(off + len) as usize], "read {} {}+{}", id, off, len);
+                    let (owned, _) = read_owned(&s, id, off, len as usize).unwrap();
+                    prop_assert!(owned[..] == m[off as usize..(off + len) as usize], "owned read {} {}+{}", id, off, len);
                 }
                 Op::Trim { c, off, len } | Op::Zeroes { c, off, len } => {
                     let id = c as u64 + 1;
@@ -1489,6 +1508,17 @@ fn bit_flips_are_detected() {
         s.read(1, 3 * B + 10, &mut [0u8; 10]),
         Err(StoreError::Checksum { .. })
     ));
+    // The same through a read whose answer the store allocates.
+    assert!(matches!(
+        read_owned(&s, 1, 2 * B + 100, 2 * BLOCK),
+        Err(StoreError::Checksum { offset, .. }) if offset == 3 * B
+    ));
+    let (got, device_only) = read_owned(&s, 1, 0, 3 * BLOCK).unwrap();
+    assert!(device_only);
+    assert_eq!(
+        got[..],
+        [pattern(0, BLOCK), pattern(1, BLOCK), pattern(2, BLOCK)].concat()
+    );
     // A partial write into it cannot merge: it fails too.
     assert!(matches!(
         s.write(1, 3 * B + 10, b"x"),
@@ -1508,6 +1538,10 @@ fn bit_flips_are_detected() {
     d.flip_bit(h * B * 8 + 200 * 8);
     assert!(matches!(
         s.read(1, 5 * B, &mut [0u8; 1]),
+        Err(StoreError::Checksum { .. })
+    ));
+    assert!(matches!(
+        read_owned(&s, 1, 5 * B, BLOCK),
         Err(StoreError::Checksum { .. })
     ));
     // Still detected after a restart (the batch is in the checkpoint).
@@ -1958,6 +1992,44 @@ fn sequential_data_has_a_small_index() {
     let per = ix as f64 / blocks as f64;
     eprintln!("sequential: {per:.3} index bytes per block ({blocks} blocks)");
     assert!(per < 0.5, "{per}");
+}
+
+/// A read whose answer the store allocates answers with the plan's device
+/// buffer when every block comes from the device (whole or in part), and
+/// with a buffer of its own when some block is unwritten or still in
+/// memory; both give the data written.
+#[test]
+fn owned_reads_from_the_device_memory_and_holes() {
+    let (_d, s) = mem_store(64, 16);
+    s.create_component(1, 1, 16 * B).unwrap();
+    s.write(1, 0, &noise(0, 2 * BLOCK)).unwrap();
+    s.sync().unwrap();
+    s.write(1, 3 * B, &noise(3, BLOCK)).unwrap();
+    let (got, device_only) = read_owned(&s, 1, 0, 2 * BLOCK).unwrap();
+    assert!(device_only && got[..] == noise(0, 2 * BLOCK)[..]);
+    let (got, device_only) = read_owned(&s, 1, 100, BLOCK).unwrap();
+    assert!(device_only && got[..] == noise(0, 2 * BLOCK)[100..100 + BLOCK]);
+    // Block 2 unwritten, block 3 in the open batch, block 4 unwritten.
+    let (got, device_only) = read_owned(&s, 1, B + 7, 3 * BLOCK).unwrap();
+    assert!(!device_only);
+    let want = [
+        &noise(0, 2 * BLOCK)[BLOCK + 7..],
+        &ZERO[..],
+        &noise(3, BLOCK)[..],
+        &ZERO[..7],
+    ]
+    .concat();
+    assert!(got[..] == want[..]);
+    let (got, _) = read_owned(&s, 1, 8 * B, BLOCK).unwrap();
+    assert!(got[..] == ZERO[..]);
+    assert!(matches!(
+        read_owned(&s, 1, 15 * B, 2 * BLOCK),
+        Err(StoreError::OutOfRange { .. })
+    ));
+    assert!(matches!(
+        read_owned(&s, 2, 0, BLOCK),
+        Err(StoreError::NoSuchComponent(2))
+    ));
 }
 
 /// A read whose blocks were located before their segment was freed, and
