@@ -1,9 +1,11 @@
 //! One device's reads on an io_uring driven by the async runtime.
 //!
 //! A read is located in the store's index on the runtime thread that asks
-//! for it ([`LogStore::plan_reads`]), its device reads go straight into
-//! this ring (one `io_uring_enter`, no other thread involved), and each
-//! read is answered as soon as its own completions are in: the ring's
+//! for it ([`LogStore::plan_read`]), its device reads go straight into
+//! this ring (one `io_uring_enter`, no other thread involved; the device is
+//! registered with the ring), and each read is answered as soon as its own
+//! completions are in, with the plan's device buffer itself when the device
+//! served all of it ([`LogStore::finish_read`]): the ring's
 //! eventfd wakes a reaping task on the runtime. The device sees every
 //! read the clients have in flight, and no thread hand-off or wake-up is
 //! paid per read (the reader threads this replaces kept at most two
