@@ -152,6 +152,11 @@ impl Reader {
         matches!(&self.mode, Mode::Ring { ring, .. } if ring.deferred())
     }
 
+    /// Whether reads go through a ring that has the device registered.
+    pub fn registered_ring(&self) -> bool {
+        matches!(&self.mode, Mode::Ring { ring, .. } if ring.registered())
+    }
+
     /// Whether reads go through a ring on the runtime.
     pub fn on_ring(&self) -> bool {
         matches!(self.mode, Mode::Ring { .. })
@@ -319,8 +324,10 @@ mod tests {
         } else {
             Reader::start_threads(store.clone(), "t").unwrap()
         };
-        // The ring is used wherever the device offers it.
+        // The ring is used wherever the device offers it, with the device
+        // registered (kernels from 5.1 allow it).
         assert_eq!(r.on_ring(), ring && store.ring_fd().is_some());
+        assert_eq!(r.registered_ring(), r.on_ring());
         let r = Arc::new(r);
         let mut tasks = Vec::new();
         for i in 0..65u64 {
@@ -363,6 +370,10 @@ mod tests {
         let r = Reader::start(store.clone(), "t").unwrap();
         if store.ring_fd().is_some() && crate::ring::kernel_at_least(6, 2) {
             assert!(r.deferred_ring(), "one worker, a recent kernel: deferred");
+            assert!(
+                r.registered_ring(),
+                "the device registered with a disabled ring"
+            );
         }
         let r = Arc::new(r);
         let before = store.read_counters();

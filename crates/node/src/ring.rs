@@ -241,6 +241,11 @@ impl ReadRing {
         self.shared.deferred
     }
 
+    /// Whether reads name the device as a file registered with the ring.
+    pub fn registered(&self) -> bool {
+        matches!(self.shared.file, DevFile::Registered)
+    }
+
     /// Whether this thread may submit to the ring. A deferred ring takes
     /// submissions only from the thread that enabled it; a caller on any
     /// other thread (or before the reaper first ran) reads the plain way.

@@ -273,9 +273,13 @@ impl ReadPlan {
     /// is moved; the caller must not drop the plan, nor use [`parts`]
     /// (Self::parts), while the kernel may still write to them.
     pub fn raw_parts(&mut self) -> Vec<(u64, *mut u8, usize)> {
-        self.parts()
-            .into_iter()
-            .map(|(off, b)| (off, b.as_mut_ptr(), b.len()))
+        let Some(io) = self.io.as_mut() else {
+            return Vec::new();
+        };
+        let base = io.as_mut_slice();
+        self.runs
+            .iter()
+            .map(|&(off, start, len)| (off, base[start..start + len].as_mut_ptr(), len))
             .collect()
     }
 }
@@ -1817,9 +1821,15 @@ impl LogStore {
         for (j, &i) in missing.iter().enumerate() {
             runs.push((byte_off(hs[i]), hdr_at + j * BLOCK, BLOCK));
         }
-        plan.io = Some(crate::direct::AlignedBuf::zeroed(
-            (todo.len() + missing.len()) * BLOCK,
-        ));
+        // Every byte of it is a device read's (the runs cover it, each
+        // byte once): it need not start zeroed.
+        let io_len = (todo.len() + missing.len()) * BLOCK;
+        assert_eq!(
+            runs.iter().map(|r| r.2).sum::<usize>(),
+            io_len,
+            "plan: device reads do not cover the buffer"
+        );
+        plan.io = Some(crate::direct::AlignedBuf::for_reading(io_len));
         plan.todo = todo;
         plan.hs = hs;
         plan.refs = refs;
