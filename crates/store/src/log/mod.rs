@@ -235,9 +235,8 @@ impl ReadTargets for ReadAnswer {
 pub struct ReadPlan {
     res: Vec<Result<()>>,
     todo: Vec<ToRead>,
+    /// Headers not cached, read with the data (after it in `io`), sorted.
     hs: Vec<u32>,
-    refs: Vec<Option<Arc<[DataRef]>>>,
-    missing: Vec<usize>,
     io: Option<crate::direct::AlignedBuf>,
     /// Device reads: (device byte offset, offset in `io`, length).
     runs: Vec<(u64, usize, usize)>,
@@ -1716,8 +1715,6 @@ impl LogStore {
             res: Vec::new(),
             todo: Vec::new(),
             hs: Vec::new(),
-            refs: Vec::new(),
-            missing: Vec::new(),
             io: None,
             runs: Vec::new(),
             _pass: None,
@@ -1799,12 +1796,10 @@ impl LogStore {
         }
         hs.sort_unstable();
         hs.dedup();
-        let refs: Vec<Option<Arc<[DataRef]>>> = vec![None; hs.len()];
-        let missing: Vec<usize> = (0..hs.len()).collect();
         self.read_blocks
             .fetch_add(todo.len() as u64, Ordering::Relaxed);
         self.header_misses
-            .fetch_add(missing.len() as u64, Ordering::Relaxed);
+            .fetch_add(hs.len() as u64, Ordering::Relaxed);
         // One buffer: the data blocks in `todo` order, then the headers;
         // one device read per run of consecutive device blocks.
         let mut runs = Vec::new();
@@ -1818,12 +1813,12 @@ impl LogStore {
             k = e;
         }
         let hdr_at = todo.len() * BLOCK;
-        for (j, &i) in missing.iter().enumerate() {
-            runs.push((byte_off(hs[i]), hdr_at + j * BLOCK, BLOCK));
+        for (j, &h) in hs.iter().enumerate() {
+            runs.push((byte_off(h), hdr_at + j * BLOCK, BLOCK));
         }
         // Every byte of it is a device read's (the runs cover it, each
         // byte once): it need not start zeroed.
-        let io_len = (todo.len() + missing.len()) * BLOCK;
+        let io_len = (todo.len() + hs.len()) * BLOCK;
         assert_eq!(
             runs.iter().map(|r| r.2).sum::<usize>(),
             io_len,
@@ -1832,8 +1827,6 @@ impl LogStore {
         plan.io = Some(crate::direct::AlignedBuf::for_reading(io_len));
         plan.todo = todo;
         plan.hs = hs;
-        plan.refs = refs;
-        plan.missing = missing;
         plan.runs = runs;
         plan
     }
@@ -1911,13 +1904,7 @@ impl LogStore {
         mut put: impl FnMut(usize, usize, &[u8]),
     ) {
         let ReadPlan {
-            res,
-            todo,
-            hs,
-            refs,
-            missing,
-            io,
-            ..
+            res, todo, hs, io, ..
         } = plan;
         let Some(io) = io else { return };
         if let Err(e) = read {
@@ -1930,10 +1917,16 @@ impl LogStore {
             return;
         }
         let hdr_at = todo.len() * BLOCK;
-        for (j, &i) in missing.iter().enumerate() {
-            let b = &io.as_slice()[hdr_at + j * BLOCK..hdr_at + (j + 1) * BLOCK];
-            refs[i] = self.parse_header(hs[i], b);
-        }
+        let refs: Vec<Option<Arc<[DataRef]>>> = hs
+            .iter()
+            .enumerate()
+            .map(|(j, &h)| {
+                self.parse_header(
+                    h,
+                    &io.as_slice()[hdr_at + j * BLOCK..hdr_at + (j + 1) * BLOCK],
+                )
+            })
+            .collect();
         for (k, t) in todo.iter().enumerate() {
             if res[t.r].is_err() {
                 continue;
