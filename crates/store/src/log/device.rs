@@ -86,7 +86,20 @@ pub struct FileDevice {
     path: PathBuf,
     /// Regular file whose holes can be punched.
     punch: AtomicBool,
+    /// The last write before a flush carries `RWF_DSYNC` (see
+    /// [`FileDevice::write_durable`]); cleared if the kernel refuses it.
+    dsync: AtomicBool,
 }
+
+/// Whether a durable write is one `pwritev2(RWF_DSYNC)` instead of
+/// `pwrite` then `fdatasync` (`SHOAL_WRITE_DSYNC=0` turns it off, for
+/// measuring). Same device commands (a write, then a cache flush: the
+/// virtual disks measured have no FUA), one system call and one return to
+/// user space less. Through the cluster (A/B of 2026-12-01, 10 fresh
+/// clusters each, alternating): QD1 durable writes median 1,774 against
+/// 1,598 IOPS, QD32 writes 23.5k against 21.6k.
+static WRITE_DSYNC: std::sync::LazyLock<bool> =
+    std::sync::LazyLock::new(|| !std::env::var("SHOAL_WRITE_DSYNC").is_ok_and(|v| v == "0"));
 
 impl FileDevice {
     /// Like [`new`](Self::new) but always buffered (no `O_DIRECT`).
@@ -98,6 +111,7 @@ impl FileDevice {
             len,
             path: path.to_path_buf(),
             punch: AtomicBool::new(!block && !thick),
+            dsync: AtomicBool::new(false),
         }
     }
 
@@ -124,6 +138,7 @@ impl FileDevice {
             len,
             path: path.to_path_buf(),
             punch: AtomicBool::new(!block && !thick),
+            dsync: AtomicBool::new(*WRITE_DSYNC),
         })
     }
 }
@@ -133,6 +148,50 @@ impl FileDevice {
     pub(super) fn io_fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsRawFd;
         self.direct.as_ref().unwrap_or(&self.file).as_raw_fd()
+    }
+
+    /// Writes `buf` at `off` and makes it and every write completed before
+    /// durable: one `pwritev2(RWF_DSYNC)` on the `O_DIRECT` descriptor.
+    /// With no page cache in the way, the kernel's sync after such a write
+    /// is the same as `fdatasync`'s (file metadata the data needs, then a
+    /// device cache flush, which covers every completed write). Falls back
+    /// to [`write_at`](BlockDevice::write_at) plus
+    /// [`flush`](BlockDevice::flush) when buffered, unaligned, or refused.
+    pub(super) fn write_durable(&self, buf: &[u8], off: u64) -> io::Result<()> {
+        let usable = self.dsync.load(Ordering::Relaxed)
+            && !buf.is_empty()
+            && aligned(off, buf.len())
+            && ptr_aligned(buf.as_ptr());
+        let Some(d) = self.direct.as_ref().filter(|_| usable) else {
+            self.write_at(buf, off)?;
+            return self.flush();
+        };
+        use std::os::fd::AsRawFd;
+        let iov = libc::iovec {
+            iov_base: buf.as_ptr() as *mut libc::c_void,
+            iov_len: buf.len(),
+        };
+        // SAFETY: one iovec over `buf`, which outlives the call.
+        let r =
+            unsafe { libc::pwritev2(d.as_raw_fd(), &iov, 1, off as libc::off_t, libc::RWF_DSYNC) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::EINVAL) => {
+                    tracing::info!(path = %self.path.display(), "pwritev2(RWF_DSYNC) refused ({e}); writing then flushing");
+                    self.dsync.store(false, Ordering::Relaxed);
+                    self.write_at(buf, off)?;
+                    self.flush()
+                }
+                _ => Err(e),
+            };
+        }
+        if r as usize != buf.len() {
+            // Short: the rest was not synced. Write it all again, then flush.
+            self.write_at(buf, off)?;
+            return self.flush();
+        }
+        Ok(())
     }
 }
 
@@ -176,6 +235,19 @@ impl BlockDevice for FileDevice {
 
     fn flush(&self) -> io::Result<()> {
         self.file.sync_data()
+    }
+
+    fn write_many(&self, reqs: &[(u64, &[u8])], flush: bool) -> io::Result<()> {
+        let Some(((off, buf), rest)) = reqs.split_last().filter(|_| flush) else {
+            for (off, buf) in reqs {
+                self.write_at(buf, *off)?;
+            }
+            return if flush { self.flush() } else { Ok(()) };
+        };
+        for (o, b) in rest {
+            self.write_at(b, *o)?;
+        }
+        self.write_durable(buf, *off)
     }
 
     fn len(&self) -> u64 {
@@ -601,5 +673,52 @@ mod tests {
         if d.is_direct() {
             assert!(d.write_at(&[0u8; 100], 0).is_err());
         }
+    }
+
+    #[test]
+    fn durable_writes_are_one_dsync_write_on_direct_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("d");
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&p)
+            .unwrap();
+        f.set_len(1 << 20).unwrap();
+        let d = FileDevice::new(f, &p, 1 << 20, false).unwrap();
+        let mut a = AlignedBuf::zeroed(8192);
+        a.as_mut_slice().fill(4);
+        let mut b = AlignedBuf::zeroed(4096);
+        b.as_mut_slice().fill(5);
+        // Unaligned memory last: bounced, then written and flushed.
+        let mut u = vec![0u8; 4096 + 1];
+        u[1..].fill(6);
+        d.write_many(&[(0, a.as_slice()), (8192, b.as_slice())], true)
+            .unwrap();
+        d.write_many(&[(16384, &u[1..])], true).unwrap();
+        d.write_many(&[(20480, b.as_slice())], false).unwrap();
+        let mut r = AlignedBuf::zeroed(6 * 4096);
+        d.read_at(r.as_mut_slice(), 0).unwrap();
+        let r = r.as_slice();
+        assert!(r[..8192].iter().all(|&x| x == 4));
+        assert!(r[8192..12288].iter().all(|&x| x == 5));
+        assert!(r[12288..16384].iter().all(|&x| x == 0));
+        assert!(r[16384..20480].iter().all(|&x| x == 6));
+        assert!(r[20480..].iter().all(|&x| x == 5));
+        if d.is_direct() {
+            // The kernel took RWF_DSYNC (5.x and later do on ext4, xfs and
+            // block devices): the fallback was not needed.
+            assert_eq!(d.dsync.load(Ordering::Relaxed), *WRITE_DSYNC);
+        }
+        // A buffered device never uses it, and still writes and flushes.
+        let f = OpenOptions::new().read(true).write(true).open(&p).unwrap();
+        let bd = FileDevice::buffered(f, &p, 1 << 20, false);
+        assert!(!bd.dsync.load(Ordering::Relaxed));
+        bd.write_many(&[(0, b.as_slice())], true).unwrap();
+        let mut r = vec![0u8; 4096];
+        bd.read_at(&mut r, 0).unwrap();
+        assert!(r.iter().all(|&x| x == 5));
     }
 }

@@ -241,9 +241,8 @@ impl BlockDevice for UringDevice {
             .iter()
             .all(|(off, b)| !b.is_empty() && self.direct_ok(*off, b.as_ptr(), b.len()));
         if !self.writes || !all_ok || reqs.is_empty() {
-            for (off, buf) in reqs {
-                self.file.write_at(buf, *off)?;
-            }
+            // Positional writes, the last one durable if `flush`.
+            return self.file.write_many(reqs, flush);
         } else {
             let fd = types::Fd(self.file.io_fd());
             let entries: Vec<squeue::Entry> = reqs
