@@ -426,6 +426,10 @@ struct Sealed {
 struct Flight {
     batches: VecDeque<Sealed>,
     spare: Vec<AlignedBuf>,
+    /// Threads waiting on `landed`: only then is it signalled (a
+    /// `notify_all` is a system call even with nobody waiting, and every
+    /// group commit would pay it).
+    waiting: usize,
 }
 
 impl Flight {
@@ -1033,8 +1037,10 @@ impl LogStore {
         drop(mine);
         if let Err(e) = r {
             let e = self.poison(e);
-            let _f = lock(&self.flight);
-            self.landed.notify_all();
+            let f = lock(&self.flight);
+            if f.waiting > 0 {
+                self.landed.notify_all();
+            }
             return Err(e);
         }
         let mut f = lock(&self.flight);
@@ -1059,7 +1065,9 @@ impl LogStore {
             self.flushes.fetch_add(1, Ordering::Relaxed);
             self.flushed.fetch_max(last, Ordering::AcqRel);
         }
-        self.landed.notify_all();
+        if f.waiting > 0 {
+            self.landed.notify_all();
+        }
         Ok(flush)
     }
 
@@ -1084,7 +1092,10 @@ impl LogStore {
             if self.written.load(Ordering::Acquire) >= seq {
                 continue;
             }
-            let _f = self.landed.wait(f).unwrap_or_else(|e| e.into_inner());
+            let mut f = f;
+            f.waiting += 1;
+            let mut f = self.landed.wait(f).unwrap_or_else(|e| e.into_inner());
+            f.waiting -= 1;
         }
     }
 
