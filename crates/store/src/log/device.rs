@@ -95,7 +95,7 @@ pub struct FileDevice {
 /// `pwrite` then `fdatasync` (`SHOAL_WRITE_DSYNC=0` turns it off, for
 /// measuring). Same device commands (a write, then a cache flush: the
 /// virtual disks measured have no FUA), one system call and one return to
-/// user space less. Through the cluster (two A/Bs of 2026-12-01, 6 and 5
+/// user space less. Through the cluster (two A/Bs of 2026-12-01, 10 and 5
 /// fresh clusters per side, alternating): QD1 durable writes medians
 /// 1,774 and 2,056 IOPS against 1,598 and 1,659; QD32 writes 23.4k and
 /// 26.3k against 21.6k and 23.9k (see `docs/architecture.md`).
