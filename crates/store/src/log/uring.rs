@@ -7,8 +7,9 @@
 //! their batch headers: one submission instead of a `pread` per run) and
 //! optionally the log's writes ([`write_many`](BlockDevice::write_many):
 //! sealed batches in one submission; off by default, see
-//! [`UringDevice::writes`]). The flush after writes is a plain
-//! `fdatasync` on the calling thread: io_uring runs every fsync on a
+//! [`UringDevice::writes`]); positional writes carry their flush in the
+//! last one (`RWF_DSYNC`, see `FileDevice::write_durable`). Otherwise the
+//! flush after writes is a plain `fdatasync` on the calling thread: io_uring runs every fsync on a
 //! kernel worker thread, and that hand-off and the wake-up after it cost
 //! more than the system call saves (measured: a durable 4 KiB write at
 //! queue depth 1 through the cluster took 660 us with the fsync on the
