@@ -576,8 +576,23 @@ impl BlockDevice for FaultyDevice {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
+
+    /// A fresh 1 MiB file `d` in `dir`, opened as a [`FileDevice`].
+    pub(in crate::log) fn temp_device(dir: &Path) -> (PathBuf, FileDevice) {
+        let p = dir.join("d");
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&p)
+            .unwrap();
+        f.set_len(1 << 20).unwrap();
+        let d = FileDevice::new(f, &p, 1 << 20, false).unwrap();
+        (p, d)
+    }
 
     #[test]
     fn faulty_device_keeps_flushed_writes_and_some_others() {
@@ -644,16 +659,7 @@ mod tests {
     #[test]
     fn file_device_round_trips() {
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("d");
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&p)
-            .unwrap();
-        f.set_len(1 << 20).unwrap();
-        let d = FileDevice::new(f, &p, 1 << 20, false).unwrap();
+        let (_, d) = temp_device(dir.path());
         assert_eq!(d.len(), 1 << 20);
         // Unaligned memory is bounced; aligned goes straight through.
         let mut v = vec![0u8; 8192 + 1];
@@ -679,16 +685,7 @@ mod tests {
     #[test]
     fn durable_writes_are_one_dsync_write_on_direct_files() {
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("d");
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&p)
-            .unwrap();
-        f.set_len(1 << 20).unwrap();
-        let d = FileDevice::new(f, &p, 1 << 20, false).unwrap();
+        let (p, d) = temp_device(dir.path());
         let mut a = AlignedBuf::zeroed(8192);
         a.as_mut_slice().fill(4);
         let mut b = AlignedBuf::zeroed(4096);

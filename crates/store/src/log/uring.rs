@@ -303,21 +303,11 @@ impl BlockDevice for UringDevice {
 mod tests {
     use super::*;
     use crate::direct::AlignedBuf;
-    use std::fs::OpenOptions;
 
     #[test]
     fn uring_device_reads_and_writes_many() {
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("d");
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&p)
-            .unwrap();
-        f.set_len(1 << 20).unwrap();
-        let file = FileDevice::new(f, &p, 1 << 20, false).unwrap();
+        let (_, file) = super::super::device::tests::temp_device(dir.path());
         // Ring writes on; where rings are refused the same checks run on
         // the positional fallback (and say so).
         let dev: Box<dyn BlockDevice> = match UringDevice::new(file, true) {
