@@ -159,13 +159,16 @@ impl FileDevice {
     /// to [`write_at`](BlockDevice::write_at) plus
     /// [`flush`](BlockDevice::flush) when buffered, unaligned, or refused.
     pub(super) fn write_durable(&self, buf: &[u8], off: u64) -> io::Result<()> {
+        let write_then_flush = || {
+            self.write_at(buf, off)?;
+            self.flush()
+        };
         let usable = self.dsync.load(Ordering::Relaxed)
             && !buf.is_empty()
             && aligned(off, buf.len())
             && ptr_aligned(buf.as_ptr());
         let Some(d) = self.direct.as_ref().filter(|_| usable) else {
-            self.write_at(buf, off)?;
-            return self.flush();
+            return write_then_flush();
         };
         use std::os::fd::AsRawFd;
         let iov = libc::iovec {
@@ -177,20 +180,19 @@ impl FileDevice {
             unsafe { libc::pwritev2(d.as_raw_fd(), &iov, 1, off as libc::off_t, libc::RWF_DSYNC) };
         if r < 0 {
             let e = io::Error::last_os_error();
-            return match e.raw_os_error() {
-                Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::EINVAL) => {
-                    tracing::info!(path = %self.path.display(), "pwritev2(RWF_DSYNC) refused ({e}); writing then flushing");
-                    self.dsync.store(false, Ordering::Relaxed);
-                    self.write_at(buf, off)?;
-                    self.flush()
-                }
-                _ => Err(e),
-            };
+            if !matches!(
+                e.raw_os_error(),
+                Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::EINVAL)
+            ) {
+                return Err(e);
+            }
+            tracing::info!(path = %self.path.display(), "pwritev2(RWF_DSYNC) refused ({e}); writing then flushing");
+            self.dsync.store(false, Ordering::Relaxed);
+            return write_then_flush();
         }
         if r as usize != buf.len() {
             // Short: the rest was not synced. Write it all again, then flush.
-            self.write_at(buf, off)?;
-            return self.flush();
+            return write_then_flush();
         }
         Ok(())
     }
