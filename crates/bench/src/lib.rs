@@ -20,7 +20,7 @@ pub mod cluster;
 pub mod fio;
 pub mod hist;
 pub mod native;
-mod nbd;
+pub mod nbd;
 pub mod profile;
 pub mod report;
 

@@ -19,25 +19,6 @@ const SUBNET: u8 = 70;
 const MIB: usize = 1 << 20;
 const BLOCK: usize = 4096;
 
-fn api(node: u32) -> String {
-    format!("http://127.0.{SUBNET}.{node}:9400")
-}
-
-/// Sum of one metric over the given nodes.
-fn metric(nodes: &[u32], name: &str) -> u64 {
-    let mut total = 0;
-    for &n in nodes {
-        let text = sh(&format!("curl -sf {}/metrics", api(n)));
-        for line in text.lines() {
-            if line.starts_with(&format!("{name}{{")) {
-                let v = line.rsplit(' ').next().unwrap_or("0");
-                total += v.parse::<u64>().unwrap_or(0);
-            }
-        }
-    }
-    total
-}
-
 fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
     while !f() {
@@ -146,7 +127,7 @@ fn flipped_bits_are_detected_served_from_the_other_copy_and_repaired() {
     ));
     assert_eq!(copies(&c, "rot").1, Some(a.0), "owner is copy A's node");
     let nodes: Vec<u32> = (1..=3).collect();
-    assert_eq!(metric(&nodes, "shoal_device_checksum_errors_total"), 0);
+    assert_eq!(c.metric(&nodes, "shoal_device_checksum_errors_total"), 0);
 
     // Rot: block 100 on copy A (read by clients), block 2000 on copy B
     // (only the scrubber reads it).
@@ -163,15 +144,15 @@ fn flipped_bits_are_detected_served_from_the_other_copy_and_repaired() {
     let got = std::fs::read(&back).expect("read back");
     assert!(got[..16 * MIB] == content[..], "client read wrong data");
     wait_for("the read-path repair", Duration::from_secs(20), || {
-        metric(&[a.0], "shoal_device_repaired_blocks_total") == 1
+        c.metric(&[a.0], "shoal_device_repaired_blocks_total") == 1
     });
-    assert!(metric(&[a.0], "shoal_device_checksum_errors_total") >= 1);
+    assert!(c.metric(&[a.0], "shoal_device_checksum_errors_total") >= 1);
     // Copy B's bad block was not read yet.
-    assert_eq!(metric(&[b.0], "shoal_device_repaired_blocks_total"), 0);
+    assert_eq!(c.metric(&[b.0], "shoal_device_repaired_blocks_total"), 0);
 
     // The scrubber finds it.
     for &n in &nodes {
-        sh(&format!("curl -sf -X POST {}/v1/scrub", api(n)));
+        sh(&format!("curl -sf -X POST {}/v1/scrub", c.api(n)));
     }
     wait_for(
         "a scrub pass on every node",
@@ -179,34 +160,34 @@ fn flipped_bits_are_detected_served_from_the_other_copy_and_repaired() {
         || {
             nodes.iter().all(|&n| {
                 let r: serde_json::Value =
-                    serde_json::from_str(&sh(&format!("curl -sf {}/v1/scrub", api(n))))
+                    serde_json::from_str(&sh(&format!("curl -sf {}/v1/scrub", c.api(n))))
                         .expect("scrub json");
                 r["passes"].as_u64() >= Some(1)
             })
         },
     );
-    assert_eq!(metric(&[b.0], "shoal_scrub_bad_blocks_total"), 1);
-    assert_eq!(metric(&[b.0], "shoal_device_repaired_blocks_total"), 1);
-    assert_eq!(metric(&[a.0], "shoal_device_repaired_blocks_total"), 1);
-    assert_eq!(metric(&nodes, "shoal_scrub_unrepaired_total"), 0);
-    assert!(metric(&nodes, "shoal_scrub_bytes_total") >= 32 * MIB as u64);
+    assert_eq!(c.metric(&[b.0], "shoal_scrub_bad_blocks_total"), 1);
+    assert_eq!(c.metric(&[b.0], "shoal_device_repaired_blocks_total"), 1);
+    assert_eq!(c.metric(&[a.0], "shoal_device_repaired_blocks_total"), 1);
+    assert_eq!(c.metric(&nodes, "shoal_scrub_unrepaired_total"), 0);
+    assert!(c.metric(&nodes, "shoal_scrub_bytes_total") >= 32 * MIB as u64);
 
     // Both copies are whole and identical again; a second pass finds
     // nothing; no copy was taken out of service for one bad block.
     c.verify_copies("rot");
-    let bad_before = metric(&nodes, "shoal_scrub_bad_blocks_total");
+    let bad_before = c.metric(&nodes, "shoal_scrub_bad_blocks_total");
     for &n in &nodes {
-        sh(&format!("curl -sf -X POST {}/v1/scrub", api(n)));
+        sh(&format!("curl -sf -X POST {}/v1/scrub", c.api(n)));
     }
     wait_for("a second scrub pass", Duration::from_secs(60), || {
         nodes.iter().all(|&n| {
             let r: serde_json::Value =
-                serde_json::from_str(&sh(&format!("curl -sf {}/v1/scrub", api(n))))
+                serde_json::from_str(&sh(&format!("curl -sf {}/v1/scrub", c.api(n))))
                     .expect("scrub json");
             r["passes"].as_u64() >= Some(2)
         })
     });
-    assert_eq!(metric(&nodes, "shoal_scrub_bad_blocks_total"), bad_before);
+    assert_eq!(c.metric(&nodes, "shoal_scrub_bad_blocks_total"), bad_before);
     assert_eq!(c.health("rot"), "healthy");
     sh(&format!("nbdcopy {} {}", c.uri(b.0, "rot"), back.display()));
     let got = std::fs::read(&back).expect("read back");

@@ -169,6 +169,13 @@ struct Identity {
 
 const IDENTITY: &str = "identity.json";
 
+/// Seconds between two passes that unmark, on the devices, the regions
+/// whose writes a barrier has settled (`Replicas::settle_marks`). A region
+/// written again within this time keeps its mark, so a busy region costs
+/// no log entry per barrier; a crash then copies at most the regions
+/// written in the last few seconds between the copies.
+const SETTLE_MARKS_S: u64 = 5;
+
 fn load_identity(dir: &Path) -> Result<Option<Identity>> {
     let p = dir.join(IDENTITY);
     match std::fs::read(&p) {
@@ -423,6 +430,20 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
         replicas.clone(),
         router.clone(),
     ));
+
+    // Unmark what the barriers settled.
+    {
+        let replicas = replicas.clone();
+        tokio::spawn(async move {
+            let mut t = tokio::time::interval(Duration::from_secs(SETTLE_MARKS_S));
+            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            loop {
+                t.tick().await;
+                let r = replicas.clone();
+                let _ = tokio::task::spawn_blocking(move || r.settle_marks()).await;
+            }
+        });
+    }
 
     // Liveness.
     let r2 = replicas.clone();

@@ -30,6 +30,15 @@ const INLINE_WRITE_MAX: usize = 64 << 10;
 /// Region size of the dirty map (matches the owner's reconcile unit).
 const REGION: u64 = shoal_owner::REGION;
 
+// The store's marks (the dirty map's durable part) use the same regions.
+const _: () = assert!(REGION == shoal_store::log::format::REGION_BLOCKS * 4096);
+
+/// Sequence number of a dirty-map entry no barrier of its generation
+/// clears: a write with no sequence number (zeroes), or a region marked on
+/// the device before this node started. The next owner's first barrier
+/// (sent once it reconciled the regions) clears it.
+const UNTIL_NEXT_OWNER: u64 = u64::MAX;
+
 /// component → region → (generation, seq) of the newest write there.
 type DirtyMap = HashMap<ComponentId, BTreeMap<u64, (Generation, u64)>>;
 
@@ -251,9 +260,20 @@ impl Replicas {
     pub fn new(devices: Vec<Device>) -> Replicas {
         let mut placement = HashMap::new();
         let mut map = HashMap::new();
+        // Regions marked on the devices: writes were in flight there when
+        // this node last stopped. Dirty until the next owner reconciles.
+        let mut dirty = DirtyMap::new();
         for d in devices {
             for c in d.store.components() {
                 placement.insert(c.id, d.id);
+            }
+            for (c, regions) in d.store.marked_regions() {
+                let e: &mut BTreeMap<u64, (Generation, u64)> = dirty.entry(c).or_default();
+                e.extend(
+                    regions
+                        .into_iter()
+                        .map(|r| (r as u64, (0, UNTIL_NEXT_OWNER))),
+                );
             }
             map.insert(d.id, Arc::new(d));
         }
@@ -261,7 +281,7 @@ impl Replicas {
             seq: Arc::default(),
             devices: map,
             placement: Mutex::new(placement),
-            dirty: Mutex::new(HashMap::new()),
+            dirty: Mutex::new(dirty),
             router: OnceLock::new(),
             in_flight: Arc::default(),
         }
@@ -311,16 +331,52 @@ impl Replicas {
         Ok(())
     }
 
-    fn mark_dirty(&self, c: ComponentId, off: u64, len: u64, gen: Generation, seq: u64) {
+    /// Records the regions an owner's write touches as dirty until a
+    /// barrier covers it: in memory (for the next owner, if this one dies)
+    /// and marked on the device (for a restart of this node, if every node
+    /// dies), before the write is applied, so the mark is durable no later
+    /// than the write. Under the dirty map's lock, so that
+    /// [`settle_marks`](Self::settle_marks) never unmarks a region a write
+    /// has just made dirty.
+    fn mark_dirty(
+        &self,
+        d: &Device,
+        c: ComponentId,
+        off: u64,
+        len: u64,
+        gen: Generation,
+        seq: u64,
+    ) -> Result<(), RemoteError> {
         if seq == 0 || len == 0 {
-            return;
+            return Ok(());
         }
-        if let Ok(mut m) = self.dirty.lock() {
-            let e = m.entry(c).or_default();
-            let mut r = off / REGION;
-            while r * REGION < off + len {
-                e.insert(r, (gen, seq));
-                r += 1;
+        let mut m = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
+        let e = m.entry(c).or_default();
+        let mut r = off / REGION;
+        while r * REGION < off.saturating_add(len) {
+            let v = e.entry(r).or_insert((gen, seq));
+            *v = (*v).max((gen, seq));
+            r += 1;
+        }
+        d.note(d.store.mark_regions(c, off, len)).map_err(remote)
+    }
+
+    /// Unmarks on the devices the regions no longer dirty (a barrier
+    /// covered their writes). Called now and then, not at every barrier:
+    /// a busy region then stays marked instead of being marked and
+    /// unmarked over and over.
+    pub fn settle_marks(&self) {
+        let m = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
+        for d in self.devices.values() {
+            for (c, regions) in d.store.marked_regions() {
+                let dirty = m.get(&c);
+                let clean: Vec<u32> = regions
+                    .into_iter()
+                    .filter(|&r| dirty.is_none_or(|e| !e.contains_key(&(r as u64))))
+                    .collect();
+                if let Err(e) = d.store.unmark_regions(c, &clean) {
+                    tracing::warn!(component = c, "unmarking settled regions: {e}");
+                }
             }
         }
     }
@@ -427,7 +483,7 @@ impl Replicas {
     ) -> Result<Reply, RemoteError> {
         let d = self.device_of(component)?;
         self.fence(&d, component, generation)?;
-        self.mark_dirty(component, offset, payload.len() as u64, generation, seq);
+        self.mark_dirty(&d, component, offset, payload.len() as u64, generation, seq)?;
         d.written
             .fetch_add(payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
         let end = offset.saturating_add(payload.len() as u64);
@@ -526,6 +582,8 @@ impl Replicas {
             } => {
                 let d = self.device_of(component)?;
                 self.fence(&d, component, generation)?;
+                // No sequence number: dirty until the next owner.
+                self.mark_dirty(&d, component, offset, len, generation, UNTIL_NEXT_OWNER)?;
                 let end = offset.saturating_add(len);
                 let (deps, guard) = self.seq.enter(component, offset, end, true);
                 self.apply_then_commit(d, deps, guard, false, move |d| {

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod fio;
+pub mod ledger;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -129,6 +130,31 @@ impl Cluster {
 
     pub fn uri(&self, node: u32, volume: &str) -> String {
         format!("nbd://{}.{node}:10809/{volume}", self.net)
+    }
+
+    /// `host:port` of the node's NBD server.
+    pub fn nbd_addr(&self, node: u32) -> String {
+        format!("{}.{node}:10809", self.net)
+    }
+
+    /// The node's REST API (and `/metrics`).
+    pub fn api(&self, node: u32) -> String {
+        format!("http://{}.{node}:9400", self.net)
+    }
+
+    /// Sum of one metric (all its label sets) over the given nodes.
+    pub fn metric(&self, nodes: &[u32], name: &str) -> u64 {
+        let mut total = 0;
+        for &n in nodes {
+            let text = sh(&format!("curl -sf {}/metrics", self.api(n)));
+            for line in text.lines() {
+                if line.starts_with(&format!("{name}{{")) || line.starts_with(&format!("{name} ")) {
+                    let v = line.rsplit(' ').next().unwrap_or("0");
+                    total += v.parse::<u64>().unwrap_or(0);
+                }
+            }
+        }
+        total
     }
 
     /// The volume's URI on the node's Unix socket (clients on its host).

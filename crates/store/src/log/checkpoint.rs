@@ -10,7 +10,7 @@ use super::segment::SegState;
 use super::{byte_off, lock, BlockDevice, Comp, LogStore, Result, State};
 use crate::direct::AlignedBuf;
 use crate::{StoreError, MAX_SIZE};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::sync::MutexGuard;
 
@@ -157,11 +157,16 @@ pub(super) struct CkptInFlight {
     rec: Vec<u32>,
 }
 
+/// One component as a checkpoint body records it: id, volume, size,
+/// generation, marked regions (ascending), index.
+type CompRecord<'a> = (u64, u64, u64, u64, Vec<u32>, &'a BlockIndex);
+
 /// What a checkpoint body holds, copied under the lock (a copy of an
 /// index costs far less than encoding it: about 1/10 here).
 struct Snapshot {
-    /// (id, volume, size, generation, index) per component.
-    comps: Vec<(u64, u64, u64, u64, BlockIndex)>,
+    /// (id, volume, size, generation, marked regions, index) per
+    /// component.
+    comps: Vec<(u64, u64, u64, u64, Vec<u32>, BlockIndex)>,
     /// (segment, live blocks, header bitmap) per recorded segment.
     segs: Vec<(u32, u32, Vec<u64>)>,
 }
@@ -298,7 +303,10 @@ impl LogStore {
             comps: st
                 .comps
                 .iter()
-                .map(|(&id, c)| (id, c.volume, c.size, c.generation, c.index.clone()))
+                .map(|(&id, c)| {
+                    let marks = c.marks.iter().copied().collect();
+                    (id, c.volume, c.size, c.generation, marks, c.index.clone())
+                })
                 .collect(),
             segs: Self::seg_records(st)
                 .into_iter()
@@ -341,7 +349,7 @@ impl LogStore {
             .snap
             .comps
             .iter()
-            .map(|(i, v, s, g, x)| (*i, *v, *s, *g, x));
+            .map(|(i, v, s, g, m, x)| (*i, *v, *s, *g, m.clone(), x));
         let segs = w.snap.segs.iter().map(|(s, l, b)| (*s, *l, &b[..]));
         self.write_ckpt(comps, segs, w.hdr, w.base)
     }
@@ -351,7 +359,7 @@ impl LogStore {
     /// each flushed. Returns the checkpoint's size in device blocks.
     fn write_ckpt<'a>(
         &self,
-        comps: impl ExactSizeIterator<Item = (u64, u64, u64, u64, &'a BlockIndex)>,
+        comps: impl ExactSizeIterator<Item = CompRecord<'a>>,
         segs: impl ExactSizeIterator<Item = (u32, u32, &'a [u64])>,
         hdr: CkptHeader,
         base: u64,
@@ -430,10 +438,10 @@ impl LogStore {
         let slot = 1 - st.active_slot;
         let seq = st.ckpt_seq + 1;
         let base = self.sb.slot_block(slot) * BLOCK_U64;
-        let comps = st
-            .comps
-            .iter()
-            .map(|(&id, c)| (id, c.volume, c.size, c.generation, &c.index));
+        let comps = st.comps.iter().map(|(&id, c)| {
+            let marks = c.marks.iter().copied().collect();
+            (id, c.volume, c.size, c.generation, marks, &c.index)
+        });
         let recs = Self::seg_records(st);
         let segs = recs
             .iter()
@@ -507,17 +515,21 @@ impl LogStore {
     }
 
     /// Body: component count (u64); per component id, volume, size,
-    /// generation (u64 each) and its index; count of segment records
+    /// generation, count of marked regions (u64 each), the marked regions
+    /// (u32 each, ascending) and its index; count of segment records
     /// (u64); per record segment (u32), live blocks (u32), header bitmap.
     fn encode_parts<'a>(
-        comps: impl ExactSizeIterator<Item = (u64, u64, u64, u64, &'a BlockIndex)>,
+        comps: impl ExactSizeIterator<Item = CompRecord<'a>>,
         segs: impl ExactSizeIterator<Item = (u32, u32, &'a [u64])>,
         w: &mut dyn FnMut(&[u8]) -> io::Result<()>,
     ) -> io::Result<()> {
         w(&(comps.len() as u64).to_le_bytes())?;
-        for (id, volume, size, generation, index) in comps {
-            for v in [id, volume, size, generation] {
+        for (id, volume, size, generation, marks, index) in comps {
+            for v in [id, volume, size, generation, marks.len() as u64] {
                 w(&v.to_le_bytes())?;
+            }
+            for r in marks {
+                w(&r.to_le_bytes())?;
             }
             index.encode(|b| w(b))?;
         }
@@ -607,12 +619,26 @@ fn parse_body(r: &mut BodyReader<'_>, sb: &super::LogSuper) -> Result<Parsed> {
     }
     let mut comps = BTreeMap::new();
     let mut prev = 0u64;
+    let mut marks_left = super::format::max_marks(sb.nsegs, sb.seg_blocks, sb.max_components);
     for _ in 0..n {
         let (id, volume, size, generation) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?);
         if id <= prev || size > MAX_SIZE {
             return Err(bad(format!("component {id} of size {size}")));
         }
         prev = id;
+        let nmarks = r.u64()?;
+        if nmarks > marks_left {
+            return Err(bad(format!("component {id} with {nmarks} marked regions")));
+        }
+        marks_left -= nmarks;
+        let mut marks = BTreeSet::new();
+        for _ in 0..nmarks {
+            let m = r.u32()?;
+            if marks.last().is_some_and(|&l| l >= m) {
+                return Err(bad(format!("component {id}: marked regions out of order")));
+            }
+            marks.insert(m);
+        }
         let index = BlockIndex::decode(|b| r.read(b))?;
         comps.insert(
             id,
@@ -621,6 +647,7 @@ fn parse_body(r: &mut BodyReader<'_>, sb: &super::LogSuper) -> Result<Parsed> {
                 size,
                 generation,
                 index,
+                marks,
             },
         );
     }

@@ -1,4 +1,4 @@
-//! Byte layout of a log-structured Shoal device, format version 2 (see
+//! Byte layout of a log-structured Shoal device, format version 3 (see
 //! `docs/store-log-format.md`). Pure encoding, decoding and geometry; no I/O.
 //! All integers are little-endian; CRC is CRC-32C.
 
@@ -8,7 +8,7 @@ use crate::StoreError;
 /// Unit of data, of checksums and of device I/O.
 pub const BLOCK: usize = 4096;
 pub const BLOCK_U64: u64 = BLOCK as u64;
-pub const LOG_VERSION: u32 = 2;
+pub const LOG_VERSION: u32 = 3;
 pub const BATCH_MAGIC: &[u8; 8] = b"SHOALLOG";
 pub const CKPT_MAGIC: &[u8; 8] = b"SHOALCKP";
 /// Fixed part of a batch header; entries follow.
@@ -20,8 +20,11 @@ pub const MAX_ENTRIES: usize = (BLOCK - 4 - HDR_FIXED) / ENTRY_SIZE;
 pub const REGION_BLOCKS: u64 = 256;
 /// Worst-case bytes of one mapped block in a checkpoint body.
 pub const CKPT_BYTES_PER_BLOCK: u64 = 13;
-/// Bytes of one component record in a checkpoint body.
-pub const CKPT_COMP_BYTES: u64 = 40;
+/// Bytes of one component record in a checkpoint body (without its
+/// marks).
+pub const CKPT_COMP_BYTES: u64 = 48;
+/// Bytes of one marked region in a checkpoint body.
+pub const CKPT_BYTES_PER_MARK: u64 = 4;
 /// Fewest segments a device may have.
 pub const MIN_SEGMENTS: u32 = 12;
 pub const MAX_CLUSTER_ID: usize = crate::format::MAX_CLUSTER_ID;
@@ -83,6 +86,15 @@ pub fn ckpt_body_max(nsegs: u32, seg_blocks: u32, max_components: u32) -> u64 {
     16 + max_components as u64 * CKPT_COMP_BYTES
         + nsegs as u64 * (8 + 8 * words)
         + CKPT_BYTES_PER_BLOCK * nsegs as u64 * seg_blocks as u64
+        + CKPT_BYTES_PER_MARK * max_marks(nsegs, seg_blocks, max_components)
+}
+
+/// Most regions a device keeps marked at once (all components): one per
+/// region of its segments, and one more per component. A region is marked
+/// while writes to it may be in flight (see `LogStore::mark_regions`), so a
+/// device can only need more with more space than it has.
+pub fn max_marks(nsegs: u32, seg_blocks: u32, max_components: u32) -> u64 {
+    (nsegs as u64 * seg_blocks as u64).div_ceil(REGION_BLOCKS) + max_components as u64
 }
 
 /// The fixed header of a log device (two copies: blocks 0 and 1).
@@ -292,6 +304,10 @@ pub enum Entry {
     },
     /// Deletes a component and all its blocks.
     Delete { comp: u64 },
+    /// Marks (`on`) or unmarks region `region` (1 MiB: blocks
+    /// `region·256 ..`) of `comp`: writes to it may be in flight in the
+    /// cluster, so its copies may differ after a crash.
+    Mark { comp: u64, region: u64, on: bool },
 }
 
 const K_DATA: u8 = 1;
@@ -300,6 +316,8 @@ const K_TRIM: u8 = 3;
 const K_PUT: u8 = 4;
 const K_PUT2: u8 = 5;
 const K_DELETE: u8 = 6;
+const K_MARK: u8 = 7;
+const K_UNMARK: u8 = 8;
 
 impl Entry {
     /// Entry slots it takes in a header.
@@ -321,6 +339,9 @@ impl Entry {
             Entry::Trim { comp, first, count } => (K_TRIM, count, comp, first),
             Entry::Put { comp, size, .. } => (K_PUT, 0, comp, size),
             Entry::Delete { comp } => (K_DELETE, 0, comp, 0),
+            Entry::Mark { comp, region, on } => {
+                (if on { K_MARK } else { K_UNMARK }, 0, comp, region)
+            }
         };
         b[0] = kind;
         put32(b, 4, a);
@@ -435,6 +456,11 @@ impl BatchHeader {
                     }
                 }
                 K_DELETE => Entry::Delete { comp: x },
+                K_MARK | K_UNMARK => Entry::Mark {
+                    comp: x,
+                    region: y,
+                    on: e[0] == K_MARK,
+                },
                 _ => return None,
             };
             entries.push(entry);
@@ -591,6 +617,16 @@ mod tests {
                     count: 7,
                 },
                 Entry::Delete { comp: 8 },
+                Entry::Mark {
+                    comp: 9,
+                    region: 10,
+                    on: true,
+                },
+                Entry::Mark {
+                    comp: 9,
+                    region: u64::MAX,
+                    on: false,
+                },
                 Entry::Data {
                     comp: u64::MAX,
                     block: u64::MAX,

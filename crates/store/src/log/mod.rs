@@ -1,4 +1,4 @@
-//! # The log-structured component store (format version 2)
+//! # The log-structured component store (format version 3)
 //!
 //! One store per device, holding many components. Every change is a
 //! sequential append to the log: a *batch* is one header block (what
@@ -39,7 +39,7 @@ use format::{
 };
 use index::BlockIndex;
 use segment::{SegState, Segments};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::path::Path;
@@ -359,6 +359,8 @@ struct Comp {
     size: u64,
     generation: u64,
     index: BlockIndex,
+    /// Regions marked by the cluster (see [`LogStore::mark_regions`]).
+    marks: BTreeSet<u32>,
 }
 
 impl Comp {
@@ -1424,6 +1426,7 @@ impl LogStore {
                     size,
                     generation: 0,
                     index: BlockIndex::new(),
+                    marks: BTreeSet::new(),
                 },
             );
         }
@@ -1520,6 +1523,96 @@ impl LogStore {
             st.comps.remove(&id);
         }
         self.sync()
+    }
+
+    /// Marks the regions (1 MiB, `REGION_BLOCKS` blocks) of component
+    /// `id` that bytes `offset .. offset+len` touch, and logs each region
+    /// newly marked. A mark is logged before whatever is written after
+    /// this call, so it is durable no later than those writes: after a
+    /// crash, every region whose data may differ from another copy's (a
+    /// write in flight in the cluster) is marked on at least the copy that
+    /// has the write. The cluster marks before it writes and unmarks
+    /// ([`unmark_regions`](Self::unmark_regions)) once the writes there
+    /// are on every copy. `NoSpace` if the device has
+    /// [`max_marks`](format::max_marks) regions marked already.
+    pub fn mark_regions(&self, id: u64, offset: u64, len: u64) -> Result<()> {
+        self.fail_check()?;
+        let mut st = self.lock_state();
+        let c = st.comps.get(&id).ok_or(StoreError::NoSuchComponent(id))?;
+        if len == 0 {
+            return Ok(());
+        }
+        let region = BLOCK_U64 * format::REGION_BLOCKS;
+        let first = offset / region;
+        let last = offset.saturating_add(len - 1).min(MAX_SIZE - 1) / region;
+        let new: Vec<u32> = (first..=last)
+            .filter_map(|r| u32::try_from(r).ok())
+            .filter(|r| !c.marks.contains(r))
+            .collect();
+        if new.is_empty() {
+            return Ok(());
+        }
+        let marked: u64 = st.comps.values().map(|c| c.marks.len() as u64).sum();
+        let max = format::max_marks(self.sb.nsegs, self.sb.seg_blocks, self.sb.max_components);
+        if marked + new.len() as u64 > max {
+            return Err(StoreError::NoSpace);
+        }
+        self.ensure_space(&mut st, 0, new.len() as u64, Need::Client)?;
+        for r in new {
+            let on = Entry::Mark {
+                comp: id,
+                region: r as u64,
+                on: true,
+            };
+            self.append(&mut st, on, None)?;
+            if let Some(c) = st.comps.get_mut(&id) {
+                c.marks.insert(r);
+            }
+        }
+        Ok(())
+    }
+
+    /// Unmarks regions of component `id` (those of `regions` that are
+    /// marked). The unmarks are durable with the next sync; until then a
+    /// crash leaves them marked, which costs the cluster a needless copy
+    /// of those regions, nothing else.
+    pub fn unmark_regions(&self, id: u64, regions: &[u32]) -> Result<()> {
+        self.fail_check()?;
+        let mut st = self.lock_state();
+        let Some(c) = st.comps.get(&id) else {
+            return Ok(());
+        };
+        let gone: Vec<u32> = regions
+            .iter()
+            .copied()
+            .filter(|r| c.marks.contains(r))
+            .collect();
+        if gone.is_empty() {
+            return Ok(());
+        }
+        self.ensure_space(&mut st, 0, gone.len() as u64, Need::Freeing)?;
+        for r in gone {
+            let off = Entry::Mark {
+                comp: id,
+                region: r as u64,
+                on: false,
+            };
+            self.append(&mut st, off, None)?;
+            if let Some(c) = st.comps.get_mut(&id) {
+                c.marks.remove(&r);
+            }
+        }
+        Ok(())
+    }
+
+    /// The marked regions of every component that has any, ascending.
+    pub fn marked_regions(&self) -> Vec<(u64, Vec<u32>)> {
+        let st = self.lock_state();
+        st.comps
+            .iter()
+            .filter(|(_, c)| !c.marks.is_empty())
+            .map(|(&id, c)| (id, c.marks.iter().copied().collect()))
+            .collect()
     }
 
     fn meta_of(id: u64, c: &Comp) -> ComponentMeta {

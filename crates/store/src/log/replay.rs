@@ -328,6 +328,7 @@ fn apply(st: &mut State, h: &BatchHeader) {
                             size,
                             generation,
                             index: super::index::BlockIndex::new(),
+                            marks: Default::default(),
                         },
                     );
                 }
@@ -335,6 +336,15 @@ fn apply(st: &mut State, h: &BatchHeader) {
             Entry::Delete { comp } => {
                 super::LogStore::unmap(st, comp, 0, u64::MAX);
                 st.comps.remove(&comp);
+            }
+            Entry::Mark { comp, region, on } => {
+                if let (Some(c), Ok(r)) = (st.comps.get_mut(&comp), u32::try_from(region)) {
+                    if on {
+                        c.marks.insert(r);
+                    } else {
+                        c.marks.remove(&r);
+                    }
+                }
             }
         }
     }

@@ -420,6 +420,73 @@ fn trim_zeroes_delete_and_shrink_free_space() {
 }
 
 #[test]
+fn marks_survive_power_cuts_checkpoints_and_reopens() {
+    let (d, s) = mem_store(16, 64);
+    let mib = 1u64 << 20;
+    s.create_component(1, 1, 3 * mib).unwrap();
+    s.create_component(2, 1, mib).unwrap();
+    // Bytes across the first region's end mark regions 0 and 1.
+    s.mark_regions(1, mib - 10, 20).unwrap();
+    s.mark_regions(1, 0, 0).unwrap();
+    s.write(1, 0, &pattern(1, BLOCK)).unwrap();
+    s.mark_regions(2, 0, B).unwrap();
+    assert!(matches!(
+        s.mark_regions(9, 0, B),
+        Err(StoreError::NoSuchComponent(9))
+    ));
+    s.sync().unwrap();
+    let both = vec![(1, vec![0, 1]), (2, vec![0])];
+    assert_eq!(s.marked_regions(), both);
+    // A power cut: the marks come back from the log tail.
+    let img = d.power_cut(&mut SimRng::new(1));
+    drop(s);
+    let d = Arc::new(FaultyDevice::from_image(img));
+    let s = reopen(&d);
+    assert_eq!(s.marked_regions(), both);
+    // From a checkpoint, and an unmark made durable by a sync.
+    s.checkpoint().unwrap();
+    s.unmark_regions(1, &[1, 2]).unwrap();
+    s.sync().unwrap();
+    let img = d.power_cut(&mut SimRng::new(2));
+    drop(s);
+    let d = Arc::new(FaultyDevice::from_image(img));
+    let s = reopen(&d);
+    let after = vec![(1, vec![0]), (2, vec![0])];
+    assert_eq!(s.marked_regions(), after);
+    // An unmark that was never synced may be lost: the region is marked
+    // again, never the other way round.
+    s.unmark_regions(2, &[0]).unwrap();
+    let img = d.power_cut_with(|_, _, _| 0);
+    drop(s);
+    let d = Arc::new(FaultyDevice::from_image(img));
+    let s = reopen(&d);
+    assert_eq!(s.marked_regions(), after);
+    s.check().unwrap();
+    // Deleting a component drops its marks; a clean close keeps the rest.
+    s.delete_component(2).unwrap();
+    s.close().unwrap();
+    let s = reopen(&d);
+    assert_eq!(s.marked_regions(), vec![(1, vec![0])]);
+    // The device marks at most `max_marks` regions at once.
+    let sb = &s.sb;
+    let max = format::max_marks(sb.nsegs, sb.seg_blocks, sb.max_components);
+    s.create_component(3, 1, (max + 4) * mib).unwrap();
+    let r = s.mark_regions(3, 0, (max + 4) * mib);
+    assert!(matches!(r, Err(StoreError::NoSpace)), "{r:?}");
+    s.mark_regions(3, 0, (max - 1) * mib).unwrap();
+    assert!(matches!(
+        s.mark_regions(3, max * mib, 1),
+        Err(StoreError::NoSpace)
+    ));
+    s.unmark_regions(3, &[0]).unwrap();
+    s.mark_regions(3, max * mib, 1).unwrap();
+    s.close().unwrap();
+    let s = reopen(&d);
+    let marked: usize = s.marked_regions().iter().map(|(_, r)| r.len()).sum();
+    assert_eq!(marked as u64, max);
+}
+
+#[test]
 fn no_space_changes_nothing_and_freeing_helps() {
     let (d, s) = mem_store(16, 40);
     let cap = s.capacity() / B;
@@ -1051,7 +1118,10 @@ impl Crash {
             } else {
                 let b = self.rng.below(size / B);
                 let data = noise(self.rng.next_u64(), BLOCK);
-                let r = self.s().write(id, b * B, &data);
+                let r = self
+                    .s()
+                    .mark_regions(id, b * B, B)
+                    .and_then(|()| self.s().write(id, b * B, &data));
                 if r.is_ok() || Self::power_lost(&r) {
                     self.model
                         .get_mut(&id)
@@ -1073,7 +1143,11 @@ impl Crash {
                 .min(size);
                 let off = self.rng.below(size - len + 1);
                 let data = noise(self.rng.next_u64(), len as usize);
-                let r = self.s().write(id, off, &data);
+                // Marked first, as the cluster does (`mark_regions`).
+                let r = self
+                    .s()
+                    .mark_regions(id, off, len)
+                    .and_then(|()| self.s().write(id, off, &data));
                 if r.is_ok() || Self::power_lost(&r) {
                     self.model
                         .get_mut(&id)
@@ -1258,6 +1332,23 @@ impl Crash {
                     );
                 }
             }
+            // Every block holding data was written after its region was
+            // marked, and nothing unmarks here: its region is marked.
+            let marks = s
+                .marked_regions()
+                .into_iter()
+                .find(|(c, _)| *c == id)
+                .map(|(_, r)| r)
+                .unwrap_or_default();
+            for (b, chunk) in buf.chunks(BLOCK).enumerate() {
+                if *chunk != ZERO[..chunk.len()] {
+                    let r = (b as u64 / format::REGION_BLOCKS) as u32;
+                    assert!(
+                        marks.contains(&r),
+                        "seed {seed}: block {b} of {id} holds data, region {r} unmarked"
+                    );
+                }
+            }
             // Allocated ranges cover every block holding data.
             let ranges = s.allocated_ranges(id);
             for (b, chunk) in buf.chunks(BLOCK).enumerate() {
@@ -1318,6 +1409,7 @@ fn crash_case(seed: u64, scatter: bool) -> (u64, u64, u64) {
         let mut m = MComp::new(small[1]);
         if prefill {
             let data = noise(rng.next_u64(), (per * B) as usize);
+            store.mark_regions(id, 0, per * B).unwrap();
             store.write(id, 0, &data).unwrap();
             m.write(0, per * B, Some(&data));
         }
