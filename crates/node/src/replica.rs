@@ -17,7 +17,7 @@ use shoal_store::StoreError;
 /// The component store the node runs on: the log-structured store
 /// (`docs/store-log-format.md`).
 pub type Store = shoal_store::LogStore;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use tokio::sync::watch;
@@ -39,8 +39,17 @@ const _: () = assert!(REGION == shoal_store::log::format::REGION_BLOCKS * 4096);
 /// (sent once it reconciled the regions) clears it.
 const UNTIL_NEXT_OWNER: u64 = u64::MAX;
 
-/// component → region → (generation, seq) of the newest write there.
-type DirtyMap = HashMap<ComponentId, BTreeMap<u64, (Generation, u64)>>;
+/// Regions that owners' writes may have left different between the copies.
+#[derive(Default)]
+struct Dirty {
+    /// component → region → (generation, seq) of the newest write there
+    /// not yet covered by a barrier.
+    writes: HashMap<ComponentId, BTreeMap<u64, (Generation, u64)>>,
+    /// component → regions marked on its device: the store's marks,
+    /// mirrored so that a write to a marked region (nearly every write)
+    /// does not take the store's lock a second time.
+    marked: HashMap<ComponentId, HashSet<u64>>,
+}
 
 pub struct Device {
     pub id: DeviceId,
@@ -208,7 +217,7 @@ pub struct Replicas {
     placement: Mutex<HashMap<ComponentId, DeviceId>>,
     /// Regions written by owners and not yet covered by a barrier:
     /// component → region → (generation, seq) of the newest write.
-    dirty: Mutex<DirtyMap>,
+    dirty: Mutex<Dirty>,
     /// Set once the node's router exists; serves forwarded volume I/O.
     pub router: OnceLock<Arc<Router>>,
     /// Requests being served now (all devices): a write alone in flight
@@ -262,18 +271,16 @@ impl Replicas {
         let mut map = HashMap::new();
         // Regions marked on the devices: writes were in flight there when
         // this node last stopped. Dirty until the next owner reconciles.
-        let mut dirty = DirtyMap::new();
+        let mut dirty = Dirty::default();
         for d in devices {
             for c in d.store.components() {
                 placement.insert(c.id, d.id);
             }
             for (c, regions) in d.store.marked_regions() {
-                let e: &mut BTreeMap<u64, (Generation, u64)> = dirty.entry(c).or_default();
-                e.extend(
-                    regions
-                        .into_iter()
-                        .map(|r| (r as u64, (0, UNTIL_NEXT_OWNER))),
-                );
+                let regions = regions.into_iter().map(u64::from);
+                let e = dirty.writes.entry(c).or_default();
+                e.extend(regions.clone().map(|r| (r, (0, UNTIL_NEXT_OWNER))));
+                dirty.marked.entry(c).or_default().extend(regions);
             }
             map.insert(d.id, Arc::new(d));
         }
@@ -351,14 +358,20 @@ impl Replicas {
             return Ok(());
         }
         let mut m = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
-        let e = m.entry(c).or_default();
-        let mut r = off / REGION;
-        while r * REGION < off.saturating_add(len) {
+        let Dirty { writes, marked } = &mut *m;
+        let (e, marked) = (writes.entry(c).or_default(), marked.entry(c).or_default());
+        let (first, end) = (off / REGION, off.saturating_add(len).div_ceil(REGION));
+        let mut unmarked = false;
+        for r in first..end {
             let v = e.entry(r).or_insert((gen, seq));
             *v = (*v).max((gen, seq));
-            r += 1;
+            unmarked |= !marked.contains(&r);
         }
-        d.note(d.store.mark_regions(c, off, len)).map_err(remote)
+        if unmarked {
+            d.note(d.store.mark_regions(c, off, len)).map_err(remote)?;
+            marked.extend(first..end);
+        }
+        Ok(())
     }
 
     /// Unmarks on the devices the regions no longer dirty (a barrier
@@ -366,16 +379,24 @@ impl Replicas {
     /// a busy region then stays marked instead of being marked and
     /// unmarked over and over.
     pub fn settle_marks(&self) {
-        let m = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
+        let mut m = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
+        let Dirty { writes, marked } = &mut *m;
         for d in self.devices.values() {
             for (c, regions) in d.store.marked_regions() {
-                let dirty = m.get(&c);
+                let dirty = writes.get(&c);
                 let clean: Vec<u32> = regions
                     .into_iter()
-                    .filter(|&r| dirty.is_none_or(|e| !e.contains_key(&(r as u64))))
+                    .filter(|&r| dirty.is_none_or(|e| !e.contains_key(&u64::from(r))))
                     .collect();
-                if let Err(e) = d.store.unmark_regions(c, &clean) {
-                    tracing::warn!(component = c, "unmarking settled regions: {e}");
+                match d.store.unmark_regions(c, &clean) {
+                    Ok(()) => {
+                        if let Some(set) = marked.get_mut(&c) {
+                            for r in &clean {
+                                set.remove(&u64::from(*r));
+                            }
+                        }
+                    }
+                    Err(e) => tracing::warn!(component = c, "unmarking settled regions: {e}"),
                 }
             }
         }
@@ -526,7 +547,8 @@ impl Replicas {
                     p.remove(&component);
                 }
                 if let Ok(mut m) = self.dirty.lock() {
-                    m.remove(&component);
+                    m.writes.remove(&component);
+                    m.marked.remove(&component);
                 }
                 Self::durable(d, Response::Ok)
             }
@@ -545,7 +567,7 @@ impl Replicas {
                     .dirty
                     .lock()
                     .ok()
-                    .and_then(|m| m.get(&component).cloned())
+                    .and_then(|m| m.writes.get(&component).cloned())
                     .unwrap_or_default()
                     .keys()
                     .map(|r| (r * REGION, REGION))
@@ -638,7 +660,7 @@ impl Replicas {
                 let d = self.device_of(component)?;
                 self.fence(&d, component, generation)?;
                 if let Ok(mut m) = self.dirty.lock() {
-                    if let Some(e) = m.get_mut(&component) {
+                    if let Some(e) = m.writes.get_mut(&component) {
                         e.retain(|_, v| *v >= (generation, seq));
                     }
                 }
@@ -739,5 +761,100 @@ impl Handler for Replicas {
             }),
             Err(e) => done(Err(e)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn replicas(path: &std::path::Path) -> Replicas {
+        let store = Arc::new(Store::open(path).unwrap());
+        let d = Device::new(1, path.display().to_string(), store).unwrap();
+        Replicas::new(vec![d])
+    }
+
+    async fn call(r: &Replicas, req: Request, payload: Bytes) -> Response {
+        r.handle(req, payload).await.0
+    }
+
+    async fn write(r: &Replicas, generation: Generation, offset: u64, seq: u64) {
+        let req = Request::Write {
+            component: 1,
+            generation,
+            offset,
+            seq,
+        };
+        let resp = call(r, req, Bytes::from(vec![7u8; 4096])).await;
+        assert!(matches!(resp, Response::Ok), "{resp:?}");
+    }
+
+    async fn barrier(r: &Replicas, generation: Generation, seq: u64) {
+        let req = Request::Barrier {
+            component: 1,
+            generation,
+            seq,
+        };
+        assert!(matches!(call(r, req, Bytes::new()).await, Response::Ok));
+    }
+
+    fn marks(r: &Replicas) -> Vec<(u64, Vec<u32>)> {
+        r.devices().next().unwrap().store.marked_regions()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn writes_stay_marked_on_the_device_until_settled_and_across_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dev.img");
+        let s = Store::create(&path, 64 * MIB, "t").unwrap();
+        s.create_component(1, 1, 8 * MIB).unwrap();
+        s.close().unwrap();
+        let r = replicas(&path);
+        write(&r, 1, 0, 1).await;
+        write(&r, 1, 2 * MIB + 4096, 2).await;
+        assert_eq!(marks(&r), vec![(1, vec![0, 2])]);
+        // Not settled before a barrier covers the writes.
+        r.settle_marks();
+        assert_eq!(marks(&r), vec![(1, vec![0, 2])]);
+        barrier(&r, 1, 3).await;
+        r.settle_marks();
+        assert_eq!(marks(&r), vec![]);
+        // Written again: marked again (the mirror forgot the old mark).
+        write(&r, 1, 4096, 3).await;
+        assert_eq!(marks(&r), vec![(1, vec![0])]);
+
+        // The node dies: a copy of the device as it is (the write above
+        // was acknowledged, so its mark is durable) is opened again.
+        let copy = dir.path().join("copy.img");
+        std::fs::copy(&path, &copy).unwrap();
+        drop(r);
+        let r = replicas(&copy);
+        let req = Request::Activate {
+            component: 1,
+            generation: 2,
+        };
+        match call(&r, req, Bytes::new()).await {
+            Response::Activated { dirty } => assert_eq!(dirty, vec![(0, REGION)]),
+            other => panic!("{other:?}"),
+        }
+        // The old owner's barrier is fenced off; the new owner's, sent once
+        // it reconciled the region, settles it.
+        let old = Request::Barrier {
+            component: 1,
+            generation: 1,
+            seq: 9,
+        };
+        let resp = call(&r, old, Bytes::new()).await;
+        assert!(
+            matches!(resp, Response::Err(RemoteError::StaleGeneration { .. })),
+            "{resp:?}"
+        );
+        r.settle_marks();
+        assert_eq!(marks(&r), vec![(1, vec![0])]);
+        barrier(&r, 2, 0).await;
+        r.settle_marks();
+        assert_eq!(marks(&r), vec![]);
     }
 }

@@ -1557,7 +1557,9 @@ impl LogStore {
         if marked + new.len() as u64 > max {
             return Err(StoreError::NoSpace);
         }
-        self.ensure_space(&mut st, 0, new.len() as u64, Need::Client)?;
+        // Entries only (no data): they may use the cleaner's reserve, as
+        // trims do, so a mark never cleans inline on the writer's thread.
+        self.ensure_space(&mut st, 0, new.len() as u64, Need::Freeing)?;
         for r in new {
             let on = Entry::Mark {
                 comp: id,
