@@ -122,46 +122,55 @@ fn owner_and_leader_kill_pause_io_but_lose_nothing() {
 
 /// Every node killed -9 at once while a client writes (the whole cluster
 /// crashes, as far as processes go: what the stores had not written to
-/// their devices is gone). After `shoal up`, every write the cluster
-/// acknowledged is there, no block went back to an older version or holds
-/// torn contents, reads through two other nodes agree, and so do the two
-/// copies. The devices are small, so that each store's log wraps and its
-/// cleaner works before the cut.
+/// their devices is gone), twice. After each `shoal up`, every write the
+/// cluster acknowledged is there, no block went back to an older version
+/// or holds torn contents, reads through two other nodes agree, and so do
+/// the two copies. The devices are small, so that each store's log wraps
+/// and its cleaner works before the first cut. The second round starts
+/// from what the first left, so it also crashes a cluster that has just
+/// recovered.
 #[test]
 fn whole_cluster_kill9_loses_no_acknowledged_write() {
     let c = Cluster::start_sized(4, 34, "256M", &[]);
     c.create_volume("v", "96M", "raid1 ftt=1");
-    let blocks = (96u64 << 20) / 4096;
-    let w = Writer::start(&c.nbd_addr(1), "v", blocks, 16);
     let (data, _) = layout(&c, "v");
-    let started = std::time::Instant::now();
+    let mut versions = vec![0u32; (96 << 20) / 4096];
     // Enough writes for the cleaner to run (about twice the free space of a
-    // device), or as many as a slow machine gives in the time.
-    while w.ledger().acks() < 100_000 && started.elapsed() < Duration::from_secs(40) {
-        std::thread::sleep(Duration::from_millis(100));
+    // device), then fewer; or as many as a slow machine gives in the time.
+    for (round, goal) in [(1, 100_000), (2, 30_000)] {
+        let w = Writer::start(&c.nbd_addr(1), "v", versions, 16);
+        let started = std::time::Instant::now();
+        while w.ledger().acks() < goal && started.elapsed() < Duration::from_secs(40) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let cleaned = c.metric(&data, "shoal_device_cleaned_segments_total");
+        let pids: Vec<String> = (1..=4).map(|n| c.pid(n).to_string()).collect();
+        sh(&format!("kill -KILL {}", pids.join(" ")));
+        let ledger = w.wait_cut();
+        let (acks, written) = (ledger.acks(), ledger.written());
+        eprintln!(
+            "round {round}: cut after {acks} acknowledged writes over {written} blocks; \
+             {cleaned} segments cleaned"
+        );
+        assert!(acks >= 5_000, "too few writes before the cut: {acks}");
+        c.up();
+        c.wait_healthy("v", HEAL);
+        let through2 = ledger.check(&c.nbd_addr(2), "v");
+        let through3 = ledger.check(&c.nbd_addr(3), "v");
+        assert!(through2 == through3, "two nodes read different versions");
+        c.verify_copies("v");
+        versions = through2;
     }
-    let cleaned = c.metric(&data, "shoal_device_cleaned_segments_total");
-    let pids: Vec<String> = (1..=4).map(|n| c.pid(n).to_string()).collect();
-    sh(&format!("kill -KILL {}", pids.join(" ")));
-    let ledger = w.wait_cut();
-    let (acks, written) = (ledger.acks(), ledger.written());
-    eprintln!(
-        "cut after {acks} acknowledged writes over {written} blocks; {cleaned} segments cleaned"
-    );
-    assert!(acks >= 5_000, "too few writes before the cut: {acks}");
-    c.up();
-    c.wait_healthy("v", HEAL);
-    let through2 = ledger.check(&c.nbd_addr(2), "v");
-    let through3 = ledger.check(&c.nbd_addr(3), "v");
-    assert!(through2 == through3, "two nodes read different versions");
-    c.verify_copies("v");
-    // The copies agree because the new owner copied the regions marked
+    // The copies agree because the new owners copied the regions marked
     // on the devices, not by chance.
-    let reconciled = (1..=4)
+    let reconciled: usize = (1..=4)
         .map(|n| std::fs::read_to_string(c.node_dir(n).join("node.log")).unwrap_or_default())
-        .filter(|log| log.contains("reconciling regions left in flight"))
-        .count();
-    assert!(reconciled >= 1, "no owner reconciled the marked regions");
+        .map(|log| log.matches("reconciling regions left in flight").count())
+        .sum();
+    assert!(
+        reconciled >= 2,
+        "owners reconciled marked regions {reconciled} times, not after each cut"
+    );
 }
 
 #[test]

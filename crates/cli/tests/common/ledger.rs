@@ -175,14 +175,17 @@ pub struct Writer {
 }
 
 impl Writer {
-    /// Starts writing the first `blocks` 4 KiB blocks of `export` at
-    /// `addr`, `depth` writes in flight.
-    pub fn start(addr: &str, export: &str, blocks: u64, depth: usize) -> Writer {
+    /// Starts writing the first `versions.len()` 4 KiB blocks of `export`
+    /// at `addr`, `depth` writes in flight. `versions`: what each block
+    /// holds now (all 0 on a new volume; what [`Ledger::check`] found,
+    /// to go on after a crash).
+    pub fn start(addr: &str, export: &str, versions: Vec<u32>, depth: usize) -> Writer {
+        let blocks = versions.len();
         let ledger = Arc::new(Ledger {
             state: Mutex::new(State {
-                acked: vec![0; blocks as usize],
-                sent: vec![0; blocks as usize],
-                busy: vec![false; blocks as usize],
+                acked: versions.clone(),
+                sent: versions,
+                busy: vec![false; blocks],
                 ..State::default()
             }),
             room: Condvar::new(),
