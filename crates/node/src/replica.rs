@@ -34,9 +34,9 @@ const REGION: u64 = shoal_owner::REGION;
 const _: () = assert!(REGION == shoal_store::log::format::REGION_BLOCKS * 4096);
 
 /// Sequence number of a dirty-map entry no barrier of its generation
-/// clears: a write with no sequence number (zeroes), or a region marked on
-/// the device before this node started. The next owner's first barrier
-/// (sent once it reconciled the regions) clears it.
+/// clears: a region marked on the device before this node started. The
+/// next owner's first barrier (sent once it reconciled the regions) clears
+/// it.
 const UNTIL_NEXT_OWNER: u64 = u64::MAX;
 
 /// Regions that owners' writes may have left different between the copies.
@@ -601,11 +601,11 @@ impl Replicas {
                 generation,
                 offset,
                 len,
+                seq,
             } => {
                 let d = self.device_of(component)?;
                 self.fence(&d, component, generation)?;
-                // No sequence number: dirty until the next owner.
-                self.mark_dirty(&d, component, offset, len, generation, UNTIL_NEXT_OWNER)?;
+                self.mark_dirty(&d, component, offset, len, generation, seq)?;
                 let end = offset.saturating_add(len);
                 let (deps, guard) = self.seq.enter(component, offset, end, true);
                 self.apply_then_commit(d, deps, guard, false, move |d| {
@@ -821,8 +821,21 @@ mod tests {
         barrier(&r, 1, 3).await;
         r.settle_marks();
         assert_eq!(marks(&r), vec![]);
+        // Zeroes are marked and settled the same way.
+        let zero = Request::WriteZeroes {
+            component: 1,
+            generation: 1,
+            offset: 3 * MIB,
+            len: 8192,
+            seq: 3,
+        };
+        assert!(matches!(call(&r, zero, Bytes::new()).await, Response::Ok));
+        assert_eq!(marks(&r), vec![(1, vec![3])]);
+        barrier(&r, 1, 4).await;
+        r.settle_marks();
+        assert_eq!(marks(&r), vec![]);
         // Written again: marked again (the mirror forgot the old mark).
-        write(&r, 1, 4096, 3).await;
+        write(&r, 1, 4096, 4).await;
         assert_eq!(marks(&r), vec![(1, vec![0])]);
 
         // The node dies: a copy of the device as it is (the write above

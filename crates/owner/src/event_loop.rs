@@ -702,6 +702,7 @@ impl<C: Control> Loop<C> {
                         generation: self.generation,
                         offset: *offset,
                         len: *len,
+                        seq,
                     },
                     Bytes::new(),
                 ),
@@ -1576,6 +1577,7 @@ impl<C: Control> Loop<C> {
                             generation: self.generation,
                             offset: off,
                             len: data.len() as u64,
+                            seq: 0,
                         },
                         Bytes::new(),
                     )

@@ -125,6 +125,7 @@ impl Mem {
                 generation,
                 offset,
                 len,
+                ..
             } => {
                 fenced(component, generation)?;
                 let d = &mut m.get_mut(&component).unwrap().1;

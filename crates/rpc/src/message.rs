@@ -51,12 +51,14 @@ pub enum Request {
         component: ComponentId,
         generation: Generation,
     },
-    /// Zero a range, freeing space where whole chunks are covered.
+    /// Zero a range, freeing space where whole chunks are covered. `seq`
+    /// as for `Write` (0: not a client write, e.g. a resync's).
     WriteZeroes {
         component: ComponentId,
         generation: Generation,
         offset: u64,
         len: u64,
+        seq: u64,
     },
     /// I/O on a volume, sent by a node that serves a client to the volume's
     /// owner. Write data in the payload.
