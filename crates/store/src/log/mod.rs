@@ -1557,21 +1557,7 @@ impl LogStore {
         if marked + new.len() as u64 > max {
             return Err(StoreError::NoSpace);
         }
-        // Entries only (no data): they may use the cleaner's reserve, as
-        // trims do, so a mark never cleans inline on the writer's thread.
-        self.ensure_space(&mut st, 0, new.len() as u64, Need::Freeing)?;
-        for r in new {
-            let on = Entry::Mark {
-                comp: id,
-                region: r as u64,
-                on: true,
-            };
-            self.append(&mut st, on, None)?;
-            if let Some(c) = st.comps.get_mut(&id) {
-                c.marks.insert(r);
-            }
-        }
-        Ok(())
+        self.log_marks(&mut st, id, new, true)
     }
 
     /// Unmarks regions of component `id` (those of `regions` that are
@@ -1592,16 +1578,31 @@ impl LogStore {
         if gone.is_empty() {
             return Ok(());
         }
-        self.ensure_space(&mut st, 0, gone.len() as u64, Need::Freeing)?;
-        for r in gone {
-            let off = Entry::Mark {
-                comp: id,
-                region: r as u64,
-                on: false,
-            };
-            self.append(&mut st, off, None)?;
+        self.log_marks(&mut st, id, gone, false)
+    }
+
+    /// Logs and applies marks (`on`) or unmarks of `regions` of `id`.
+    fn log_marks(&self, st: &mut State, id: u64, regions: Vec<u32>, on: bool) -> Result<()> {
+        // Entries only (no data): they may use the cleaner's reserve, as
+        // trims do, so a mark never cleans inline on the writer's thread.
+        self.ensure_space(st, 0, regions.len() as u64, Need::Freeing)?;
+        for r in regions {
+            let region = r as u64;
+            self.append(
+                st,
+                Entry::Mark {
+                    comp: id,
+                    region,
+                    on,
+                },
+                None,
+            )?;
             if let Some(c) = st.comps.get_mut(&id) {
-                c.marks.remove(&r);
+                if on {
+                    c.marks.insert(r);
+                } else {
+                    c.marks.remove(&r);
+                }
             }
         }
         Ok(())
