@@ -215,8 +215,8 @@ pub struct Replicas {
     devices: HashMap<DeviceId, Arc<Device>>,
     /// Which device holds each component.
     placement: Mutex<HashMap<ComponentId, DeviceId>>,
-    /// Regions written by owners and not yet covered by a barrier:
-    /// component → region → (generation, seq) of the newest write.
+    /// Regions owners' writes may have left different between the
+    /// copies, and their marks on the devices.
     dirty: Mutex<Dirty>,
     /// Set once the node's router exists; serves forwarded volume I/O.
     pub router: OnceLock<Arc<Router>>,
