@@ -15,6 +15,13 @@ use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+
+/// Regions a new owner reconciles at once after a crash (each a 1 MiB read
+/// from one copy and a write to the others): a few at once keep the copies'
+/// devices busy instead of waiting one round trip per region. The 2,048
+/// regions of a 2 GiB volume took 10.5 s one at a time, 7.5 s eight at a
+/// time on the demo cluster (one run each; 4 GiB of I/O on one disk).
+const RECONCILE_IN_FLIGHT: usize = 8;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
@@ -340,12 +347,10 @@ pub(crate) async fn start<C: Control>(
             "reconciling regions left in flight"
         );
         let src = &replicas[insync[0]];
-        for region in &dirty {
+        let (replicas, insync, vol_size) = (&replicas, &insync, vol.size);
+        let copy = |region: u64| async move {
             let off = region * REGION;
-            if off >= vol.size {
-                continue;
-            }
-            let len = REGION.min(vol.size - off) as u32;
+            let len = REGION.min(vol_size - off) as u32;
             let data = read_from(src, generation, off, len, cfg.io_timeout)
                 .await
                 .map_err(|e| OwnerError::Unavailable(format!("reconcile read: {e}")))?;
@@ -365,6 +370,14 @@ pub(crate) async fn start<C: Control>(
                 .await
                 .map_err(|e| OwnerError::Unavailable(format!("reconcile write: {e}")))?;
             }
+            Ok::<(), OwnerError>(())
+        };
+        let regions = dirty.iter().copied().filter(|r| r * REGION < vol_size);
+        let mut steps = futures::stream::iter(regions)
+            .map(copy)
+            .buffer_unordered(RECONCILE_IN_FLIGHT);
+        while let Some(step) = steps.next().await {
+            step?;
         }
     }
     // Everything before this generation is now consistent.
