@@ -129,7 +129,7 @@ impl Cluster {
     }
 
     pub fn uri(&self, node: u32, volume: &str) -> String {
-        format!("nbd://{}.{node}:10809/{volume}", self.net)
+        format!("nbd://{}/{volume}", self.nbd_addr(node))
     }
 
     /// `host:port` of the node's NBD server.
