@@ -136,6 +136,58 @@ fn workers_per_node(nodes: usize) -> usize {
     (cores / nodes.max(1)).max(1)
 }
 
+/// Lines of a stopped node's log shown by `shoal status` and `shoal up`.
+const LOG_TAIL_LINES: usize = 8;
+
+/// The last `lines` lines of a node's log.
+pub fn log_tail(n: &LocalNode, lines: usize) -> Vec<String> {
+    let text = std::fs::read(n.dir.join("node.log")).unwrap_or_default();
+    let text = String::from_utf8_lossy(&text);
+    let mut tail: Vec<String> = text.lines().rev().take(lines).map(str::to_string).collect();
+    tail.reverse();
+    tail
+}
+
+/// A node of the local cluster whose process is not running.
+#[derive(Serialize)]
+pub struct StoppedNode {
+    pub id: u64,
+    /// What its exit record says, if it ever ran.
+    pub last_exit: Option<String>,
+    pub log: PathBuf,
+    pub log_tail: Vec<String>,
+}
+
+/// The nodes of a local cluster that are not running.
+pub fn stopped_nodes(c: &LocalCluster) -> Vec<StoppedNode> {
+    c.nodes
+        .iter()
+        .filter(|n| running(n).is_none())
+        .map(|n| StoppedNode {
+            id: n.id,
+            last_exit: crate::daemon::last_exit(&n.dir),
+            log: n.dir.join("node.log"),
+            log_tail: log_tail(n, LOG_TAIL_LINES),
+        })
+        .collect()
+}
+
+/// Prints what is known of a node that is not running: why it ended and
+/// the last lines of its log.
+pub fn print_stopped(s: &StoppedNode, verb: &str) {
+    let why = s
+        .last_exit
+        .as_deref()
+        .unwrap_or("it has not run with this build (no exit record)");
+    println!("node {} {verb}: {why}", s.id);
+    if !s.log_tail.is_empty() {
+        println!("  last lines of {}:", s.log.display());
+        for l in &s.log_tail {
+            println!("    {l}");
+        }
+    }
+}
+
 fn start_node(n: &LocalNode, join: Option<&str>, workers: usize) -> Result<i32> {
     std::fs::create_dir_all(&n.dir)?;
     let log = std::fs::OpenOptions::new()
@@ -221,6 +273,13 @@ pub async fn up(a: UpArgs) -> Result<()> {
         }
     };
     let first_api = cluster.nodes[0].api.clone();
+    if !fresh {
+        for s in stopped_nodes(&cluster) {
+            if s.last_exit.is_some() {
+                print_stopped(&s, "was not running");
+            }
+        }
+    }
     for n in &cluster.nodes {
         if let Some(pid) = running(n) {
             println!("node {} already running (pid {pid})", n.id);
@@ -265,6 +324,10 @@ pub async fn up(a: UpArgs) -> Result<()> {
             if last.is_empty() {
                 last = format!("{up} of {want} nodes up");
             }
+        }
+        if let Some(s) = stopped_nodes(&cluster).first() {
+            print_stopped(s, "stopped while the cluster was starting");
+            bail!("node {} is not running; see {}", s.id, s.log.display());
         }
         if Instant::now() > deadline {
             bail!(

@@ -5,6 +5,7 @@
 //! manage a cluster through any node's REST API; `shoal bench` measures it
 //! (`shoal-bench`). Owns argument parsing and presentation only.
 
+mod daemon;
 mod local;
 mod show;
 
@@ -276,56 +277,110 @@ fn node_config(a: NodeArgs) -> Result<NodeConfig> {
 }
 
 fn main() {
-    // Behave like other tools when the reader of our output goes away.
-    // SAFETY: restoring the default disposition of a signal at start-up.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
     let cli = Cli::parse();
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Cmd::Node(NodeArgs {
-        workers: Some(n), ..
-    }) = &cli.cmd
-    {
-        builder.worker_threads((*n).max(1));
-    }
-    let rt = match builder.enable_all().build() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: cannot start the runtime: {e}");
-            std::process::exit(1);
+    match cli.cmd {
+        Cmd::Node(a) => node_main(a),
+        cmd => {
+            // Behave like other tools when the reader of our output goes away.
+            // SAFETY: restoring the default disposition of a signal at start-up.
+            unsafe {
+                libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+            }
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("error: cannot start the runtime: {e}");
+                    std::process::exit(1);
+                }
+            };
+            if let Err(e) = rt.block_on(run(cmd)) {
+                eprintln!("error: {e:#}");
+                std::process::exit(1);
+            }
         }
-    };
-    let r = rt.block_on(run(cli));
-    if let Err(e) = r {
-        eprintln!("error: {e:#}");
-        std::process::exit(1);
     }
 }
 
-async fn run(cli: Cli) -> Result<()> {
-    match cli.cmd {
-        Cmd::Node(a) => {
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_default_env()
-                        .unwrap_or_else(|_| "info,openraft=warn".into()),
-                )
-                .init();
-            shoal_node::run(node_config(a)?).await
+/// Seconds a node asked to stop while still starting gets to finish its
+/// start and stop in order before the process ends anyway.
+const STOP_DURING_START_S: u64 = 5;
+
+/// `shoal node`: the daemon. Every way it ends is logged, recorded in
+/// `DATA/node.exit` and told by its exit code (see `daemon`).
+fn node_main(a: NodeArgs) -> ! {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,openraft=warn".into()),
+        )
+        .init();
+    daemon::ignore_sigpipe();
+    let workers = a.workers;
+    let cfg = match node_config(a) {
+        Ok(c) => c,
+        Err(e) => daemon::exit(daemon::EXIT_FAILED, &format!("{e:#}")),
+    };
+    if let Err(e) = daemon::start(&cfg.data_dir) {
+        daemon::exit(
+            daemon::EXIT_FAILED,
+            &format!("preparing {}: {e}", cfg.data_dir.display()),
+        );
+    }
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = workers {
+        builder.worker_threads(n.max(1));
+    }
+    let rt = match builder.enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => daemon::exit(
+            daemon::EXIT_FAILED,
+            &format!("cannot start the runtime: {e}"),
+        ),
+    };
+    let r = rt.block_on(async {
+        let (asked, stop) = tokio::sync::watch::channel(None::<&'static str>);
+        tokio::spawn(async move {
+            match daemon::stop_requested().await {
+                Ok(sig) => {
+                    tracing::info!("received {sig}: stopping");
+                    let _ = asked.send(Some(sig));
+                }
+                Err(e) => tracing::error!("cannot handle stop signals: {e}"),
+            }
+            // Keep the sender: a dropped one would read as a stop.
+            std::future::pending::<()>().await;
+        });
+        let asked = |mut rx: tokio::sync::watch::Receiver<Option<&'static str>>| async move {
+            let sig = rx.wait_for(|s| s.is_some()).await.ok().and_then(|s| *s);
+            sig.unwrap_or("a stop request")
+        };
+        let node = shoal_node::run(cfg, async {
+            asked(stop.clone()).await;
+        });
+        tokio::select! {
+            r = node => r.map(|()| stop.borrow().unwrap_or("a stop request")),
+            sig = async {
+                let sig = asked(stop.clone()).await;
+                tokio::time::sleep(std::time::Duration::from_secs(STOP_DURING_START_S)).await;
+                sig
+            } => Ok(sig),
         }
+    });
+    match r {
+        Ok(sig) => daemon::exit(daemon::EXIT_STOPPED, &format!("stopped on {sig}")),
+        Err(e) => daemon::exit(daemon::EXIT_FAILED, &format!("{e:#}")),
+    }
+}
+
+async fn run(cmd: Cmd) -> Result<()> {
+    match cmd {
+        Cmd::Node(_) => bail!("shoal node runs in node_main"),
         Cmd::Up(a) => local::up(a).await,
         Cmd::Down(t) => local::down(&t.data),
-        Cmd::Status { target, json } => {
-            let c = local::client(&target)?;
-            let s = c.status().await?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&s)?);
-            } else {
-                show::status(&s);
-            }
-            Ok(())
-        }
+        Cmd::Status { target, json } => status(&target, json).await,
         Cmd::Volume(v) => volume(v).await,
         Cmd::Bench { target, args } => {
             let c = local::client(&target)?;
@@ -334,6 +389,39 @@ async fn run(cli: Cli) -> Result<()> {
             shoal_bench::run(args, c, data).await
         }
     }
+}
+
+/// `shoal status`: the cluster as a node sees it and, for a local cluster,
+/// every node whose process is not running, with why it ended and the last
+/// lines of its log (also when no node answers at all).
+async fn status(target: &Target, json: bool) -> Result<()> {
+    let stopped = match (&target.api, local::load(&target.data)?) {
+        (None, Some(c)) => local::stopped_nodes(&c),
+        _ => Vec::new(),
+    };
+    let c = local::client(target)?;
+    let s = c.status().await;
+    if json {
+        let mut v = match &s {
+            Ok(s) => serde_json::to_value(s)?,
+            Err(e) => serde_json::json!({ "error": format!("{e:#}") }),
+        };
+        if let Some(o) = v.as_object_mut() {
+            o.insert(
+                "stopped_local_nodes".into(),
+                serde_json::to_value(&stopped)?,
+            );
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else if let Ok(s) = &s {
+        show::status(s);
+    }
+    if !json {
+        for n in &stopped {
+            local::print_stopped(n, "is not running");
+        }
+    }
+    s.map(|_| ()).context("no node of the cluster answered")
 }
 
 async fn volume(v: VolumeCmd) -> Result<()> {

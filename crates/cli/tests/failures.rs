@@ -7,7 +7,7 @@ mod common;
 
 use common::fio::{finish, fio_verify_only, fio_write_verify};
 use common::ledger::Writer;
-use common::{require, sh, Cluster};
+use common::{require, sh, wait_for, Cluster};
 use std::time::Duration;
 
 const HEAL: Duration = Duration::from_secs(90);
@@ -200,4 +200,176 @@ fn down_then_up_keeps_volumes_and_data() {
     sh(&format!("cmp {} {}", src.display(), back.display()));
     c.wait_healthy("a", HEAL);
     c.verify_copies("a");
+}
+
+/// Busy loops beside the cluster (`yes > /dev/null`), ended when dropped:
+/// the CPU contention under which a dying peer's broken connections took
+/// the owner down with SIGPIPE.
+struct CpuLoad(Vec<std::process::Child>);
+
+impl CpuLoad {
+    fn start(loops: usize) -> CpuLoad {
+        CpuLoad(
+            (0..loops)
+                .map(|_| {
+                    std::process::Command::new("yes")
+                        .stdout(std::process::Stdio::null())
+                        .spawn()
+                        .expect("yes")
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for CpuLoad {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Whether the node's process (by its pid file) still runs (a zombie
+/// does not).
+fn alive(c: &Cluster, node: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", c.pid(node))).unwrap_or_default();
+    // The state follows the command name in parentheses.
+    let state = stat
+        .rsplit(')')
+        .next()
+        .and_then(|r| r.split_whitespace().next());
+    matches!(state, Some(s) if s != "Z" && s != "X")
+}
+
+/// A client that asks node 1 for large reads and goes without reading the
+/// answers: node 1's replies meet a closed connection (`EPIPE`, and
+/// SIGPIPE unless it is ignored).
+fn client_that_vanishes(c: &Cluster, volume: &str) {
+    use std::io::Write;
+    let mut s = common::ledger::connect(&c.nbd_addr(1), volume);
+    for i in 0..8u64 {
+        let req = shoal_nbd::codec::Request {
+            flags: 0,
+            command: shoal_nbd::codec::Command::Read,
+            handle: i,
+            offset: i << 22,
+            len: 4 << 20,
+        };
+        s.write_all(&req.encode()).expect("sending a read");
+    }
+    // Closed with replies arriving unread: the kernel answers them with a
+    // reset.
+    drop(s);
+}
+
+/// A client writes through node 1 (the owner) at QD16, with two CPU loops
+/// beside the cluster, while each other node in turn is killed -9 and
+/// restarted with `shoal up`, and a client goes without reading the
+/// answers to its reads. Node 1 must live through it all (a write to
+/// a dead peer's socket once killed it with SIGPIPE, silently), no write
+/// may fail, and every acknowledged write must be there afterwards, on
+/// both copies.
+#[test]
+fn peer_deaths_under_cpu_load_never_take_the_owner_down() {
+    let c = Cluster::start(4, 35);
+    c.create_volume("v", "64M", "raid1 ftt=1");
+    let _load = CpuLoad::start(2);
+    let owner_pid = c.pid(1);
+    let w = Writer::start(&c.nbd_addr(1), "v", vec![0u32; (64 << 20) / 4096], 16);
+    let wait_writes = |what: &str, more: u64| {
+        let from = w.ledger().acks();
+        wait_for(what, Duration::from_secs(60), || {
+            assert!(alive(&c, 1), "node 1 died:\n{}", c.logs());
+            let now = w.ledger().acks();
+            if now >= from + more {
+                Ok(())
+            } else {
+                Err(format!("{} acknowledged", now - from))
+            }
+        });
+    };
+    wait_writes("writes before the first kill", 2_000);
+    assert_eq!(layout(&c, "v").1, Some(1), "node 1 owns the volume");
+    for victim in [2, 3, 4, 2] {
+        client_that_vanishes(&c, "v");
+        c.signal(victim, "KILL");
+        wait_writes("writes with a node dead", 1_000);
+        c.up();
+        c.wait_node(victim, "up", HEAL);
+        c.wait_healthy("v", HEAL);
+        wait_writes("writes after the restart", 1_000);
+        assert!(alive(&c, 1), "node 1 died:\n{}", c.logs());
+        assert_eq!(c.pid(1), owner_pid, "node 1 was restarted");
+        assert_eq!(w.ledger().errors(), 0, "writes failed");
+    }
+    let ledger = w.stop(Duration::from_secs(30));
+    assert_eq!(ledger.errors(), 0, "writes failed");
+    eprintln!(
+        "{} writes acknowledged over {} blocks",
+        ledger.acks(),
+        ledger.written()
+    );
+    assert!(alive(&c, 1), "node 1 died:\n{}", c.logs());
+    let through2 = ledger.check(&c.nbd_addr(2), "v");
+    let through3 = ledger.check(&c.nbd_addr(3), "v");
+    assert!(through2 == through3, "two nodes read different versions");
+    c.verify_copies("v");
+}
+
+/// A node that ends says why, in `shoal status` and at the next `shoal
+/// up`: a caught fatal signal is named, a kill -9 is told apart, a stop on
+/// request is exit 0, and the last lines of the log come with it.
+#[test]
+fn a_node_that_ends_says_why() {
+    let c = Cluster::start(3, 36);
+    c.signal(2, "SEGV");
+    c.signal(3, "KILL");
+    wait_for("nodes 2 and 3 gone", Duration::from_secs(20), || {
+        if alive(&c, 2) || alive(&c, 3) {
+            Err("still running".into())
+        } else {
+            Ok(())
+        }
+    });
+    let status = c.shoal(&["status"]);
+    assert!(
+        status.contains("node 2 is not running: killed by SIGSEGV"),
+        "{status}"
+    );
+    assert!(
+        status.contains("node 3 is not running: ended without a word"),
+        "{status}"
+    );
+    assert!(status.contains("last lines of"), "{status}");
+    let log2 = std::fs::read_to_string(c.node_dir(2).join("node.log")).expect("log");
+    assert!(log2.contains("fatal signal: killed by SIGSEGV"), "{log2}");
+    let json = c.json(&["status"]);
+    let stopped = json["stopped_local_nodes"]
+        .as_array()
+        .expect("stopped nodes");
+    assert_eq!(stopped.len(), 2, "{json}");
+
+    let up = c.shoal(&["up", "--no-demo"]);
+    assert!(
+        up.contains("node 2 was not running: killed by SIGSEGV"),
+        "{up}"
+    );
+    c.wait_node(2, "up", HEAL);
+    c.wait_node(3, "up", HEAL);
+    let status = c.shoal(&["status"]);
+    assert!(!status.contains("is not running"), "{status}");
+
+    // A stop on request: exit 0, recorded.
+    c.signal(3, "TERM");
+    wait_for("node 3 stopped", Duration::from_secs(20), || {
+        if alive(&c, 3) {
+            Err("still running".into())
+        } else {
+            Ok(())
+        }
+    });
+    let rec = std::fs::read_to_string(c.node_dir(3).join("node.exit")).expect("record");
+    assert_eq!(rec.trim(), "exit 0: stopped on SIGTERM");
 }

@@ -444,6 +444,22 @@ impl Directory {
         self.inner.raft.is_initialized().await.unwrap_or(false)
     }
 
+    /// Resolves, with the reason, once the Raft core of this member has
+    /// stopped for good (a storage error, a fatal bug): from then on the
+    /// node can change nothing in the directory, and must not go on half
+    /// alive.
+    pub async fn stopped(&self) -> String {
+        let mut m = self.inner.metrics.clone();
+        loop {
+            if let Err(e) = &m.borrow_and_update().running_state {
+                return format!("the directory's Raft core stopped: {e}");
+            }
+            if m.changed().await.is_err() {
+                return "the directory's Raft core stopped".into();
+            }
+        }
+    }
+
     /// Stops Raft. The redb file is closed once the Raft tasks have ended.
     pub async fn shutdown(&self) {
         if let Err(e) = self.inner.raft.shutdown().await {

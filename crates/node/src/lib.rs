@@ -215,8 +215,44 @@ fn new_cluster_id() -> String {
     format!("{:016x}", rand::random::<u64>())
 }
 
-/// Runs the node until SIGINT or SIGTERM.
-pub async fn run(cfg: NodeConfig) -> Result<()> {
+/// The parts of a node that must run as long as it does (its servers,
+/// the loop that follows the directory): the first one that ends, with an
+/// error or without, stops the node with that reason, so that no node goes
+/// on half alive with a port that no longer answers.
+#[derive(Clone)]
+struct Essentials {
+    ended: tokio::sync::mpsc::Sender<String>,
+}
+
+/// Reasons queued before the node acts on the first: one is enough.
+const ESSENTIAL_REASONS_QUEUED: usize = 4;
+
+impl Essentials {
+    fn new() -> (Essentials, tokio::sync::mpsc::Receiver<String>) {
+        let (ended, rx) = tokio::sync::mpsc::channel(ESSENTIAL_REASONS_QUEUED);
+        (Essentials { ended }, rx)
+    }
+
+    fn spawn<F>(&self, what: &'static str, part: F)
+    where
+        F: std::future::Future<Output = Result<()>> + Send + 'static,
+    {
+        let ended = self.ended.clone();
+        tokio::spawn(async move {
+            let why = match part.await {
+                Ok(()) => format!("{what} ended"),
+                Err(e) => format!("{what} failed: {e:#}"),
+            };
+            let _ = ended.try_send(why);
+        });
+    }
+}
+
+/// Runs the node until `shutdown` resolves (the binary resolves it on
+/// SIGTERM or SIGINT), or until an essential part of it ends: then it
+/// returns the reason as an error.
+pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()>) -> Result<()> {
+    let (essentials, mut ended) = Essentials::new();
     std::fs::create_dir_all(&cfg.data_dir)
         .with_context(|| format!("creating data folder {}", cfg.data_dir.display()))?;
     let identity = load_identity(&cfg.data_dir)?;
@@ -338,7 +374,9 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
         shoal_rpc::register_local(&cfg.peer_addr, r.clone());
         let _ = replicas_cell.set(r.clone());
         if let Some(l) = peer_l.take() {
-            tokio::spawn(shoal_rpc::serve(l, r));
+            essentials.spawn("the peer RPC server", async move {
+                Ok(shoal_rpc::serve(l, r).await?)
+            });
         }
     }
     let scrubber_cell = Arc::new(std::sync::OnceLock::new());
@@ -348,10 +386,8 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
         replicas: replicas_cell.clone(),
         scrubber: scrubber_cell.clone(),
     });
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(api_l, app).await {
-            tracing::error!("HTTP server stopped: {e}");
-        }
+    essentials.spawn("the HTTP API server", async move {
+        Ok(axum::serve(api_l, app).await?)
     });
 
     if fresh && cfg.join.is_none() {
@@ -422,7 +458,10 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
         .cloned()
         .context("replicas not started")?;
     if let Some(l) = peer_l.take() {
-        tokio::spawn(shoal_rpc::serve(l, replicas.clone()));
+        let r = replicas.clone();
+        essentials.spawn("the peer RPC server", async move {
+            Ok(shoal_rpc::serve(l, r).await?)
+        });
     }
 
     let _ = scrubber_cell.set(scrub::Scrubber::start(
@@ -455,14 +494,14 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
         let router = router.clone();
         let replicas = replicas.clone();
         let mut w = dir.watch();
-        tokio::spawn(async move {
+        essentials.spawn("following the directory", async move {
             loop {
                 let state = w.borrow_and_update().clone();
                 router.directory_changed(&state);
                 garbage_collect(&state, &replicas);
                 space::update(&state, &replicas);
                 if w.changed().await.is_err() {
-                    break;
+                    bail!("the directory's state is no longer published");
                 }
             }
         });
@@ -484,37 +523,45 @@ pub async fn run(cfg: NodeConfig) -> Result<()> {
         "shoal node {} ready: nbd://{} api http://{}",
         cfg.id, cfg.nbd_addr, cfg.api_addr
     );
-    let shutdown = async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("installing a SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {},
-            _ = term.recv() => {},
-        }
-    };
-    let (stop_unix, unix_stopped) = tokio::sync::watch::channel(());
+    let (stop_nbd, nbd_stopped) = tokio::sync::watch::channel(());
     if let Some((l, path)) = nbd_unix {
         println!(
             "shoal node {} serves nbd+unix:///VOLUME?socket={}",
             cfg.id,
             path.display()
         );
-        let (exports, mut stopped) = (exports.clone(), unix_stopped);
-        tokio::spawn(async move {
-            let stop = async move {
-                let _ = stopped.changed().await;
-            };
-            if let Err(e) = shoal_nbd::serve(l, exports, stop).await {
-                tracing::error!(error = %e, "NBD socket server failed");
-            }
+        let (exports, stopped) = (exports.clone(), nbd_stopped.clone());
+        essentials.spawn("the NBD socket server", async move {
+            let r = shoal_nbd::serve(l, exports, stopped_signal(stopped)).await;
             let _ = std::fs::remove_file(&path);
+            Ok(r?)
         });
     }
-    shoal_nbd::serve(nbd_l, exports, shutdown).await?;
-    let _ = stop_unix.send(());
-    tracing::info!("shutting down");
+    essentials.spawn("the NBD server", async move {
+        Ok(shoal_nbd::serve(nbd_l, exports, stopped_signal(nbd_stopped)).await?)
+    });
+    let failure = tokio::select! {
+        () = shutdown => None,
+        why = ended.recv() => Some(why.unwrap_or_else(|| "every essential part ended".into())),
+        why = dir.stopped() => Some(why),
+    };
+    // The servers stop accepting; what they accepted ends with the process.
+    let _ = stop_nbd.send(());
+    match &failure {
+        None => tracing::info!("shutting down"),
+        Some(why) => tracing::error!(reason = %why, "node stops: an essential part ended"),
+    }
     dir.shutdown().await;
-    Ok(())
+    match failure {
+        None => Ok(()),
+        Some(why) => bail!("{why}"),
+    }
+}
+
+/// Resolves when the sender of `rx` sends or is dropped: the stop signal
+/// of the NBD servers (they end when the node stops).
+async fn stopped_signal(mut rx: tokio::sync::watch::Receiver<()>) {
+    let _ = rx.changed().await;
 }
 
 /// Removes local components whose volume (or component) the directory no

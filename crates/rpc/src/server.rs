@@ -21,11 +21,25 @@ pub trait Handler: Send + Sync + 'static {
     fn handle(&self, req: Request, payload: Bytes) -> Reply;
 }
 
-/// Accepts peers until the listener fails; each connection runs on its own
-/// task, and a bad frame closes only that connection.
+/// Pause after a failed `accept` (descriptors used up, a network error)
+/// before the next one: long enough not to spin, short enough that peers
+/// are served again soon after the cause goes.
+const ACCEPT_RETRY_MS: u64 = 50;
+
+/// Accepts peers for as long as the node runs; each connection runs on
+/// its own task, and a bad frame closes only that connection. A failed
+/// `accept` (e.g. `EMFILE`) is logged and tried again: it never stops the
+/// server, which would leave the node alive with a dead peer port.
 pub async fn serve<H: Handler>(listener: TcpListener, handler: Arc<H>) -> std::io::Result<()> {
     loop {
-        let (stream, from) = listener.accept().await?;
+        let (stream, from) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "peer accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(ACCEPT_RETRY_MS)).await;
+                continue;
+            }
+        };
         let h = handler.clone();
         tokio::spawn(async move {
             if let Err(e) = connection(stream, h).await {

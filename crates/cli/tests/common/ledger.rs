@@ -47,7 +47,7 @@ pub fn block_image(block: u64, version: u32) -> Vec<u8> {
 
 /// Opens `export` on the NBD server at `addr` (`host:port`) as a blocking
 /// stream.
-fn connect(addr: &str, export: &str) -> TcpStream {
+pub fn connect(addr: &str, export: &str) -> TcpStream {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -80,6 +80,8 @@ struct State {
     refused: Option<String>,
     /// The connection is gone.
     closed: bool,
+    /// The client was asked to stop sending.
+    stopping: bool,
 }
 
 /// What the server acknowledged and what was in flight.
@@ -181,6 +183,7 @@ impl Ledger {
 pub struct Writer {
     ledger: Arc<Ledger>,
     threads: Vec<JoinHandle<()>>,
+    stream: TcpStream,
 }
 
 impl Writer {
@@ -201,6 +204,7 @@ impl Writer {
         });
         let s = connect(addr, export);
         let r = s.try_clone().expect("clone stream");
+        let stream = s.try_clone().expect("clone stream");
         let l = ledger.clone();
         let writer = std::thread::spawn(move || write_loop(s, &l, depth));
         let l = ledger.clone();
@@ -208,7 +212,36 @@ impl Writer {
         Writer {
             ledger,
             threads: vec![writer, reader],
+            stream,
         }
+    }
+
+    /// Stops sending, waits (up to `timeout`) for the answers to the
+    /// writes in flight, closes the connection and returns the ledger.
+    /// Panics if a reply broke the protocol or the answers did not come.
+    pub fn stop(self, timeout: std::time::Duration) -> Arc<Ledger> {
+        let deadline = std::time::Instant::now() + timeout;
+        {
+            let mut st = self.ledger.lock();
+            st.stopping = true;
+            self.ledger.room.notify_all();
+            while !st.inflight.is_empty() && !st.closed {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                assert!(
+                    !left.is_zero(),
+                    "{} writes unanswered after {timeout:?}",
+                    st.inflight.len()
+                );
+                st = self
+                    .ledger
+                    .room
+                    .wait_timeout(st, left)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+        }
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.wait_cut()
     }
 
     pub fn ledger(&self) -> &Ledger {
@@ -234,10 +267,10 @@ fn write_loop(mut s: TcpStream, l: &Ledger, depth: usize) {
     loop {
         let (block, version) = {
             let mut st = l.lock();
-            while st.inflight.len() >= depth && !st.closed {
+            while st.inflight.len() >= depth && !st.closed && !st.stopping {
                 st = l.room.wait(st).unwrap_or_else(|e| e.into_inner());
             }
-            if st.closed {
+            if st.closed || st.stopping {
                 break;
             }
             let blocks = st.acked.len() as u64;

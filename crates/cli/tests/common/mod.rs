@@ -26,6 +26,29 @@ pub fn require(tool: &str) {
     assert!(ok, "{tool} is not installed (CI installs it: see .ci/run)");
 }
 
+/// Polls `cond` until it holds, at most `timeout`; panics with `what` and
+/// the last state `cond` described (its `Err`) if it never does. Tests wait
+/// for conditions, never for a fixed time.
+pub fn wait_for<T>(
+    what: &str,
+    timeout: Duration,
+    mut cond: impl FnMut() -> Result<T, String>,
+) -> T {
+    let deadline = Instant::now() + timeout;
+    let mut pause = Duration::from_millis(20);
+    loop {
+        match cond() {
+            Ok(v) => return v,
+            Err(last) if Instant::now() > deadline => {
+                panic!("{what}: not after {timeout:?} (last: {last})")
+            }
+            Err(_) => {}
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(250));
+    }
+}
+
 pub fn run(cmd: &mut Command) -> Output {
     cmd.output()
         .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
