@@ -25,6 +25,14 @@ pub struct Resize {
     pub size: u64,
 }
 
+/// Body of `POST /v1/volumes/{name}/settings`: what to change of a
+/// volume's settings that take effect without moving data (absent: keep).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct VolumeSettings {
+    /// IOPS limit in 32 KiB units, reads and writes together; 0: none.
+    pub iops_limit: Option<u32>,
+}
+
 /// One volume as the API shows it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct VolumeReport {
@@ -32,6 +40,24 @@ pub struct VolumeReport {
     pub health: VolumeHealth,
     /// `nbd://host:port/name` for every up node.
     pub uris: Vec<String>,
+    /// What the IOPS limit held back, as the owner counts it (since it
+    /// became owner); None without an owner that answered.
+    #[serde(default)]
+    pub throttle: Option<ThrottleReport>,
+}
+
+/// The IOPS limit of a volume as its owner applies it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ThrottleReport {
+    pub volume: String,
+    /// The owner that counted.
+    pub node: NodeId,
+    /// The limit in force, in 32 KiB units per second; 0: none.
+    pub iops_limit: u32,
+    /// I/Os that waited for their turn.
+    pub throttled_ios: u64,
+    /// Their waits, summed, in microseconds.
+    pub throttled_us: u64,
 }
 
 /// `GET /v1/status`.
@@ -69,6 +95,9 @@ pub struct Connections {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Owners {
     pub volumes: Vec<(String, Generation)>,
+    /// The IOPS limit of each owned volume and what it held back.
+    #[serde(default)]
+    pub throttles: Vec<ThrottleReport>,
 }
 
 /// `GET /v1/scrub`: the counters of one node's scrubber (`POST` starts a
@@ -219,6 +248,21 @@ impl Client {
     pub async fn resize_volume(&self, name: &str, size: u64) -> Result<VolumeReport, ApiError> {
         self.post(&format!("/v1/volumes/{name}/resize"), &Resize { size })
             .await
+    }
+
+    /// Changes a volume's settings (`shoal volume set`).
+    pub async fn set_volume(
+        &self,
+        name: &str,
+        settings: &VolumeSettings,
+    ) -> Result<VolumeReport, ApiError> {
+        self.post(&format!("/v1/volumes/{name}/settings"), settings)
+            .await
+    }
+
+    /// The volumes this node owns, with their throttles.
+    pub async fn owners(&self) -> Result<Owners, ApiError> {
+        self.get("/v1/local/owners").await
     }
 
     pub async fn digests(&self, name: &str) -> Result<Digests, ApiError> {

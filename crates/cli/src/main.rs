@@ -111,6 +111,17 @@ enum VolumeCmd {
         #[command(flatten)]
         target: Target,
     },
+    /// Change a volume's settings, in force at once for its clients.
+    Set {
+        name: String,
+        /// IOPS limit (32 KiB units, reads and writes together); 0: none.
+        #[arg(long)]
+        iops: Option<u32>,
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
     /// Compare the data copies of a volume (CRC-32C of each); fails if they differ.
     Verify {
         name: String,
@@ -467,6 +478,25 @@ async fn volume(v: VolumeCmd) -> Result<()> {
             let c = local::client(&target)?;
             let r = c.resize_volume(&name, size).await?;
             show::volume(&r);
+        }
+        VolumeCmd::Set {
+            name,
+            iops,
+            target,
+            json,
+        } => {
+            if iops.is_none() {
+                bail!("nothing to set: give --iops N (0: no limit)");
+            }
+            let c = local::client(&target)?;
+            let r = c
+                .set_volume(&name, &shoal_api::VolumeSettings { iops_limit: iops })
+                .await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                show::volume(&r);
+            }
         }
         VolumeCmd::Verify { name, target, json } => {
             let c = local::client(&target)?;

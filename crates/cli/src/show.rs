@@ -73,6 +73,8 @@ pub fn volume(r: &VolumeReport) {
     println!("volume      {}", v.name);
     println!("size        {} ({} bytes)", human_size(v.size), v.size);
     println!("policy      {}", v.policy);
+    println!("checksums   CRC-32C of every block, checked on every read and by the scrubber");
+    println!("iops limit  {}", iops_line(r));
     println!("health      {}", r.health);
     println!(
         "owner       {} (generation {})",
@@ -103,5 +105,22 @@ pub fn volume(r: &VolumeReport) {
     println!("uris:");
     for u in &r.uris {
         println!("  {u}");
+    }
+}
+
+/// The volume's IOPS limit and what it held back, as its owner counts it.
+fn iops_line(r: &VolumeReport) -> String {
+    let limit = match r.volume.policy.iops_limit {
+        0 => "none".to_string(),
+        n => format!("{n} (32 KiB units, reads and writes together)"),
+    };
+    match &r.throttle {
+        Some(t) => format!(
+            "{limit}; throttled {} I/Os for {:.1} s in all on owner node {}",
+            t.throttled_ios,
+            t.throttled_us as f64 / 1e6,
+            t.node
+        ),
+        None => limit,
     }
 }

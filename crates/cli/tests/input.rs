@@ -76,6 +76,46 @@ fn bad_volume_requests_are_refused_and_change_nothing() {
         ),
         (&["volume", "show", "nosuch"], "no volume named"),
         (&["volume", "delete", "nosuch"], "no volume named"),
+        // Every policy word works or is refused: none is accepted and
+        // ignored.
+        (
+            &[
+                "volume",
+                "create",
+                "x",
+                "--size",
+                "64M",
+                "--policy",
+                "raid1 ftt=1 checksum=off",
+            ],
+            "checksum=off is not supported",
+        ),
+        (
+            &[
+                "volume", "create", "x", "--size", "64M", "--policy", ",",
+            ],
+            "unknown policy word",
+        ),
+        (
+            &[
+                "volume",
+                "create",
+                "x",
+                "--size",
+                "64M",
+                "--policy",
+                "ftt=1 ftt=0",
+            ],
+            "more than once",
+        ),
+        (
+            &[
+                "volume", "create", "x", "--size", "64M", "--policy", "iops=x",
+            ],
+            "bad value",
+        ),
+        (&["volume", "set", "taken"], "nothing to set"),
+        (&["volume", "set", "nosuch", "--iops", "5"], "no volume named"),
     ];
     for (args, want) in cases {
         let err = c.shoal_fails(args);

@@ -58,6 +58,9 @@ pub enum Command {
     DeleteVolume { name: String },
     /// Grows a volume.
     ResizeVolume { name: String, size: u64 },
+    /// Sets a volume's IOPS limit (0: none); its owner applies it to the
+    /// I/O it admits from then on, without clients reconnecting.
+    SetIopsLimit { name: String, iops_limit: u32 },
     /// Compare-and-set of the owner: succeeds only when the volume is at
     /// `expected_generation`; answers the new generation.
     ClaimOwner {
@@ -403,6 +406,13 @@ impl ClusterState {
                 self.volumes.remove(&id);
                 Ok(Response::Ok)
             }
+            Command::SetIopsLimit { name, iops_limit } => {
+                let id = self.volume_id_by_name(name)?;
+                if let Some(v) = self.volumes.get_mut(&id) {
+                    v.policy.iops_limit = *iops_limit;
+                }
+                Ok(Response::Ok)
+            }
             Command::ResizeVolume { name, size } => {
                 let id = self.volume_id_by_name(name)?;
                 check_volume_size(*size).map_err(input)?;
@@ -654,6 +664,20 @@ mod tests {
                 size: 4096
             }),
             Err(StateError::Shrink { .. })
+        ));
+
+        s.apply(&Command::SetIopsLimit {
+            name: "vol".into(),
+            iops_limit: 500,
+        })
+        .unwrap();
+        assert_eq!(s.volume_by_name("vol").unwrap().policy.iops_limit, 500);
+        assert!(matches!(
+            s.apply(&Command::SetIopsLimit {
+                name: "nope".into(),
+                iops_limit: 1
+            }),
+            Err(StateError::NoSuchVolume(_))
         ));
 
         s.apply(&Command::DeleteVolume { name: "vol".into() })
@@ -920,9 +944,13 @@ mod tests {
             names
                 .clone()
                 .prop_map(|n| Command::DeleteVolume { name: n.into() }),
-            (names, sizes).prop_map(|(n, size)| Command::ResizeVolume {
+            (names.clone(), sizes).prop_map(|(n, size)| Command::ResizeVolume {
                 name: n.into(),
                 size
+            }),
+            (names, 0u32..1000).prop_map(|(n, iops)| Command::SetIopsLimit {
+                name: n.into(),
+                iops_limit: iops
             }),
             (1u64..20, 1u64..5, 0u64..4).prop_map(|(v, n, g)| Command::ClaimOwner {
                 volume: v,

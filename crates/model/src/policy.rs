@@ -1,7 +1,10 @@
 //! Storage policies: what a volume asks of the cluster.
 //!
 //! Text form, words separated by spaces or commas, in any order:
-//! `raid1 ftt=1`, `ftt=0`, `raid1 ftt=2 reserve=100 iops=5000 checksum=off`.
+//! `raid1 ftt=1`, `ftt=0`, `raid1 ftt=2 reserve=100 iops=5000`. Every word
+//! either works or is refused: `checksum=off` is refused (every block is
+//! checksummed), `raid5`/`raid6` are refused until they exist, a word given
+//! twice is refused.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -23,9 +26,11 @@ pub struct Policy {
     pub ftt: u8,
     /// Percent of the size reserved up front (0 = thin).
     pub reserve_pct: u8,
-    /// CRC-32C per block, verified on read.
+    /// CRC-32C per block, verified on read. Always true: the store
+    /// checksums every block, and `checksum=off` is refused.
     pub checksum: bool,
-    /// IOPS limit (normalised to 32 KiB), 0 = none.
+    /// IOPS limit of the whole volume, reads and writes together, each
+    /// I/O counted in 32 KiB units (a 64 KiB I/O counts 2); 0 = none.
     pub iops_limit: u32,
 }
 
@@ -45,7 +50,7 @@ impl Default for Policy {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
     #[error(
-        "unknown policy word {0:?}: expected raid1, ftt=N, reserve=PCT, checksum=on|off, iops=N"
+        "unknown policy word {0:?}: expected raid1, ftt=N, reserve=PCT, thin, checksum=on, iops=N"
     )]
     UnknownWord(String),
     #[error("ftt={0} is out of range: failures to tolerate must be 0 to 3")]
@@ -54,6 +59,13 @@ pub enum PolicyError {
     Unsupported(String),
     #[error("bad value in {0:?}")]
     BadValue(String),
+    #[error("{0:?} is given more than once")]
+    Repeated(String),
+    #[error(
+        "checksum=off is not supported: every block of every volume is \
+         checksummed end to end (checksum=on is the only setting)"
+    )]
+    ChecksumOff,
 }
 
 impl Policy {
@@ -82,7 +94,7 @@ impl FromStr for Policy {
     type Err = PolicyError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let mut p = Policy::default();
-        let mut ftt_seen = false;
+        let mut seen: Vec<String> = Vec::new();
         for w in s
             .split(|c: char| c.is_whitespace() || c == ',')
             .filter(|w| !w.is_empty())
@@ -92,6 +104,16 @@ impl FromStr for Policy {
                 Some((k, v)) => (k.to_string(), Some(v.to_string())),
                 None => (lw.clone(), None),
             };
+            // The layout words and `thin` set the same things as others.
+            let key = match k.as_str() {
+                "raid1" | "mirror" => "layout",
+                "thin" => "reserve",
+                k => k,
+            };
+            if seen.iter().any(|s| s == key) {
+                return Err(PolicyError::Repeated(key.to_string()));
+            }
+            seen.push(key.to_string());
             match (k.as_str(), v) {
                 ("raid1" | "mirror", None) => p.layout = Layout::Raid1,
                 ("raid5" | "raid6" | "raid-5" | "raid-6", None) => {
@@ -103,7 +125,6 @@ impl FromStr for Policy {
                         return Err(PolicyError::FttRange(n));
                     }
                     p.ftt = n as u8;
-                    ftt_seen = true;
                 }
                 ("reserve", Some(v)) => {
                     let n: u8 = v
@@ -116,21 +137,20 @@ impl FromStr for Policy {
                     p.reserve_pct = n;
                 }
                 ("thin", None) => p.reserve_pct = 0,
-                ("checksum", Some(v)) => {
-                    p.checksum = match v.as_str() {
-                        "on" | "true" | "1" => true,
-                        "off" | "false" | "0" => false,
-                        _ => return Err(PolicyError::BadValue(w.into())),
-                    }
-                }
+                ("checksum", Some(v)) => match v.as_str() {
+                    "on" | "true" | "1" => p.checksum = true,
+                    "off" | "false" | "0" => return Err(PolicyError::ChecksumOff),
+                    _ => return Err(PolicyError::BadValue(w.into())),
+                },
                 ("iops", Some(v)) => {
                     p.iops_limit = v.parse().map_err(|_| PolicyError::BadValue(w.into()))?
                 }
                 _ => return Err(PolicyError::UnknownWord(w.to_string())),
             }
         }
-        if !ftt_seen && s.trim().is_empty() {
-            return Err(PolicyError::UnknownWord(String::new()));
+        if seen.is_empty() {
+            // Empty, or only separators (" ", ","): not a policy.
+            return Err(PolicyError::UnknownWord(s.to_string()));
         }
         Ok(p)
     }
@@ -143,9 +163,6 @@ impl fmt::Display for Policy {
         }
         if self.reserve_pct > 0 {
             write!(f, " reserve={}", self.reserve_pct)?;
-        }
-        if !self.checksum {
-            write!(f, " checksum=off")?;
         }
         if self.iops_limit > 0 {
             write!(f, " iops={}", self.iops_limit)?;
@@ -180,12 +197,43 @@ mod tests {
             Err(PolicyError::Unsupported(_))
         ));
         assert!("".parse::<Policy>().is_err());
+        assert!(",".parse::<Policy>().is_err());
+        assert!(" , ".parse::<Policy>().is_err());
+        assert_eq!(
+            "ftt=1 ftt=2".parse::<Policy>(),
+            Err(PolicyError::Repeated("ftt".into()))
+        );
+        assert_eq!(
+            "raid1 mirror".parse::<Policy>(),
+            Err(PolicyError::Repeated("layout".into()))
+        );
+        assert_eq!(
+            "thin reserve=10".parse::<Policy>(),
+            Err(PolicyError::Repeated("reserve".into()))
+        );
+        let p: Policy = "raid1,ftt=2,iops=500,checksum=on".parse().unwrap();
+        assert_eq!((p.ftt, p.iops_limit, p.checksum), (2, 500, true));
+        assert!(matches!(
+            "iops=-1".parse::<Policy>(),
+            Err(PolicyError::BadValue(_))
+        ));
+    }
+
+    /// The checksum cannot be turned off: every block is checksummed by
+    /// the store, so the word is refused rather than accepted and ignored.
+    #[test]
+    fn checksum_off_is_refused() {
+        for w in ["checksum=off", "raid1 ftt=1 checksum=false", "checksum=0"] {
+            assert_eq!(w.parse::<Policy>(), Err(PolicyError::ChecksumOff), "{w}");
+        }
+        let e = PolicyError::ChecksumOff.to_string();
+        assert!(e.contains("not supported"), "{e}");
     }
 
     proptest! {
         #[test]
-        fn display_round_trips(ftt in 0u8..=3, reserve in 0u8..=100, checksum: bool, iops in 0u32..100000) {
-            let p = Policy { layout: Layout::Raid1, ftt, reserve_pct: reserve, checksum, iops_limit: iops };
+        fn display_round_trips(ftt in 0u8..=3, reserve in 0u8..=100, iops in 0u32..100000) {
+            let p = Policy { layout: Layout::Raid1, ftt, reserve_pct: reserve, checksum: true, iops_limit: iops };
             let q: Policy = p.to_string().parse().unwrap();
             prop_assert_eq!(p, q);
         }

@@ -10,6 +10,7 @@ use axum::routing::{get, post};
 use axum::Json;
 use shoal_api::{
     Connections, CopyDigest, CreateVolume, Digests, ErrorBody, Heartbeat, Owners, Resize,
+    ThrottleReport, VolumeSettings,
     StatusReport, VolumeReport,
 };
 use shoal_directory::{ClusterState, Command, DirectoryError, StateError};
@@ -17,6 +18,7 @@ use shoal_model::{check_volume_name, check_volume_size, NodeState, Policy, Volum
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+use std::time::Duration;
 
 #[derive(Clone)]
 pub struct Http {
@@ -66,7 +68,29 @@ pub fn report(state: &ClusterState, v: &Volume) -> VolumeReport {
         volume: v.clone(),
         health: v.health(&state.nodes),
         uris,
+        throttle: None,
     }
+}
+
+/// Seconds `show` waits for the owner's node to tell what the volume's
+/// IOPS limit held back: the report goes out without it after that.
+const OWNER_STATS_TIMEOUT_S: u64 = 2;
+
+/// The throttle report of the volume `v`, from its owner: this node, or
+/// the owner's node through its API.
+async fn throttle_of(h: &Http, state: &ClusterState, v: &Volume) -> Option<ThrottleReport> {
+    let owner = v.owner?;
+    let owners = if owner == h.router.node {
+        owners_report(h)
+    } else {
+        let api = &state.nodes.get(&owner)?.api_addr;
+        let client = shoal_api::Client::new(api);
+        tokio::time::timeout(Duration::from_secs(OWNER_STATS_TIMEOUT_S), client.owners())
+            .await
+            .ok()?
+            .ok()?
+    };
+    owners.throttles.into_iter().find(|t| t.volume == v.name)
 }
 
 pub fn routes(h: Http) -> axum::Router {
@@ -76,6 +100,7 @@ pub fn routes(h: Http) -> axum::Router {
         .route("/v1/volumes", get(list).post(create))
         .route("/v1/volumes/{name}", get(show).delete(delete))
         .route("/v1/volumes/{name}/resize", post(resize))
+        .route("/v1/volumes/{name}/settings", post(settings))
         .route("/v1/volumes/{name}/digests", get(digests))
         .route("/v1/heartbeat", post(heartbeat))
         .route("/v1/local/connections", get(connections))
@@ -108,9 +133,34 @@ async fn show(
     Path(name): Path<String>,
 ) -> Result<Json<VolumeReport>, ApiErr> {
     let s = h.router.dir.state();
-    s.volume_by_name(&name)
-        .map(|v| Json(report(&s, v)))
-        .ok_or_else(|| ApiErr(StatusCode::NOT_FOUND, format!("no volume named {name:?}")))
+    let v = s
+        .volume_by_name(&name)
+        .ok_or_else(|| ApiErr(StatusCode::NOT_FOUND, format!("no volume named {name:?}")))?;
+    let mut r = report(&s, v);
+    r.throttle = throttle_of(&h, &s, v).await;
+    Ok(Json(r))
+}
+
+async fn settings(
+    State(h): State<Http>,
+    Path(name): Path<String>,
+    Json(req): Json<VolumeSettings>,
+) -> Result<Json<VolumeReport>, ApiErr> {
+    if let Some(iops_limit) = req.iops_limit {
+        h.router
+            .dir
+            .propose(Command::SetIopsLimit {
+                name: name.clone(),
+                iops_limit,
+            })
+            .await?;
+        wait_for(&h, |s| {
+            s.volume_by_name(&name)
+                .is_some_and(|v| v.policy.iops_limit == iops_limit)
+        })
+        .await;
+    }
+    show(State(h), Path(name)).await
 }
 
 async fn create(
@@ -305,15 +355,33 @@ async fn connections(State(h): State<Http>) -> Json<Connections> {
 }
 
 async fn owners(State(h): State<Http>) -> Json<Owners> {
+    Json(owners_report(&h))
+}
+
+fn owners_report(h: &Http) -> Owners {
     let s = h.router.dir.state();
-    Json(Owners {
+    Owners {
         volumes: h
             .router
             .owned()
             .into_iter()
             .filter_map(|v| s.volumes.get(&v).map(|v| (v.name.clone(), v.generation)))
             .collect(),
-    })
+        throttles: h
+            .router
+            .throttles()
+            .into_iter()
+            .filter_map(|(v, t)| {
+                Some(ThrottleReport {
+                    volume: s.volumes.get(&v)?.name.clone(),
+                    node: h.router.node,
+                    iops_limit: t.iops_limit,
+                    throttled_ios: t.throttled_ios,
+                    throttled_us: t.throttled_us,
+                })
+            })
+            .collect(),
+    }
 }
 
 fn scrubber(h: &Http) -> Result<&Arc<crate::scrub::Scrubber>, ApiErr> {
@@ -552,5 +620,38 @@ async fn metrics(State(h): State<Http>) -> String {
     for (name, kind, help, f) in device_metrics {
         family(&mut out, name, kind, help, &per_device(f));
     }
+    volume_metrics(&h, &node, &mut out);
     out
+}
+
+/// What the IOPS limits of the volumes owned here held back.
+fn volume_metrics(h: &Http, node: &str, out: &mut String) {
+    let throttles = owners_report(h).throttles;
+    let per_volume = |f: &dyn Fn(&ThrottleReport) -> u64| -> Vec<(String, u64)> {
+        throttles
+            .iter()
+            .map(|t| (format!("{node},volume=\"{}\"", t.volume), f(t)))
+            .collect()
+    };
+    family(
+        out,
+        "shoal_volume_iops_limit",
+        "gauge",
+        "IOPS limit of a volume owned here, in 32 KiB units per second (0: none)",
+        &per_volume(&|t| u64::from(t.iops_limit)),
+    );
+    family(
+        out,
+        "shoal_volume_throttled_ios_total",
+        "counter",
+        "I/Os of a volume owned here that waited for the IOPS limit (since it became owner)",
+        &per_volume(&|t| t.throttled_ios),
+    );
+    family(
+        out,
+        "shoal_volume_throttled_microseconds_total",
+        "counter",
+        "Time I/Os of a volume owned here waited for the IOPS limit, summed (since it became owner)",
+        &per_volume(&|t| t.throttled_us),
+    );
 }

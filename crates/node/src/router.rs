@@ -185,6 +185,20 @@ impl Router {
         }
     }
 
+    /// The IOPS limit of every volume owned here now, with what it held
+    /// back.
+    pub fn throttles(&self) -> Vec<(VolumeId, shoal_owner::throttle::ThrottleStats)> {
+        self.owners
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .filter(|(_, o)| o.is_running())
+                    .map(|(v, o)| (*v, o.throttle_stats()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Volumes owned here now.
     pub fn owned(&self) -> Vec<VolumeId> {
         self.owners

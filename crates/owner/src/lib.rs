@@ -15,12 +15,13 @@
 //! decides cluster state itself: it asks the directory through [`Control`].
 
 mod event_loop;
+pub mod throttle;
 
 use bytes::Bytes;
 use shoal_model::{Component, ComponentId, ComponentState, Generation, NodeId, Volume, VolumeId};
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 /// Granularity of the regions replicas remember as dirty and of resync
@@ -183,6 +184,8 @@ enum SubmitState {
         len: u32,
     },
     Stopped,
+    /// Over the volume's IOPS limit: sent to the owner at `at`.
+    Throttled { owner: Owner, op: Op, at: Instant },
 }
 
 impl Submitted {
@@ -193,6 +196,7 @@ impl Submitted {
         match self.state {
             SubmitState::Loop(rx) => rx.await.map_err(|_| OwnerError::Stopped)?,
             SubmitState::Stopped => Err(OwnerError::Stopped),
+            SubmitState::Throttled { owner, op, at } => Self::wait_throttled(owner, op, at).await,
             SubmitState::Local {
                 tx,
                 pending,
@@ -201,6 +205,20 @@ impl Submitted {
                 len,
             } => Self::wait_local(tx, pending, timeout, offset, len).await,
         }
+    }
+
+    /// A throttled operation's answer: it waits for its turn, then goes
+    /// its way. On the heap, as a local read.
+    fn wait_throttled(
+        owner: Owner,
+        op: Op,
+        at: Instant,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Bytes, OwnerError>> + Send>>
+    {
+        Box::pin(async move {
+            tokio::time::sleep_until(at.into()).await;
+            owner.submit_admitted(op).wait().await
+        })
     }
 
     /// A local read's answer, on the heap: its state is large, and writes,
@@ -235,6 +253,9 @@ pub struct Owner {
     tx: mpsc::UnboundedSender<Event>,
     volume: VolumeId,
     route: ReadRoute,
+    /// The volume's IOPS limit, kept here, before the loop: every I/O of
+    /// the volume passes through `submit`.
+    throttle: Arc<throttle::Throttle>,
 }
 
 impl Owner {
@@ -249,8 +270,19 @@ impl Owner {
     ) -> Result<Owner, OwnerError> {
         let volume = view.volume.id;
         let route = ReadRoute::default();
+        let throttle = Arc::new(throttle::Throttle::new(view.volume.policy.iops_limit));
         let tx = event_loop::start(cfg, view, generation, control, route.clone()).await?;
-        Ok(Owner { tx, volume, route })
+        Ok(Owner {
+            tx,
+            volume,
+            route,
+            throttle,
+        })
+    }
+
+    /// The IOPS limit in force and what it has held back.
+    pub fn throttle_stats(&self) -> throttle::ThrottleStats {
+        self.throttle.stats()
     }
 
     pub fn volume(&self) -> VolumeId {
@@ -278,7 +310,31 @@ impl Owner {
     /// answer to come. A caller that reads a burst of requests submits
     /// them all before awaiting any, so the loop sees them together: one
     /// frame per replica connection and one group commit for the burst.
+    ///
+    /// Reads, writes and zeroing count against the volume's IOPS limit; one
+    /// over it is sent when its turn comes (flushes never wait).
     pub fn submit(&self, op: Op) -> Submitted {
+        let units = match &op {
+            Op::Read { len, .. } => throttle::units(u64::from(*len)),
+            Op::Write { data, .. } => throttle::units(data.len() as u64),
+            // A trim or zeroing of any size is one request to the copies.
+            Op::Zero { .. } => 1,
+            Op::Flush | Op::Repair { .. } => 0,
+        };
+        if let Some(at) = self.throttle.admit(units, Instant::now()) {
+            return Submitted {
+                state: SubmitState::Throttled {
+                    owner: self.clone(),
+                    op,
+                    at,
+                },
+            };
+        }
+        self.submit_admitted(op)
+    }
+
+    /// `submit` for an operation the IOPS limit has let through.
+    fn submit_admitted(&self, op: Op) -> Submitted {
         if let Op::Read { offset, len } = op {
             if let Some((pending, timeout)) = self.read_local(offset, len) {
                 return Submitted {
@@ -337,8 +393,10 @@ impl Owner {
         self.execute(Op::Zero { offset, len }).await.map(|_| ())
     }
 
-    /// The directory changed: node liveness, size, components.
+    /// The directory changed: node liveness, size, components, the IOPS
+    /// limit (in force for the next I/O).
     pub fn update(&self, view: View) {
+        self.throttle.set_limit(view.volume.policy.iops_limit);
         let _ = self.tx.send(Event::View(view));
     }
 

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod fio;
+pub mod load;
 pub mod ledger;
 
 use std::path::{Path, PathBuf};
