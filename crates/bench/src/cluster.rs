@@ -497,6 +497,7 @@ mod tests {
                 volume,
                 health,
                 uris: Vec::new(),
+                throttle: None,
             }],
         }
     }

@@ -133,18 +133,55 @@ pub struct BenchArgs {
     /// the IOPS at the target.
     #[arg(long, value_parser = parse_duration)]
     pub latency_target: Option<Duration>,
-    /// Percentile of latency-target mode.
-    #[arg(long, default_value_t = 95.0)]
-    pub latency_percentile: f64,
-    /// Highest outstanding I/Os per volume latency-target mode tries.
-    #[arg(long, default_value_t = 64)]
-    pub max_outstanding: u32,
+    /// Percentile of latency-target mode [default: 95].
+    #[arg(long)]
+    pub latency_percentile: Option<f64>,
+    /// Highest outstanding I/Os per volume latency-target mode tries
+    /// [default: 64].
+    #[arg(long)]
+    pub max_outstanding: Option<u32>,
     /// Run on existing bench volumes (created if missing) and keep them.
     #[arg(long)]
     pub reuse: bool,
     /// Output folder [default: ./shoal-bench/<timestamp>].
     #[arg(long)]
     pub out: Option<PathBuf>,
+}
+
+/// Percentile of latency-target mode when none is given.
+const LATENCY_PERCENTILE_DEFAULT: f64 = 95.0;
+/// Highest outstanding I/Os per volume of latency-target mode by default.
+const MAX_OUTSTANDING_DEFAULT: u32 = 64;
+
+/// Refuses flags that would be accepted and then do nothing: a flag of a
+/// mode that is not selected, or two flags that set the same thing.
+fn check_flags(a: &BenchArgs) -> Result<()> {
+    if a.latency_target.is_none() {
+        if a.latency_percentile.is_some() {
+            bail!("--latency-percentile applies only with --latency-target");
+        }
+        if a.max_outstanding.is_some() {
+            bail!("--max-outstanding applies only with --latency-target");
+        }
+    }
+    if let Some(p) = a.latency_percentile {
+        if !(1.0..100.0).contains(&p) {
+            bail!("--latency-percentile must be between 1 and 100");
+        }
+    }
+    if a.max_outstanding == Some(0) {
+        bail!("--max-outstanding must be at least 1");
+    }
+    if a.baseline_dir.is_some() && !a.baseline {
+        bail!("--baseline-dir applies only with --baseline");
+    }
+    if a.workers.is_some() && a.workers_per_node.is_some() {
+        bail!("give --workers or --workers-per-node, not both");
+    }
+    if a.latency_target.is_some() && a.rate_limit.is_some() {
+        bail!("--rate-limit and --latency-target cannot be combined: the target mode sets the load");
+    }
+    Ok(())
 }
 
 /// Settings after defaults.
@@ -215,9 +252,7 @@ fn plan(a: &BenchArgs) -> Result<Plan> {
         EngineArg::Fio => vec![Engine::FioNbd],
         EngineArg::Both => vec![Engine::Native, Engine::FioNbd],
     };
-    if a.latency_target.is_some() && !(1.0..100.0).contains(&a.latency_percentile) {
-        bail!("--latency-percentile must be between 1 and 100");
-    }
+    check_flags(a)?;
     Ok(Plan {
         profiles,
         warmup: a
@@ -690,7 +725,9 @@ async fn latency_mode(
     args: &BenchArgs,
 ) -> Result<ProfileResult> {
     let target_us = target.as_secs_f64() * 1e6;
-    let q = args.latency_percentile / 100.0;
+    let percentile = args.latency_percentile.unwrap_or(LATENCY_PERCENTILE_DEFAULT);
+    let max_outstanding = args.max_outstanding.unwrap_or(MAX_OUTSTANDING_DEFAULT);
+    let q = percentile / 100.0;
     let mut steps = Vec::new();
     let mut best: Option<(Run, f64)> = None;
     let mut first: Option<Run> = None;
@@ -715,10 +752,10 @@ async fn latency_mode(
             break;
         }
         best = Some((run, l));
-        if qd >= args.max_outstanding {
+        if qd >= max_outstanding {
             break;
         }
-        qd = (qd * 2).min(args.max_outstanding);
+        qd = (qd * 2).min(max_outstanding);
     }
     let interpolated = match (&best, &crossed) {
         (Some((b, lb)), Some(c)) if c.latency_us > *lb => {
@@ -728,7 +765,7 @@ async fn latency_mode(
     };
     let lt = LatencyTarget {
         target_us,
-        percentile: args.latency_percentile,
+        percentile,
         steps,
         outstanding_at_target: best.as_ref().map(|(r, _)| r.outstanding),
         iops_at_target: best.as_ref().map(|(r, _)| r.iops),

@@ -16,24 +16,28 @@ use std::time::{Duration, Instant};
 pub struct UpArgs {
     #[command(flatten)]
     target: Target,
-    /// Number of nodes of a new cluster.
-    #[arg(long, default_value_t = 4)]
-    nodes: u32,
-    /// Size of each node's device file (sparse).
-    #[arg(long, default_value = "8G")]
-    device_size: String,
-    /// First three octets of the loopback addresses: node i is NET.i.
-    #[arg(long, default_value = "127.0.0")]
-    net: String,
-    #[arg(long, default_value_t = 10809)]
-    nbd_port: u16,
-    #[arg(long, default_value_t = 9400)]
-    api_port: u16,
-    #[arg(long, default_value_t = 9500)]
-    peer_port: u16,
-    /// Size of the demo volume created on a new cluster.
-    #[arg(long, default_value = "1G")]
-    demo_size: String,
+    /// Number of nodes of a new cluster [default: 4].
+    #[arg(long)]
+    nodes: Option<u32>,
+    /// Size of each node's device file of a new cluster [default: 8G].
+    #[arg(long)]
+    device_size: Option<String>,
+    /// First three octets of a new cluster's loopback addresses: node i is
+    /// NET.i [default: 127.0.0].
+    #[arg(long)]
+    net: Option<String>,
+    /// NBD port of a new cluster's nodes [default: 10809].
+    #[arg(long)]
+    nbd_port: Option<u16>,
+    /// API port of a new cluster's nodes [default: 9400].
+    #[arg(long)]
+    api_port: Option<u16>,
+    /// Peer port of a new cluster's nodes [default: 9500].
+    #[arg(long)]
+    peer_port: Option<u16>,
+    /// Size of the demo volume created on a new cluster [default: 1G].
+    #[arg(long)]
+    demo_size: Option<String>,
     /// Do not create the demo volume.
     #[arg(long)]
     no_demo: bool,
@@ -46,11 +50,35 @@ pub struct UpArgs {
     /// Repeatable.
     #[arg(long = "node-device", value_name = "ID=PATH")]
     node_devices: Vec<String>,
-    /// Create the device files written in full instead of sparse: they
-    /// take their whole size on disk at once (and a while to write), and
-    /// writes are faster (no block allocation on the data path).
+    /// Runtime threads of each node started now [default: the machine's
+    /// cores shared among the nodes, at least one each].
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256))]
+    workers: Option<u16>,
+    /// Create the device files of a new cluster written in full instead
+    /// of sparse: they take their whole size on disk at once (and a while
+    /// to write), and writes are faster (no block allocation on the data
+    /// path).
     #[arg(long)]
     thick: bool,
+}
+
+impl UpArgs {
+    /// The flags that shape a new cluster, by name, when given: they
+    /// cannot change a cluster that exists.
+    fn layout_flags(&self) -> Vec<&'static str> {
+        let given = [
+            ("--nodes", self.nodes.is_some()),
+            ("--device-size", self.device_size.is_some()),
+            ("--net", self.net.is_some()),
+            ("--nbd-port", self.nbd_port.is_some()),
+            ("--api-port", self.api_port.is_some()),
+            ("--peer-port", self.peer_port.is_some()),
+            ("--demo-size", self.demo_size.is_some()),
+            ("--node-device", !self.node_devices.is_empty()),
+            ("--thick", self.thick),
+        ];
+        given.iter().filter(|(_, g)| *g).map(|(n, _)| *n).collect()
+    }
 }
 
 /// The `--node-device ID=PATH` overrides, by node id.
@@ -124,13 +152,11 @@ pub fn running(n: &LocalNode) -> Option<i32> {
 
 /// Runtime threads of each node of a local cluster of `nodes` nodes: the
 /// machine's cores shared among them, at least one each (more threads than
-/// cores only adds wake-ups of idle workers to every I/O).
-fn workers_per_node(nodes: usize) -> usize {
-    if let Some(n) = std::env::var("SHOAL_NODE_WORKERS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-    {
-        return n.clamp(1, 64);
+/// cores only adds wake-ups of idle workers to every I/O), unless
+/// `--workers` says otherwise.
+fn workers_per_node(nodes: usize, asked: Option<usize>) -> usize {
+    if let Some(n) = asked {
+        return n;
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     (cores / nodes.max(1)).max(1)
@@ -233,20 +259,37 @@ pub async fn up(a: UpArgs) -> Result<()> {
     let fresh;
     let cluster = match load(&data)? {
         Some(c) => {
+            let flags = a.layout_flags();
+            if !flags.is_empty() {
+                bail!(
+                    "{} shape a new cluster only; {} already holds a cluster of {} nodes \
+                     (shoal down, then remove the folder, to make a new one)",
+                    flags.join(", "),
+                    data.display(),
+                    c.nodes.len()
+                );
+            }
             fresh = false;
             c
         }
         None => {
             fresh = true;
-            if a.nodes == 0 {
+            let nodes = a.nodes.unwrap_or(4);
+            if nodes == 0 {
                 bail!("a cluster needs at least one node");
             }
-            let size = parse_size(&a.device_size)?;
+            let size = parse_size(a.device_size.as_deref().unwrap_or("8G"))?;
+            let net = a.net.clone().unwrap_or_else(|| "127.0.0".into());
+            let (nbd_port, api_port, peer_port) = (
+                a.nbd_port.unwrap_or(10809),
+                a.api_port.unwrap_or(9400),
+                a.peer_port.unwrap_or(9500),
+            );
             let overrides = node_devices(&a.node_devices)?;
-            if let Some(id) = overrides.keys().find(|&&id| id == 0 || id > a.nodes as u64) {
+            if let Some(id) = overrides.keys().find(|&&id| id == 0 || id > nodes as u64) {
                 bail!("--node-device: there is no node {id}");
             }
-            let nodes = (1..=a.nodes as u64)
+            let nodes = (1..=nodes as u64)
                 .map(|i| {
                     let dir = data.join(format!("node{i}"));
                     let file = overrides
@@ -255,9 +298,9 @@ pub async fn up(a: UpArgs) -> Result<()> {
                         .unwrap_or_else(|| dir.join("dev0.img"));
                     LocalNode {
                         id: i,
-                        api: format!("{}.{i}:{}", a.net, a.api_port),
-                        nbd: format!("{}.{i}:{}", a.net, a.nbd_port),
-                        peer: format!("{}.{i}:{}", a.net, a.peer_port),
+                        api: format!("{net}.{i}:{api_port}"),
+                        nbd: format!("{net}.{i}:{nbd_port}"),
+                        peer: format!("{net}.{i}:{peer_port}"),
                         device: if a.thick && !overrides.contains_key(&i) {
                             format!("{}:{size}:thick", file.display())
                         } else {
@@ -286,7 +329,7 @@ pub async fn up(a: UpArgs) -> Result<()> {
             continue;
         }
         let join = (n.id != cluster.nodes[0].id).then_some(first_api.as_str());
-        let pid = start_node(n, join, workers_per_node(cluster.nodes.len()))?;
+        let pid = start_node(n, join, workers_per_node(cluster.nodes.len(), a.workers.map(usize::from)))?;
         println!(
             "started node {} (pid {pid}) api {} nbd {}",
             n.id, n.api, n.nbd
@@ -355,7 +398,7 @@ pub async fn up(a: UpArgs) -> Result<()> {
         let r = c
             .create_volume(&CreateVolume {
                 name: "demo".into(),
-                size: parse_size(&a.demo_size)?,
+                size: parse_size(a.demo_size.as_deref().unwrap_or("1G"))?,
                 policy: policy.into(),
             })
             .await

@@ -142,9 +142,10 @@ enum VolumeCmd {
 
 #[derive(Args)]
 struct NodeArgs {
-    /// Optional TOML file with the same keys as the flags (id, data,
-    /// device = ["PATH:SIZE"], peer, nbd, nbd_socket, api, join, fault_domain,
-    /// scrub_mib_per_s, scrub_interval_h).
+    /// TOML file with the keys of the flags (id, data, device =
+    /// ["PATH:SIZE"], peer, nbd, nbd_socket, api, join, fault_domain,
+    /// scrub_mib_per_s, scrub_interval_h) and a `[tuning]` table; see
+    /// docs/config.md. An unknown key is refused.
     #[arg(long)]
     config: Option<PathBuf>,
     /// Node id (also its Raft id), unique in the cluster.
@@ -193,7 +194,10 @@ struct NodeArgs {
     workers: Option<usize>,
 }
 
+/// `--config node.toml`: the flags' keys; an unknown key is refused, not
+/// ignored.
 #[derive(serde::Deserialize, Default)]
+#[serde(deny_unknown_fields)]
 struct NodeFile {
     id: Option<u64>,
     data: Option<PathBuf>,
@@ -207,6 +211,9 @@ struct NodeFile {
     fault_domain: Option<String>,
     scrub_mib_per_s: Option<u32>,
     scrub_interval_h: Option<u64>,
+    /// `[tuning]`: threads and batching of the data path.
+    #[serde(default)]
+    tuning: Option<shoal_node::NodeTuning>,
 }
 
 fn parse_device(s: &str) -> Result<DeviceSpec> {
@@ -229,6 +236,8 @@ fn parse_device(s: &str) -> Result<DeviceSpec> {
     }
 }
 
+/// The node's configuration from its flags and `--config` file (flags
+/// win).
 fn node_config(a: NodeArgs) -> Result<NodeConfig> {
     let f: NodeFile = match &a.config {
         Some(p) => toml::from_str(
@@ -237,6 +246,13 @@ fn node_config(a: NodeArgs) -> Result<NodeConfig> {
         .with_context(|| format!("parsing {}", p.display()))?,
         None => NodeFile::default(),
     };
+    let mut tuning = f.tuning.clone().unwrap_or_default();
+    if let Some(w) = a.workers {
+        tuning.workers = Some(w);
+    }
+    tuning
+        .validate()
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let id = a.id.or(f.id).unwrap_or(1);
     if id == 0 {
         bail!("node ids start at 1");
@@ -257,7 +273,7 @@ fn node_config(a: NodeArgs) -> Result<NodeConfig> {
         .iter()
         .map(|d| parse_device(d))
         .collect::<Result<Vec<_>>>()?;
-    Ok(NodeConfig {
+    let cfg = NodeConfig {
         id,
         devices,
         peer_addr: a.peer.or(f.peer).unwrap_or_else(|| "127.0.0.1:9500".into()),
@@ -284,7 +300,9 @@ fn node_config(a: NodeArgs) -> Result<NodeConfig> {
                     .unwrap_or(d.interval_h),
             }
         },
-    })
+        tuning,
+    };
+    Ok(cfg)
 }
 
 fn main() {
@@ -329,7 +347,6 @@ fn node_main(a: NodeArgs) -> ! {
         )
         .init();
     daemon::ignore_sigpipe();
-    let workers = a.workers;
     let cfg = match node_config(a) {
         Ok(c) => c,
         Err(e) => daemon::exit(daemon::EXIT_FAILED, &format!("{e:#}")),
@@ -341,8 +358,8 @@ fn node_main(a: NodeArgs) -> ! {
         );
     }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = workers {
-        builder.worker_threads(n.max(1));
+    if let Some(n) = cfg.tuning.workers {
+        builder.worker_threads(n);
     }
     let rt = match builder.enable_all().build() {
         Ok(rt) => rt,
@@ -537,4 +554,51 @@ async fn volume(v: VolumeCmd) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(config: &std::path::Path, extra: &[&str]) -> NodeArgs {
+        let mut argv = vec!["shoal", "node", "--config", config.to_str().unwrap()];
+        argv.extend_from_slice(extra);
+        match Cli::parse_from(argv).cmd {
+            Cmd::Node(a) => a,
+            _ => unreachable!(),
+        }
+    }
+
+    /// The config file's keys reach the node's typed config, flags win,
+    /// and an unknown key or a value out of range is refused.
+    #[test]
+    fn node_config_from_file_and_flags() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("node.toml");
+        std::fs::write(
+            &f,
+            "id = 3\napi = \"127.0.0.9:9400\"\n[tuning]\nsync_threads = 2\nread_batch = 16\n",
+        )
+        .unwrap();
+        let c = node_config(args(&f, &["--workers", "3"])).unwrap();
+        assert_eq!(c.id, 3);
+        assert_eq!(c.api_addr, "127.0.0.9:9400");
+        assert_eq!(c.tuning.sync_threads, 2);
+        assert_eq!(c.tuning.read_batch, 16);
+        assert_eq!(c.tuning.read_threads, 2, "a default");
+        assert_eq!(c.tuning.workers, Some(3), "the flag");
+        let c = node_config(args(&f, &["--id", "5"])).unwrap();
+        assert_eq!(c.id, 5, "the flag wins");
+
+        for (text, want) in [
+            ("id = 1\nworkerz = 2\n", "unknown field"),
+            ("[tuning]\nsync_thread = 2\n", "unknown field"),
+            ("[tuning]\nread_threads = 0\n", "out of range"),
+            ("[tuning]\ngather_us = 1000000\n", "out of range"),
+        ] {
+            std::fs::write(&f, text).unwrap();
+            let e = format!("{:#}", node_config(args(&f, &[])).unwrap_err());
+            assert!(e.contains(want), "{text:?}: {e}");
+        }
+    }
 }

@@ -44,7 +44,7 @@ struct Tickets {
     /// Every ticket up to this one is covered by a sync that started.
     started: u64,
     /// Syncs running (on the flusher threads or inline), at most
-    /// [`SYNC_THREADS`].
+    /// [`crate::NodeTuning::sync_threads`].
     syncing: usize,
     /// The flusher threads should exit.
     exit: bool,
@@ -62,26 +62,6 @@ struct Tickets {
     /// A flusher thread waits for `applying` to reach 0 before it syncs.
     gathering: bool,
 }
-
-/// Flusher threads per device, so syncs at most. With two, the next sync
-/// writes its batch while the previous one flushes the device; on the
-/// virtual disk measured so far that made QD32 writes slower (18.6–22.6k
-/// against 22.6–24.6k IOPS), so one. `SHOAL_SYNC_THREADS` overrides it.
-const SYNC_THREADS: usize = 1;
-
-static SYNCS_AT_ONCE: std::sync::LazyLock<usize> =
-    std::sync::LazyLock::new(|| crate::env_knob("SHOAL_SYNC_THREADS", SYNC_THREADS));
-
-/// Longest wait of the flusher for writes that arrived with the ones it is
-/// about to sync (already accepted, still being applied), in
-/// microseconds: a burst of writes read from one connection is applied
-/// within a few microseconds, and a sync that waits for it covers it all
-/// instead of the first one or two.
-const GATHER_US: u64 = 100;
-
-/// [`GATHER_US`], or `SHOAL_GATHER_US` (0: no waiting; for measuring).
-static GATHER: std::sync::LazyLock<u64> =
-    std::sync::LazyLock::new(|| crate::env_knob("SHOAL_GATHER_US", GATHER_US));
 
 /// A write accepted by the node and not yet in its device's store: the
 /// flusher's next sync waits a little for it. Released when its commit
@@ -102,6 +82,9 @@ impl Drop for Applying {
 struct Shared {
     /// Syncs that may run at once (flusher threads).
     at_once: usize,
+    /// Longest wait of a sync for writes still being applied, in
+    /// microseconds ([`crate::NodeTuning::gather_us`]).
+    gather_us: u64,
     tickets: Mutex<Tickets>,
     wake: Condvar,
     durable: watch::Sender<Durable>,
@@ -163,16 +146,27 @@ pub struct Flusher {
 }
 
 impl Flusher {
-    /// Starts the flusher threads of `store`.
-    pub fn start(store: Arc<LogStore>, name: &str) -> io::Result<Flusher> {
-        Self::with_threads(store, name, *SYNCS_AT_ONCE)
+    /// Starts the flusher threads of `store` as `tuning` says.
+    pub fn start(
+        store: Arc<LogStore>,
+        name: &str,
+        tuning: &crate::NodeTuning,
+    ) -> io::Result<Flusher> {
+        Self::with_threads(store, name, tuning.sync_threads, tuning.gather_us)
     }
 
-    /// Starts `threads` flusher threads (1 to 4) for `store`.
-    pub fn with_threads(store: Arc<LogStore>, name: &str, threads: usize) -> io::Result<Flusher> {
+    /// Starts `threads` flusher threads (1 to 4) for `store`, each waiting
+    /// up to `gather_us` for writes being applied.
+    pub fn with_threads(
+        store: Arc<LogStore>,
+        name: &str,
+        threads: usize,
+        gather_us: u64,
+    ) -> io::Result<Flusher> {
         let threads = threads.clamp(1, 4);
         let shared = Arc::new(Shared {
             at_once: threads,
+            gather_us,
             tickets: Mutex::new(Tickets::default()),
             wake: Condvar::new(),
             durable: watch::channel(Durable::default()).0,
@@ -201,7 +195,7 @@ impl Flusher {
     }
 
     /// Declares a write accepted (in arrival order, before it is applied):
-    /// a sync about to start waits up to [`GATHER_US`] for it.
+    /// a sync about to start waits up to `gather_us` for it.
     pub fn begin(&self) -> Applying {
         self.shared.lock().applying += 1;
         Applying {
@@ -323,8 +317,8 @@ fn run(sh: &Shared, store: &LogStore) {
             }
             // Writes accepted with these are still being applied: give
             // them a moment to join this sync.
-            if t.applying > 0 && !t.exit && *GATHER > 0 {
-                let until = Instant::now() + Duration::from_micros(*GATHER);
+            if t.applying > 0 && !t.exit && sh.gather_us > 0 {
+                let until = Instant::now() + Duration::from_micros(sh.gather_us);
                 t.gathering = true;
                 while t.applying > 0 {
                     let left = until.saturating_duration_since(Instant::now());
@@ -363,7 +357,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(LogStore::create(&dir.path().join("dev.img"), 64 << 20, "t").unwrap());
         store.create_component(1, 1, 16 << 20).unwrap();
-        let f = Arc::new(Flusher::with_threads(store.clone(), "t", threads).unwrap());
+        let f = Arc::new(
+            Flusher::with_threads(store.clone(), "t", threads, crate::tuning::GATHER_US_DEFAULT)
+                .unwrap(),
+        );
         (dir, store, f)
     }
 

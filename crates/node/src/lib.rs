@@ -17,32 +17,17 @@ pub mod ring;
 pub mod router;
 pub mod scrub;
 pub mod space;
+pub mod tuning;
 
-/// A tuning knob read once from the environment variable `name` (for
-/// measuring one setting against another), or `default` when it is unset
-/// or does not parse.
-pub(crate) fn env_knob<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+pub use tuning::NodeTuning;
 
 /// Marks the calling thread as a batch thread (`SCHED_BATCH`) for the
 /// device threads (flusher, reader): a runtime worker that wakes one then
 /// keeps its CPU instead of being preempted by it on the spot; the woken
-/// thread takes an idle CPU, or the CPU once the worker sleeps. Without
-/// it, the switch back to the worker after waking the flusher was 7% of
-/// the owner's worker thread at QD32. A/B, 4 rounds on one cluster, 4 KiB
-/// random writes at QD32: 26.3–33.5k IOPS and 42–52 µs CPU per write
-/// against 23.4–29.8k and 49–63 µs; QD1 equal or better. On by default;
-/// `SHOAL_BATCH_THREADS=0` turns it off (for measuring).
+/// thread takes an idle CPU, or the CPU once the worker sleeps. It measured
+/// faster at QD32 and no slower at QD1 (bench/RESULTS.md, 2026-11-30,
+/// wake-ups, the allocator, and request futures).
 pub(crate) fn as_batch_thread() {
-    static ON: std::sync::LazyLock<bool> =
-        std::sync::LazyLock::new(|| env_knob("SHOAL_BATCH_THREADS", 1u8) != 0);
-    if !*ON {
-        return;
-    }
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: plain system call on the calling thread with a valid param.
     let r = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
@@ -124,6 +109,9 @@ pub struct NodeConfig {
     /// Background scrubbing of the devices.
     #[serde(default)]
     pub scrub: scrub::ScrubConfig,
+    /// Threads and batching of the data path.
+    #[serde(default)]
+    pub tuning: NodeTuning,
 }
 
 /// Where the node serves NBD to clients on its own host.
@@ -362,7 +350,7 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
             known
                 .iter()
                 .find(|(kp, _)| kp == p)
-                .map(|(_, id)| replica::Device::new(*id, p.clone(), s.clone()))
+                .map(|(_, id)| replica::Device::new(*id, p.clone(), s.clone(), &cfg.tuning))
         })
         .collect::<std::io::Result<Vec<_>>>()
         .context("starting the device flusher threads")?;
@@ -445,7 +433,7 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
         let devs = stores
             .iter()
             .zip(&device_ids)
-            .map(|((p, s), (_, id))| replica::Device::new(*id, p.clone(), s.clone()))
+            .map(|((p, s), (_, id))| replica::Device::new(*id, p.clone(), s.clone(), &cfg.tuning))
             .collect::<std::io::Result<Vec<_>>>()
             .context("starting the device flusher threads")?;
         let r = Arc::new(replica::Replicas::new(devs));

@@ -19,29 +19,6 @@ use std::io;
 use std::sync::{Arc, Condvar, Mutex};
 use tokio::sync::oneshot;
 
-/// Reader threads per device. Two, each taking at most [`MAX_BATCH`]
-/// reads: a client's burst of 32 reads used to go to the device as one
-/// batch, which the device answers all at once, so the device sat idle
-/// while the answers went out and the client's next burst came in. Small
-/// batches on two threads keep some reads at the device while others are
-/// being answered. A/B, 7 rounds of 4 KiB random reads at QD32 through the
-/// cluster: 50.9–60.8k IOPS (median 54k) with two threads of 8 against
-/// 25.8–55.5k (median 47k) with one thread of 64; four threads of 4 or
-/// three of 8 were no better, two of 4 worse.
-const THREADS: usize = 2;
-
-/// [`THREADS`], or `SHOAL_READ_THREADS` (1 to 8; for measuring).
-static READ_THREADS: std::sync::LazyLock<usize> =
-    std::sync::LazyLock::new(|| crate::env_knob("SHOAL_READ_THREADS", THREADS).clamp(1, 8));
-
-/// Most requests in one batch (see [`THREADS`]): what one thread takes
-/// from the queue; the rest of a burst goes to the other thread at once.
-const MAX_BATCH: usize = 8;
-
-/// [`MAX_BATCH`], or `SHOAL_READ_BATCH` (1 to 256; for measuring).
-static READ_BATCH: std::sync::LazyLock<usize> =
-    std::sync::LazyLock::new(|| crate::env_knob("SHOAL_READ_BATCH", MAX_BATCH).clamp(1, 256));
-
 struct Job {
     component: ComponentId,
     offset: u64,
@@ -78,6 +55,8 @@ impl Queue {
 struct Shared {
     queue: Mutex<Queue>,
     wake: Condvar,
+    /// Most reads one thread takes at once.
+    batch: usize,
 }
 
 /// Handle to a device's reads. Dropping it stops its threads or ring.
@@ -93,20 +72,15 @@ enum Mode {
     },
 }
 
-/// Whether reads may use a ring on the runtime (`SHOAL_READ_RING=0`: the
-/// reader threads; for measuring).
-static READ_RING: std::sync::LazyLock<bool> =
-    std::sync::LazyLock::new(|| crate::env_knob("SHOAL_READ_RING", 1) != 0);
-
 impl Reader {
     /// Reads of `store`: on a ring if its device has a descriptor for one
     /// and a runtime is running, else on threads.
-    pub fn start(store: Arc<LogStore>, name: &str) -> io::Result<Reader> {
-        if let (true, Some((fd, _)), Ok(_)) = (
-            *READ_RING,
-            store.ring_fd(),
-            tokio::runtime::Handle::try_current(),
-        ) {
+    pub fn start(
+        store: Arc<LogStore>,
+        name: &str,
+        tuning: &crate::NodeTuning,
+    ) -> io::Result<Reader> {
+        if let (Some((fd, _)), Ok(_)) = (store.ring_fd(), tokio::runtime::Handle::try_current()) {
             match ReadRing::start(fd, store.clone()) {
                 Ok(ring) => {
                     return Ok(Reader {
@@ -118,11 +92,15 @@ impl Reader {
                 }
             }
         }
-        Self::start_threads(store, name)
+        Self::start_threads(store, name, tuning)
     }
 
     /// Reads of `store` on reader threads.
-    pub fn start_threads(store: Arc<LogStore>, name: &str) -> io::Result<Reader> {
+    pub fn start_threads(
+        store: Arc<LogStore>,
+        name: &str,
+        tuning: &crate::NodeTuning,
+    ) -> io::Result<Reader> {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue {
                 jobs: Vec::new(),
@@ -131,8 +109,9 @@ impl Reader {
                 woken: 0,
             }),
             wake: Condvar::new(),
+            batch: tuning.read_batch.clamp(1, 256),
         });
-        for i in 0..*READ_THREADS {
+        for i in 0..tuning.read_threads.clamp(1, 8) {
             let (sh, st) = (shared.clone(), store.clone());
             std::thread::Builder::new()
                 .name(format!("read-{name}-{i}"))
@@ -264,7 +243,7 @@ fn run(sh: &Shared, store: &LogStore) {
             if q.stop && q.jobs.is_empty() {
                 return;
             }
-            let n = q.jobs.len().min(*READ_BATCH);
+            let n = q.jobs.len().min(sh.batch);
             let jobs = q.jobs.drain(..n).collect();
             // More than one batch waiting: hand the rest to an idle thread
             // now rather than after this batch.
@@ -320,9 +299,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = store(dir.path());
         let r = if ring {
-            Reader::start(store.clone(), "t").unwrap()
+            Reader::start(store.clone(), "t", &crate::NodeTuning::default()).unwrap()
         } else {
-            Reader::start_threads(store.clone(), "t").unwrap()
+            Reader::start_threads(store.clone(), "t", &crate::NodeTuning::default()).unwrap()
         };
         // The ring is used wherever the device offers it, with the device
         // registered (kernels from 5.1 allow it).
@@ -367,7 +346,7 @@ mod tests {
     async fn deferred_ring_reads_return_their_own_data() {
         let dir = tempfile::tempdir().unwrap();
         let store = store(dir.path());
-        let r = Reader::start(store.clone(), "t").unwrap();
+        let r = Reader::start(store.clone(), "t", &crate::NodeTuning::default()).unwrap();
         if store.ring_fd().is_some() && crate::ring::kernel_at_least(6, 2) {
             assert!(r.deferred_ring(), "one worker, a recent kernel: deferred");
             assert!(
@@ -436,7 +415,7 @@ mod tests {
     async fn abandoned_reads() {
         let dir = tempfile::tempdir().unwrap();
         let store = store(dir.path());
-        let r = Arc::new(Reader::start(store.clone(), "t").unwrap());
+        let r = Arc::new(Reader::start(store.clone(), "t", &crate::NodeTuning::default()).unwrap());
         for round in 0..20u64 {
             let tasks: Vec<_> = (0..64u64)
                 .map(|i| {

@@ -79,11 +79,16 @@ pub struct Device {
 }
 
 impl Device {
-    pub fn new(id: DeviceId, path: String, store: Arc<Store>) -> std::io::Result<Device> {
+    pub fn new(
+        id: DeviceId,
+        path: String,
+        store: Arc<Store>,
+        tuning: &crate::NodeTuning,
+    ) -> std::io::Result<Device> {
         Ok(Device {
             id,
-            flusher: Flusher::start(store.clone(), &format!("dev{id}"))?,
-            reader: Reader::start(store.clone(), &format!("dev{id}"))?,
+            flusher: Flusher::start(store.clone(), &format!("dev{id}"), tuning)?,
+            reader: Reader::start(store.clone(), &format!("dev{id}"), tuning)?,
             path,
             store,
             written: Default::default(),
@@ -224,17 +229,6 @@ pub struct Replicas {
     /// syncs on its own thread ([`Flusher::commit_or_sync`]).
     in_flight: Arc<AtomicUsize>,
 }
-
-/// Whether a write alone in flight may sync on its own thread; off with
-/// `SHOAL_INLINE_SYNC=0` (for measuring).
-static INLINE_SYNC: std::sync::LazyLock<bool> =
-    std::sync::LazyLock::new(|| crate::env_knob("SHOAL_INLINE_SYNC", 1u8) != 0);
-
-/// Whether small writes that wait for nothing are applied as they arrive
-/// (in `Handler::handle`) rather than when their future first runs; off
-/// with `SHOAL_EAGER_APPLY=0` (for measuring).
-static EAGER_APPLY: std::sync::LazyLock<bool> =
-    std::sync::LazyLock::new(|| crate::env_knob("SHOAL_EAGER_APPLY", 1u8) != 0);
 
 /// Counts a request in [`Replicas::in_flight`] until dropped.
 struct InFlight(Arc<AtomicUsize>);
@@ -419,8 +413,7 @@ impl Replicas {
         let quiet = move || {
             // Quiet: this is the only request of the node's peers, and at
             // most one NBD request of its own clients is waiting (this one).
-            *INLINE_SYNC
-                && in_flight.load(Ordering::Relaxed) <= 1
+            in_flight.load(Ordering::Relaxed) <= 1
                 && router
                     .as_ref()
                     .is_none_or(|r| r.client_requests.load(Ordering::Relaxed) <= 1)
@@ -441,7 +434,7 @@ impl Replicas {
         // future runs, after the rest of the burst read with this write was
         // applied too, so one sync covers the burst.
         let ready = deps.iter().all(|r| *r.borrow() || r.has_changed().is_err());
-        if inline && ready && *EAGER_APPLY {
+        if inline && ready {
             let r = apply(&d);
             drop(guard);
             let ticket = r.map(|()| d.flusher.ticket(None));
@@ -772,7 +765,13 @@ mod tests {
 
     fn replicas(path: &std::path::Path) -> Replicas {
         let store = Arc::new(Store::open(path).unwrap());
-        let d = Device::new(1, path.display().to_string(), store).unwrap();
+        let d = Device::new(
+            1,
+            path.display().to_string(),
+            store,
+            &crate::NodeTuning::default(),
+        )
+        .unwrap();
         Replicas::new(vec![d])
     }
 

@@ -105,20 +105,11 @@ struct Shared {
     event: AsyncFd<OwnedFd>,
 }
 
-/// Rings set up with `IORING_SETUP_COOP_TASKRUN`; `SHOAL_RING_COOP=0`
-/// turns it off (for measuring).
-static COOP: std::sync::LazyLock<bool> =
-    std::sync::LazyLock::new(|| crate::env_knob("SHOAL_RING_COOP", 1u8) != 0);
-
-/// Rings set up with `IORING_SETUP_DEFER_TASKRUN` where the runtime has a
-/// single worker (a node sharing its host with others, as in `shoal up`);
-/// `SHOAL_RING_DEFER=0` turns it off (for measuring). Completions are then
-/// run in the reaper's calls, not in each submission's: A/B, 4 KiB random
-/// reads at QD32 through the cluster, 9 rounds of alternating clusters
-/// (2 runs each) in both orders: median 50.9k IOPS against 47.9k, ahead
-/// in 8 of the 9 rounds, lowest 42.8k against 37.3k.
-static DEFER: std::sync::LazyLock<bool> =
-    std::sync::LazyLock::new(|| crate::env_knob("SHOAL_RING_DEFER", 1u8) != 0);
+// Rings are set up with `IORING_SETUP_DEFER_TASKRUN` where the runtime has
+// a single worker (a node sharing its host with others, as in `shoal up`),
+// else with `IORING_SETUP_COOP_TASKRUN`: completions then run in the
+// reaper's calls, not in each submission's, which measured faster
+// (bench/RESULTS.md, 2026-12-01, read completions run by the reaper).
 
 /// Whether the current runtime runs its tasks on one thread (a
 /// current-thread runtime, or a multi-thread one with one worker): the
@@ -162,7 +153,7 @@ impl ReadRing {
     /// A ring reading `dev_fd`, reaped on the current runtime; `keep`
     /// (the store) holds `dev_fd` open, and is held as long as the ring is.
     pub fn start(dev_fd: RawFd, keep: Arc<dyn Send + Sync>) -> io::Result<ReadRing> {
-        let deferred = *DEFER && one_worker() && kernel_at_least(6, 2);
+        let deferred = one_worker() && kernel_at_least(6, 2);
         let built = if deferred {
             // Completions are run only when the reaper asks for them, all
             // that landed in one call, never as part of a submission. The
@@ -182,21 +173,17 @@ impl ReadRing {
         let deferred = built.is_some();
         let ring = if let Some(r) = built {
             r
-        } else if *COOP {
+        } else {
             // Completions run when this thread next enters the kernel (it
             // does so for every request anyway), or wake it from its
             // wait, instead of interrupting it in user space for each
-            // one. A/B, 10 rounds of 4K reads at QD32 in two orders:
-            // medians 60.0k and 60.1k IOPS against 58.7k and 58.4k, and
-            // 12.5–13.0 µs of the runtime thread per read against
-            // 13.2–16.7. Kernels before 5.19 refuse the flag: a plain
-            // ring then.
+            // one: less of the runtime thread per read (bench/RESULTS.md,
+            // 2026-12-01, read completions without interrupts). Kernels
+            // before 5.19 refuse the flag: a plain ring then.
             IoUring::builder()
                 .setup_coop_taskrun()
                 .build(DEPTH)
                 .or_else(|_| IoUring::new(DEPTH))?
-        } else {
-            IoUring::new(DEPTH)?
         };
         // SAFETY: plain system call; the result is checked.
         let efd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };

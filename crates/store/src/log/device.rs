@@ -91,16 +91,13 @@ pub struct FileDevice {
     dsync: AtomicBool,
 }
 
-/// Whether a durable write is one `pwritev2(RWF_DSYNC)` instead of
-/// `pwrite` then `fdatasync` (`SHOAL_WRITE_DSYNC=0` turns it off, for
-/// measuring). Same device commands (a write, then a cache flush: the
-/// virtual disks measured have no FUA), one system call and one return to
-/// user space less. Through the cluster (two A/Bs of 2026-12-01, 10 and 5
-/// fresh clusters per side, alternating): QD1 durable writes medians
-/// 1,774 and 2,056 IOPS against 1,598 and 1,659; QD32 writes 23.4k and
-/// 26.3k against 21.6k and 23.9k (see `docs/architecture.md`).
-static WRITE_DSYNC: std::sync::LazyLock<bool> =
-    std::sync::LazyLock::new(|| !std::env::var("SHOAL_WRITE_DSYNC").is_ok_and(|v| v == "0"));
+/// A durable write is one `pwritev2(RWF_DSYNC)` instead of `pwrite` then
+/// `fdatasync` wherever the kernel takes the flag: the same device
+/// commands (a write, then a cache flush: the virtual disks measured have
+/// no FUA), one system call and one return to user space less, which
+/// measured faster at QD1 and QD32 (bench/RESULTS.md, 2026-12-01,
+/// thirteenth session).
+const WRITE_DSYNC: bool = true;
 
 impl FileDevice {
     /// Like [`new`](Self::new) but always buffered (no `O_DIRECT`).
@@ -139,7 +136,7 @@ impl FileDevice {
             len,
             path: path.to_path_buf(),
             punch: AtomicBool::new(!block && !thick),
-            dsync: AtomicBool::new(*WRITE_DSYNC),
+            dsync: AtomicBool::new(WRITE_DSYNC),
         })
     }
 }
@@ -710,7 +707,7 @@ pub(super) mod tests {
         if d.is_direct() {
             // The kernel took RWF_DSYNC (5.x and later do on ext4, xfs and
             // block devices): the fallback was not needed.
-            assert_eq!(d.dsync.load(Ordering::Relaxed), *WRITE_DSYNC);
+            assert!(d.dsync.load(Ordering::Relaxed));
         }
         // A buffered device never uses it, and still writes and flushes.
         let f = OpenOptions::new().read(true).write(true).open(&p).unwrap();

@@ -1448,13 +1448,16 @@ fn crash_case(seed: u64, scatter: bool) -> (u64, u64, u64) {
     c.seen
 }
 
-/// Runs part `part` of 4 of the crash cases: 2,000 seeds in all (and 400
-/// of scattered overwrites that keep the cleaner busy), or
-/// `SHOAL_CRASH_CASES` from `SHOAL_CRASH_SEED`.
+/// Crash cases run by the four `crash_cases` tests; a failing seed is
+/// printed, and `crash_case(seed, scatter)` replays it alone.
+const CRASH_CASES: u64 = 2000;
+/// First seed of the crash cases (raise it to explore other seeds).
+const CRASH_SEED_FIRST: u64 = 0;
+
+/// Runs part `part` of 4 of the crash cases: [`CRASH_CASES`] seeds in all,
+/// a fifth of them of scattered overwrites that keep the cleaner busy.
 fn crash_cases(part: u64) {
-    let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
-    let cases = env("SHOAL_CRASH_CASES").unwrap_or(2000);
-    let start = env("SHOAL_CRASH_SEED").unwrap_or(0);
+    let (cases, start) = (CRASH_CASES, CRASH_SEED_FIRST);
     let (lo, hi) = (start + cases * part / 4, start + cases * (part + 1) / 4);
     let t = std::time::Instant::now();
     let mut seen = (0, 0, 0);

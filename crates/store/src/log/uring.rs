@@ -4,16 +4,13 @@
 //! a `pread` is one system call), so they stay positional I/O on the
 //! wrapped [`FileDevice`]. The ring carries
 //! [`read_many`](BlockDevice::read_many) (a read of scattered blocks and
-//! their batch headers: one submission instead of a `pread` per run) and
-//! optionally the log's writes ([`write_many`](BlockDevice::write_many):
-//! sealed batches in one submission; off by default, see
-//! [`UringDevice::writes`]); positional writes carry their flush in the
-//! last one (`RWF_DSYNC`, see `FileDevice::write_durable`). Otherwise the
-//! flush after writes is a plain `fdatasync` on the calling thread: io_uring runs every fsync on a
-//! kernel worker thread, and that hand-off and the wake-up after it cost
-//! more than the system call saves (measured: a durable 4 KiB write at
-//! queue depth 1 through the cluster took 660 us with the fsync on the
-//! ring, 540 us without).
+//! their batch headers: one submission instead of a `pread` per run). The
+//! log's writes stay positional on the calling thread, the last one
+//! carrying its flush (`RWF_DSYNC`, see `FileDevice::write_durable`):
+//! io_uring runs every fsync on a kernel worker thread, and an O_DIRECT
+//! write submitted to a ring and waited for cost more than a `pwrite`, so
+//! both measured slower through the cluster (bench/RESULTS.md, 2026-11-30,
+//! the log's writes: io_uring against positional).
 //!
 //! Rings are pooled: a call takes one (or creates one), submits, reaps all
 //! its completions and puts it back, so threads never share a ring's
@@ -36,9 +33,9 @@ const POOL: usize = 64;
 
 static CHOICE: Once = Once::new();
 
-/// Opens the data path of a file or block device: io_uring when the
-/// kernel allows it (and `SHOAL_IO_URING` is not `0`), positional I/O
-/// otherwise. The choice is logged once per process.
+/// Opens the data path of a file or block device: io_uring for batched
+/// reads when the kernel allows it, positional I/O otherwise. The choice is
+/// logged once per process.
 pub fn open_file_device(
     file: File,
     path: &Path,
@@ -46,20 +43,9 @@ pub fn open_file_device(
     block: bool,
 ) -> io::Result<Arc<dyn BlockDevice>> {
     let dev = FileDevice::new(file, path, len, block)?;
-    if std::env::var("SHOAL_IO_URING").is_ok_and(|v| v == "0") {
-        CHOICE
-            .call_once(|| tracing::info!("io_uring disabled by SHOAL_IO_URING=0; positional I/O"));
-        return Ok(Arc::new(dev));
-    }
-    let writes = std::env::var("SHOAL_URING_WRITES").is_ok_and(|v| v == "1");
-    match UringDevice::new(dev, writes) {
+    match UringDevice::new(dev) {
         Ok(u) => {
-            CHOICE.call_once(|| {
-                tracing::info!(
-                    ring_writes = writes,
-                    "device I/O: io_uring for batched reads"
-                )
-            });
+            CHOICE.call_once(|| tracing::info!("device I/O: io_uring for batched reads"));
             Ok(Arc::new(u))
         }
         Err((dev, e)) => {
@@ -75,13 +61,6 @@ pub fn open_file_device(
 pub struct UringDevice {
     file: FileDevice,
     rings: Mutex<Vec<IoUring>>,
-    /// The log's writes through the ring too (`SHOAL_URING_WRITES=1`).
-    /// Off by default: on ext4 here, an O_DIRECT write submitted to a ring
-    /// and waited for cost more than a `pwrite` on the flusher thread
-    /// (A/B through the cluster, three rounds: durable 4 KiB writes at QD1
-    /// 643-672 us on the ring vs 513-605 us positional; at QD32 14.5-16.2k
-    /// vs 17.1-20.5k IOPS).
-    writes: bool,
 }
 
 fn lock(m: &Mutex<Vec<IoUring>>) -> std::sync::MutexGuard<'_, Vec<IoUring>> {
@@ -90,12 +69,11 @@ fn lock(m: &Mutex<Vec<IoUring>>) -> std::sync::MutexGuard<'_, Vec<IoUring>> {
 
 impl UringDevice {
     /// Wraps `file`; gives it back with the error if no ring can be set up.
-    pub fn new(file: FileDevice, writes: bool) -> Result<UringDevice, (FileDevice, io::Error)> {
+    pub fn new(file: FileDevice) -> Result<UringDevice, (FileDevice, io::Error)> {
         match IoUring::new(DEPTH) {
             Ok(r) => Ok(UringDevice {
                 file,
                 rings: Mutex::new(vec![r]),
-                writes,
             }),
             Err(e) => Err((file, e)),
         }
@@ -238,44 +216,9 @@ impl BlockDevice for UringDevice {
     }
 
     fn write_many(&self, reqs: &[(u64, &[u8])], flush: bool) -> io::Result<()> {
-        let all_ok = reqs
-            .iter()
-            .all(|(off, b)| !b.is_empty() && self.direct_ok(*off, b.as_ptr(), b.len()));
-        if !self.writes || !all_ok || reqs.is_empty() {
-            // Positional writes, the last one durable if `flush`.
-            return self.file.write_many(reqs, flush);
-        } else {
-            let fd = types::Fd(self.file.io_fd());
-            let entries: Vec<squeue::Entry> = reqs
-                .iter()
-                .enumerate()
-                .map(|(i, (off, buf))| {
-                    opcode::Write::new(fd, buf.as_ptr(), buf.len() as u32)
-                        .offset(*off)
-                        .build()
-                        .user_data(i as u64)
-                })
-                .collect();
-            let res = self.run(&entries)?;
-            for (i, (off, buf)) in reqs.iter().enumerate() {
-                let r = res[i];
-                if r < 0 {
-                    return Err(err_of(r));
-                }
-                if r as usize != buf.len() {
-                    // Short write: write the whole range again.
-                    self.file.write_at(buf, *off)?;
-                }
-            }
-        }
-        // The flush is a plain fdatasync on this thread, after every write
-        // above completed. io_uring always hands an fsync to a kernel
-        // worker thread: two more thread switches per flush, measured
-        // slower here (QD1 write through the cluster 660 -> 540 us).
-        if flush {
-            self.file.flush()?;
-        }
-        Ok(())
+        // Positional writes, the last one durable if `flush` (see the
+        // module doc for why not on the ring).
+        self.file.write_many(reqs, flush)
     }
 
     fn len(&self) -> u64 {
@@ -308,9 +251,9 @@ mod tests {
     fn uring_device_reads_and_writes_many() {
         let dir = tempfile::tempdir().unwrap();
         let (_, file) = super::super::device::tests::temp_device(dir.path());
-        // Ring writes on; where rings are refused the same checks run on
-        // the positional fallback (and say so).
-        let dev: Box<dyn BlockDevice> = match UringDevice::new(file, true) {
+        // Where rings are refused the same checks run on the positional
+        // fallback (and say so).
+        let dev: Box<dyn BlockDevice> = match UringDevice::new(file) {
             Ok(u) => Box::new(u),
             Err((file, e)) => {
                 eprintln!("io_uring refused ({e}); checking the positional fallback");
