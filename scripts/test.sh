@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Runs every test: unit and property tests of each crate, cluster tests that
+# Runs every check: formatting (cargo fmt), lints (clippy, warnings as
+# errors), then unit and property tests of each crate, cluster tests that
 # start real `shoal` processes, and interop tests with real NBD clients.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh
+# Formatting and lints first: a tree that fails them does not land.
+cargo fmt --all --check
+cargo clippy --workspace --all-targets -- -D warnings
 cargo build --workspace --all-targets
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
