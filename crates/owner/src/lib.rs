@@ -185,7 +185,11 @@ enum SubmitState {
     },
     Stopped,
     /// Over the volume's IOPS limit: sent to the owner at `at`.
-    Throttled { owner: Owner, op: Op, at: Instant },
+    Throttled {
+        owner: Owner,
+        op: Op,
+        at: Instant,
+    },
 }
 
 impl Submitted {

@@ -110,7 +110,8 @@ impl Throttle {
         }
         let wait = start - now;
         self.throttled_ios.fetch_add(1, Relaxed);
-        self.throttled_us.fetch_add(wait.as_micros() as u64, Relaxed);
+        self.throttled_us
+            .fetch_add(wait.as_micros() as u64, Relaxed);
         Some(start)
     }
 

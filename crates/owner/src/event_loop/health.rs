@@ -1,0 +1,282 @@
+//! The copies' health: what a replica's error means, taking a failed copy
+//! out of service and having the directory record it, and the tick's
+//! housekeeping (barriers, witness pings, reconnecting in-sync copies that
+//! lost their connection).
+
+use super::activation::{activate, connect};
+use super::replica::{Mode, ReplicaSet};
+use super::{report, Flow, Internal, Loop, CONTROL_RETRY_MS};
+use crate::{Control, ControlError, Event, OwnerError};
+use bytes::Bytes;
+use shoal_model::{ComponentRole, ComponentState, Generation};
+use shoal_rpc::{Peer, RemoteError, Request, RpcError};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// The state a copy that gave `e` is recorded in: degraded when its device
+/// failed (it must be rebuilt), absent when it could not be reached.
+pub(super) fn state_for(e: &RpcError) -> ComponentState {
+    match e {
+        RpcError::Remote(
+            RemoteError::Io(_) | RemoteError::Checksum { .. } | RemoteError::NoSpace,
+        ) => ComponentState::Degraded,
+        _ => ComponentState::Absent,
+    }
+}
+
+/// The client's answer for an error that is not the copy's fault: the
+/// request was out of range, there is no space, or a newer owner fenced
+/// the copy (this one is deposed).
+pub(super) fn owner_error(e: &RpcError) -> Option<OwnerError> {
+    match e {
+        RpcError::Remote(RemoteError::OutOfRange) => Some(OwnerError::OutOfRange),
+        RpcError::Remote(RemoteError::NoSpace) => Some(OwnerError::NoSpace),
+        RpcError::Remote(RemoteError::StaleGeneration { .. }) => Some(OwnerError::Deposed),
+        _ => None,
+    }
+}
+
+/// Whether `e` says a newer owner fenced the replica.
+pub(super) fn is_stale(e: &RpcError) -> bool {
+    matches!(e, RpcError::Remote(RemoteError::StaleGeneration { .. }))
+}
+
+/// Has the directory record `component` in `state`, retrying while it has
+/// no leader; `None` once the loop is gone.
+async fn record_state<C: Control>(
+    control: Arc<C>,
+    loop_tx: mpsc::UnboundedSender<Event>,
+    (volume, generation): (u64, Generation),
+    (idx, component): (usize, u64),
+    state: ComponentState,
+) -> Option<Internal> {
+    loop {
+        match control
+            .set_component_state(volume, component, state, generation)
+            .await
+        {
+            Ok(()) => return Some(Internal::Marked { idx }),
+            Err(ControlError::Conflict) => return Some(Internal::Deposed),
+            Err(ControlError::Unavailable(e)) => {
+                tracing::warn!("cannot record component {component} {state}: {e}; retrying");
+                tokio::time::sleep(Duration::from_millis(CONTROL_RETRY_MS)).await;
+                if loop_tx.is_closed() {
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+/// Pings a witness (`flush` carries the loop's generation), connecting (and
+/// creating its component) first if its connection is gone.
+async fn ping_witness(
+    peer: Option<Arc<Peer>>,
+    addr: String,
+    create: Request,
+    flush: Request,
+    timeout: Duration,
+) -> Result<(), RpcError> {
+    let peer = match peer {
+        Some(p) if !p.is_closed() => p,
+        _ => {
+            let p = connect(&addr).await?;
+            let _ = p.call(&create, Bytes::new(), timeout).await;
+            p
+        }
+    };
+    peer.call(&flush, Bytes::new(), timeout).await.map(|_| ())
+}
+
+impl<C: Control> Loop<C> {
+    /// Takes a replica out of service and has the directory record it
+    /// absent (or degraded). Writes that skipped it wait for that record.
+    pub(super) fn fail(&mut self, idx: usize, state: ComponentState) {
+        if self.routed.is_some_and(|r| r.idx == idx) {
+            // Before any write is acknowledged without this copy.
+            self.withdraw_route();
+        }
+        let others_in_sync = self
+            .replicas
+            .iter()
+            .enumerate()
+            .any(|(i, r)| i != idx && r.mode == Mode::InSync);
+        let r = &mut self.replicas[idx];
+        if !matches!(r.mode, Mode::InSync | Mode::Resyncing) {
+            return;
+        }
+        if r.mode == Mode::InSync && !others_in_sync {
+            // The last up-to-date copy is never recorded absent: that would
+            // leave no source to rebuild from. Keep it in sync, drop the
+            // connection, and let the tick reconnect; I/O waits meanwhile.
+            tracing::warn!(
+                volume = self.volume,
+                component = r.component,
+                "last in-sync copy unreachable; reconnecting"
+            );
+            r.peer = None;
+            return;
+        }
+        tracing::warn!(volume = self.volume, component = r.component, %state, "replica failed");
+        r.mode = Mode::Failing;
+        r.degraded |= state == ComponentState::Degraded;
+        r.peer = None;
+        if self
+            .resync
+            .as_ref()
+            .is_some_and(|s| s.idx == idx || s.source == Some(idx))
+        {
+            self.abort_resync();
+        }
+        self.record(idx, state);
+    }
+
+    /// Has the directory record replica `idx` in `state`; reports
+    /// [`Internal::Marked`] once it did.
+    fn record(&self, idx: usize, state: ComponentState) {
+        let work = record_state(
+            self.control.clone(),
+            self.tx.clone(),
+            (self.volume, self.generation),
+            (idx, self.replicas[idx].component),
+            state,
+        );
+        let tx = self.tx.clone();
+        tokio::spawn(async move {
+            if let Some(ev) = work.await {
+                report(&tx, ev);
+            }
+        });
+    }
+
+    /// The directory recorded replica `idx` out of service: the writes
+    /// that waited for it may be acknowledged.
+    pub(super) fn marked(&mut self, idx: usize) -> Flow {
+        if self.replicas[idx].mode == Mode::Failing {
+            self.replicas[idx].mode = Mode::Out;
+        }
+        self.release_parked();
+        Flow::Continue
+    }
+
+    pub(super) fn tick(&mut self) -> Flow {
+        self.send_barrier();
+        self.ping_witnesses();
+        self.reconnect_lost();
+        self.consider_resync();
+        Flow::Continue
+    }
+
+    /// Barrier: every write older than the oldest in flight is complete,
+    /// and the copies may forget their regions.
+    fn send_barrier(&mut self) {
+        let upto = self
+            .inflight
+            .first_key_value()
+            .map_or(self.next_seq, |(&seq, _)| seq);
+        let moved =
+            upto > self.last_barrier + 1 || (upto > self.last_barrier && self.inflight.is_empty());
+        if !moved {
+            return;
+        }
+        self.last_barrier = upto;
+        for i in self.targets().iter() {
+            let r = &self.replicas[i];
+            if let Some(p) = &r.peer {
+                let _ = p.send(
+                    &Request::Barrier {
+                        component: r.component,
+                        generation: self.generation,
+                        seq: upto,
+                    },
+                    Bytes::new(),
+                );
+            }
+        }
+    }
+
+    /// Witness pings: a witness fenced by a newer owner deposes us.
+    fn ping_witnesses(&self) {
+        for (idx, r) in self.replicas.iter().enumerate() {
+            if r.role != ComponentRole::Witness || !r.node_up {
+                continue;
+            }
+            let create = Request::CreateComponent {
+                component: r.component,
+                volume: self.volume,
+                device: r.device,
+                size: 0,
+            };
+            let flush = Request::Flush {
+                component: r.component,
+                generation: self.generation,
+            };
+            let ping = ping_witness(
+                r.peer.clone(),
+                r.addr.clone(),
+                create,
+                flush,
+                self.cfg.io_timeout,
+            );
+            self.spawn_report(async move {
+                let result = ping.await;
+                Internal::WitnessPing { idx, result }
+            });
+        }
+    }
+
+    pub(super) fn witness_pinged(&mut self, idx: usize, result: Result<(), RpcError>) -> Flow {
+        if result.as_ref().is_err_and(is_stale) {
+            return Flow::Stop;
+        }
+        let r = &mut self.replicas[idx];
+        r.witness_ok = result.is_ok();
+        if !r.witness_ok {
+            r.peer = None;
+        }
+        Flow::Continue
+    }
+
+    /// Reconnects in-sync copies that lost their connection.
+    fn reconnect_lost(&mut self) {
+        let lost: ReplicaSet = (0..self.replicas.len())
+            .filter(|&i| {
+                let r = &self.replicas[i];
+                r.mode == Mode::InSync && r.peer.is_none() && !r.reconnecting
+            })
+            .collect();
+        for idx in lost.iter() {
+            let r = &mut self.replicas[idx];
+            r.reconnecting = true;
+            let tmp = r.detached();
+            let (volume, size, generation, timeout) =
+                (self.volume, self.size, self.generation, self.cfg.io_timeout);
+            self.spawn_report(async move {
+                let peer = activate(&tmp, volume, size, generation, timeout)
+                    .await
+                    .map(|(p, _)| p);
+                Internal::Reconnected { idx, peer }
+            });
+        }
+    }
+
+    pub(super) fn reconnected(&mut self, idx: usize, peer: Result<Arc<Peer>, RpcError>) -> Flow {
+        let r = &mut self.replicas[idx];
+        r.reconnecting = false;
+        match peer {
+            Ok(p) if r.mode == Mode::InSync && r.peer.is_none() => {
+                tracing::info!(volume = self.volume, component = r.component, "reconnected");
+                r.peer = Some(p);
+                Flow::Continue
+            }
+            Ok(_) => Flow::Continue,
+            // The copy took a newer owner's generation: this one is deposed.
+            Err(e) if is_stale(&e) => Flow::Stop,
+            Err(e) => {
+                tracing::debug!(volume = self.volume, "reconnect failed: {e}");
+                Flow::Continue
+            }
+        }
+    }
+}

@@ -1,0 +1,190 @@
+//! What must hold between events. [`Loop::apply`] checks it after every
+//! event, whatever the event's outcome, so a broken rule is caught at the
+//! event that broke it rather than at the wrong acknowledgement it leads to.
+//!
+//! Checks that cost O(1) or O(replicas) run in every build, as `assert!`:
+//! a loop that breaks one would route reads or acknowledge writes from a
+//! state it does not understand, and stopping the node is safer. Checks
+//! that walk queues of I/O (in-flight writes, parked writes, held-back
+//! writes) run in debug builds only.
+
+use super::replica::{Mode, ReplicaSet};
+use super::resync::ResyncPhase;
+use super::{Flow, Loop};
+use crate::Control;
+use shoal_model::ComponentRole;
+use std::sync::Arc;
+
+impl<C: Control> Loop<C> {
+    pub(super) fn check_invariants(&self, flow: Flow) {
+        self.check_replicas();
+        self.check_resync();
+        self.check_writes();
+        self.check_route(flow);
+        #[cfg(debug_assertions)]
+        self.check_queues();
+    }
+
+    /// Each copy's role, mode and connection agree; the votes add up; at
+    /// most one copy is being resynced, and it is the resync's target.
+    fn check_replicas(&self) {
+        let n = self.replicas.len();
+        assert!((1..=ReplicaSet::CAPACITY).contains(&n), "{n} replicas");
+        let mut votes = 0u32;
+        let mut resyncing = 0;
+        for (i, r) in self.replicas.iter().enumerate() {
+            votes += r.votes;
+            match r.role {
+                ComponentRole::Witness => assert_eq!(r.mode, Mode::Out, "witness {i} in service"),
+                ComponentRole::Data => assert!(!r.witness_ok, "data copy {i} counted as witness"),
+            }
+            match r.mode {
+                Mode::Resyncing => {
+                    resyncing += 1;
+                    assert!(r.peer.is_some(), "resyncing copy {i} without a connection");
+                    assert!(
+                        self.resync.as_ref().is_some_and(|rs| rs.idx == i),
+                        "copy {i} resyncing outside the resync"
+                    );
+                }
+                Mode::Failing => assert!(r.peer.is_none(), "failing copy {i} still connected"),
+                Mode::InSync | Mode::Out => {}
+            }
+        }
+        assert_eq!(votes, self.total_votes, "votes changed");
+        assert!(resyncing <= 1, "{resyncing} copies resyncing at once");
+    }
+
+    /// The resync's target and source are where its phase says; a region
+    /// lock is held only by a copy step, and writes wait only on a lock.
+    fn check_resync(&self) {
+        if let Some((start, end)) = self.lock {
+            assert!(start < end && end <= self.size, "bad lock {start}..{end}");
+            assert!(
+                self.resync
+                    .as_ref()
+                    .is_some_and(|rs| rs.phase == ResyncPhase::Copying),
+                "region lock held without a resync copying"
+            );
+        }
+        assert!(
+            self.blocked.is_empty() || self.lock.is_some(),
+            "writes held back without a lock"
+        );
+        let Some(rs) = &self.resync else { return };
+        assert_eq!(rs.attempt, self.resync_attempts, "resync of an old attempt");
+        let target = &self.replicas[rs.idx];
+        assert!(target.is_data(), "resync of a witness");
+        match rs.phase {
+            ResyncPhase::Reclaiming | ResyncPhase::Reviving => {
+                assert_eq!(target.mode, Mode::Out, "target in service before revival");
+                assert!(rs.source.is_none(), "source chosen before revival");
+            }
+            ResyncPhase::Planning | ResyncPhase::Copying | ResyncPhase::Finishing => {
+                assert_eq!(target.mode, Mode::Resyncing, "revived target not resyncing");
+                let source = rs.source.map(|s| (s, self.replicas[s].mode));
+                assert!(
+                    matches!(source, Some((s, Mode::InSync)) if s != rs.idx),
+                    "resync source {source:?} not another in-sync copy"
+                );
+            }
+        }
+    }
+
+    /// Sequence numbers, barriers and the futures waiting for answers
+    /// agree; parked writes wait on a copy being recorded.
+    fn check_writes(&self) {
+        assert_eq!(
+            self.inflight.len(),
+            self.writes.len(),
+            "in-flight writes and their futures differ"
+        );
+        assert!(
+            self.last_barrier <= self.next_seq,
+            "barrier ahead of writes"
+        );
+        if let Some((&first, _)) = self.inflight.first_key_value() {
+            assert!(first >= self.last_barrier, "barrier past write {first}");
+        }
+        if let Some((&last, _)) = self.inflight.last_key_value() {
+            assert!(last < self.next_seq, "write {last} not yet numbered");
+        }
+        assert!(
+            self.parked.is_empty() || self.replicas.iter().any(|r| r.mode == Mode::Failing),
+            "writes parked with no copy being recorded"
+        );
+    }
+
+    /// The read route names the local copy only while it is in sync, under
+    /// the current generation and size, over its current connection; it
+    /// is withdrawn when the loop stops.
+    fn check_route(&self, flow: Flow) {
+        let Some(routed) = self.routed else { return };
+        assert_eq!(flow, Flow::Continue, "read route left to a stopped loop");
+        let r = &self.replicas[routed.idx];
+        assert!(
+            r.is_data() && r.mode == Mode::InSync && r.node == self.cfg.node,
+            "read route to copy {} which is not the local in-sync copy",
+            routed.idx
+        );
+        let conn = r.peer.as_ref().map(|p| Arc::as_ptr(p) as usize);
+        assert_eq!(conn, Some(routed.conn), "read route over an old connection");
+        assert_eq!(
+            routed.generation, self.generation,
+            "read route under an old generation"
+        );
+        assert_eq!(routed.size, self.size, "read route with an old size");
+    }
+
+    /// Walks the queues: every in-flight write went to data copies only;
+    /// every parked write waits on at least one failing copy, none that
+    /// took it; every held-back write overlaps the lock; the shared route
+    /// holds what the loop believes it holds.
+    #[cfg(debug_assertions)]
+    fn check_queues(&self) {
+        let all = ReplicaSet::below(self.replicas.len());
+        for (seq, sent) in &self.inflight {
+            assert!(
+                !sent.is_empty() && sent.is_subset(all),
+                "write {seq} sent to {sent:?}"
+            );
+            assert!(
+                sent.iter().all(|i| self.replicas[i].is_data()),
+                "write {seq} sent to a witness"
+            );
+        }
+        for p in &self.parked {
+            assert!(
+                p.waiting.is_subset(all) && p.ok.is_subset(all),
+                "parked write names unknown copies"
+            );
+            assert!(
+                !p.waiting.intersects(p.ok),
+                "parked write waits on a copy that took it"
+            );
+            assert!(
+                p.waiting
+                    .iter()
+                    .any(|i| self.replicas[i].mode == Mode::Failing),
+                "parked write waits on no failing copy"
+            );
+        }
+        if let Some(lock) = self.lock {
+            assert!(
+                self.blocked
+                    .iter()
+                    .all(|(w, _)| super::io::overlaps(lock, w.range())),
+                "a write held back outside the lock"
+            );
+        }
+        let published = match self.route.read() {
+            Ok(g) => g.is_some(),
+            Err(e) => e.into_inner().is_some(),
+        };
+        assert_eq!(
+            published,
+            self.routed.is_some(),
+            "shared read route differs"
+        );
+    }
+}

@@ -1,0 +1,173 @@
+//! What the loop knows of each copy of the volume ([`Replica`], its
+//! [`Mode`]) and the fixed-size set of copies ([`ReplicaSet`]) that writes,
+//! reads and parked acknowledgements carry without allocating.
+
+use crate::Target;
+use shoal_model::{ComponentRole, ComponentState};
+use shoal_rpc::Peer;
+use std::sync::Arc;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Mode {
+    /// Up to date: receives writes, serves reads.
+    InSync,
+    /// Receives writes, being copied to; serves no reads.
+    Resyncing,
+    /// Failed; waiting for the directory to record it absent.
+    Failing,
+    /// Not written to.
+    Out,
+}
+
+pub(super) struct Replica {
+    pub(super) role: ComponentRole,
+    pub(super) component: u64,
+    pub(super) node: u64,
+    pub(super) votes: u32,
+    pub(super) device: u64,
+    pub(super) addr: String,
+    pub(super) node_up: bool,
+    pub(super) peer: Option<Arc<Peer>>,
+    pub(super) mode: Mode,
+    /// Witnesses only: answered the last ping under our generation.
+    pub(super) witness_ok: bool,
+    /// A reconnection of this in-sync copy is under way.
+    pub(super) reconnecting: bool,
+    /// Its device reported an I/O error (the directory says `Degraded`):
+    /// a resync is tried only every [`super::DEGRADED_RETRY_TICKS`], since
+    /// its store refuses everything until the node reopens it.
+    pub(super) degraded: bool,
+}
+
+impl Replica {
+    /// A copy as the directory describes it: not connected, not written to.
+    pub(super) fn from_target(t: &Target) -> Replica {
+        Replica {
+            role: t.component.role,
+            component: t.component.id,
+            node: t.component.node,
+            votes: t.component.votes,
+            device: t.component.device,
+            addr: t.addr.clone(),
+            node_up: t.node_up,
+            peer: None,
+            mode: Mode::Out,
+            witness_ok: false,
+            reconnecting: false,
+            degraded: t.component.state == ComponentState::Degraded,
+        }
+    }
+
+    /// A copy of the addressing fields, without connection or state, for a
+    /// task that (re)activates the component.
+    pub(super) fn detached(&self) -> Replica {
+        Replica {
+            role: self.role,
+            component: self.component,
+            node: self.node,
+            votes: self.votes,
+            device: self.device,
+            addr: self.addr.clone(),
+            node_up: self.node_up,
+            peer: None,
+            mode: Mode::Out,
+            witness_ok: false,
+            reconnecting: false,
+            degraded: self.degraded,
+        }
+    }
+
+    pub(super) fn is_data(&self) -> bool {
+        self.role == ComponentRole::Data
+    }
+}
+
+/// A set of replica indices, as one machine word: a volume has a handful
+/// of components (at most 4 copies and their witnesses), far below
+/// [`ReplicaSet::CAPACITY`], which the loop checks when it starts.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct ReplicaSet(u64);
+
+impl ReplicaSet {
+    /// Most replicas a loop can hold.
+    pub(super) const CAPACITY: usize = 64;
+    pub(super) const EMPTY: ReplicaSet = ReplicaSet(0);
+
+    pub(super) fn one(i: usize) -> ReplicaSet {
+        let mut s = ReplicaSet::EMPTY;
+        s.insert(i);
+        s
+    }
+
+    /// Every index below `n` (for the debug checks).
+    #[cfg(any(debug_assertions, test))]
+    pub(super) fn below(n: usize) -> ReplicaSet {
+        debug_assert!(n <= Self::CAPACITY);
+        if n >= Self::CAPACITY {
+            ReplicaSet(u64::MAX)
+        } else {
+            ReplicaSet((1u64 << n) - 1)
+        }
+    }
+
+    pub(super) fn insert(&mut self, i: usize) {
+        assert!(i < Self::CAPACITY, "replica index {i} out of range");
+        self.0 |= 1 << i;
+    }
+
+    pub(super) fn contains(self, i: usize) -> bool {
+        i < Self::CAPACITY && self.0 & (1 << i) != 0
+    }
+
+    pub(super) fn len(self) -> usize {
+        self.0.count_ones() as usize
+    }
+
+    pub(super) fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    #[cfg(any(debug_assertions, test))]
+    pub(super) fn is_subset(self, of: ReplicaSet) -> bool {
+        self.0 & !of.0 == 0
+    }
+
+    #[cfg(any(debug_assertions, test))]
+    pub(super) fn intersects(self, other: ReplicaSet) -> bool {
+        self.0 & other.0 != 0
+    }
+
+    /// The `k`-th smallest index, if there are more than `k`.
+    pub(super) fn nth(self, k: usize) -> Option<usize> {
+        self.iter().nth(k)
+    }
+
+    /// The indices, smallest first.
+    pub(super) fn iter(self) -> impl Iterator<Item = usize> {
+        let mut bits = self.0;
+        std::iter::from_fn(move || {
+            if bits == 0 {
+                return None;
+            }
+            let i = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            Some(i)
+        })
+    }
+}
+
+impl FromIterator<usize> for ReplicaSet {
+    fn from_iter<I: IntoIterator<Item = usize>>(it: I) -> Self {
+        let mut s = ReplicaSet::EMPTY;
+        for i in it {
+            s.insert(i);
+        }
+        s
+    }
+}
+
+impl std::fmt::Debug for ReplicaSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.iter()).finish()
+    }
+}

@@ -1,0 +1,437 @@
+//! Resync: bringing back a copy that was out of service while writes go
+//! on. One at a time, in phases: raise the generation to fence frames of
+//! older sessions (reclaim), activate the copy and record it resyncing
+//! (revive; from here it receives every write), ask both sides what is
+//! allocated (plan), copy those regions one at a time from an in-sync copy
+//! while writes to the region being copied wait (copy), and record the
+//! copy active (finish). Any failure aborts the attempt; the tick tries
+//! again later. Each attempt has a number its reports carry, so that a
+//! late report of an aborted attempt never acts on a later one.
+
+use super::activation::activate;
+use super::health::state_for;
+use super::replica::Mode;
+use super::{Flow, Internal, Loop, DEGRADED_RETRY_TICKS, RESYNC_RETRY_TICKS};
+use crate::{Control, ControlError, REGION};
+use bytes::Bytes;
+use shoal_model::{ComponentState, Generation, BLOCK_SIZE};
+use shoal_rpc::{Peer, PendingReply, Request, Response, RpcError};
+use std::collections::{BTreeSet, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ResyncPhase {
+    Reclaiming,
+    Reviving,
+    Planning,
+    Copying,
+    Finishing,
+}
+
+pub(super) struct Resync {
+    /// Numbers this attempt among all of the loop's.
+    pub(super) attempt: u64,
+    /// The copy brought back.
+    pub(super) idx: usize,
+    /// The in-sync copy read from, chosen once the target is revived.
+    pub(super) source: Option<usize>,
+    pub(super) phase: ResyncPhase,
+    /// Regions left to copy, in order.
+    pub(super) regions: VecDeque<u64>,
+}
+
+/// Why a copy could not be revived.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ReviveError {
+    #[error("{0}")]
+    Activate(RpcError),
+    #[error("{0}")]
+    Record(ControlError),
+}
+
+/// The regions allocated on either side, from the answers to their
+/// `AllocatedRanges` queries.
+async fn plan(
+    queries: [Result<PendingReply, RpcError>; 2],
+    timeout: Duration,
+) -> Result<Vec<u64>, RpcError> {
+    let mut regions = BTreeSet::new();
+    for q in queries {
+        let (resp, _) = q?.wait(timeout).await?;
+        let Response::Ranges(v) = resp else {
+            return Err(RpcError::Protocol("expected ranges".into()));
+        };
+        for (off, len) in v {
+            let mut r = off / REGION;
+            while r * REGION < off + len {
+                regions.insert(r);
+                r += 1;
+            }
+        }
+    }
+    Ok(regions.into_iter().collect())
+}
+
+/// Waits for a request sent (or not) to a copy.
+async fn answer(
+    sent: Option<Result<PendingReply, RpcError>>,
+    timeout: Duration,
+) -> Result<Bytes, RpcError> {
+    match sent {
+        Some(Ok(p)) => p.wait(timeout).await.map(|(_, d)| d),
+        Some(Err(e)) => Err(e),
+        None => Err(RpcError::Closed),
+    }
+}
+
+impl<C: Control> Loop<C> {
+    /// Whether `attempt` is the resync under way.
+    fn is_current(&self, attempt: u64) -> bool {
+        self.resync.as_ref().is_some_and(|rs| rs.attempt == attempt)
+    }
+
+    /// On a tick: starts bringing back one copy that is out, once the
+    /// pause after a failed attempt is over.
+    pub(super) fn consider_resync(&mut self) {
+        if self.resync_backoff > 0 {
+            self.resync_backoff -= 1;
+            return;
+        }
+        if self.resync.is_some() {
+            return;
+        }
+        let candidate = self
+            .replicas
+            .iter()
+            .position(|r| r.is_data() && r.mode == Mode::Out && r.node_up);
+        if let Some(idx) = candidate {
+            self.start_resync(idx);
+        }
+    }
+
+    fn start_resync(&mut self, idx: usize) {
+        tracing::info!(
+            volume = self.volume,
+            component = self.replicas[idx].component,
+            "starting resync"
+        );
+        self.resync_attempts += 1;
+        let attempt = self.resync_attempts;
+        self.resync = Some(Resync {
+            attempt,
+            idx,
+            source: None,
+            phase: ResyncPhase::Reclaiming,
+            regions: VecDeque::new(),
+        });
+        // A new generation fences frames of older sessions still queued
+        // towards the returning replica.
+        let control = self.control.clone();
+        let (volume, generation) = (self.volume, self.generation);
+        self.spawn_report(async move {
+            let result = control.reclaim(volume, generation).await;
+            Internal::Reclaimed { attempt, result }
+        });
+    }
+
+    pub(super) fn reclaimed(
+        &mut self,
+        attempt: u64,
+        result: Result<Generation, ControlError>,
+    ) -> Flow {
+        match result {
+            Ok(g) => {
+                assert!(g > self.generation, "reclaim must raise the generation");
+                self.generation = g;
+                if self.is_current(attempt) {
+                    self.revive();
+                }
+            }
+            Err(ControlError::Conflict) => return Flow::Stop,
+            Err(ControlError::Unavailable(e)) => {
+                tracing::warn!(volume = self.volume, "reclaim failed: {e}");
+                if self.is_current(attempt) {
+                    self.abort_resync();
+                }
+            }
+        }
+        Flow::Continue
+    }
+
+    /// Activates the target under the new generation and records it
+    /// resyncing.
+    fn revive(&mut self) {
+        let Some(rs) = &mut self.resync else { return };
+        rs.phase = ResyncPhase::Reviving;
+        let attempt = rs.attempt;
+        let tmp = self.replicas[rs.idx].detached();
+        let (volume, size, generation, timeout) =
+            (self.volume, self.size, self.generation, self.cfg.io_timeout);
+        let control = self.control.clone();
+        self.spawn_report(async move {
+            let peer = async {
+                let (peer, _) = activate(&tmp, volume, size, generation, timeout)
+                    .await
+                    .map_err(ReviveError::Activate)?;
+                control
+                    .set_component_state(
+                        volume,
+                        tmp.component,
+                        ComponentState::Resyncing,
+                        generation,
+                    )
+                    .await
+                    .map_err(ReviveError::Record)?;
+                Ok(peer)
+            }
+            .await;
+            Internal::Revived { attempt, peer }
+        });
+    }
+
+    /// The target is back: from now on it receives every write; ask both
+    /// sides what is allocated, in order after all writes sent so far.
+    pub(super) fn revived(&mut self, attempt: u64, peer: Result<Arc<Peer>, ReviveError>) -> Flow {
+        if !self.is_current(attempt) {
+            return Flow::Continue;
+        }
+        let peer = match peer {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(volume = self.volume, "resync: cannot revive replica: {e}");
+                self.abort_resync();
+                return Flow::Continue;
+            }
+        };
+        let source = self
+            .replicas
+            .iter()
+            .position(|r| r.mode == Mode::InSync && r.peer.is_some());
+        let (Some(src), Some(rs)) = (source, &mut self.resync) else {
+            self.abort_resync();
+            return Flow::Continue;
+        };
+        rs.source = Some(src);
+        rs.phase = ResyncPhase::Planning;
+        let idx = rs.idx;
+        let target = &mut self.replicas[idx];
+        target.mode = Mode::Resyncing;
+        target.peer = Some(peer.clone());
+        let query = |component| Request::AllocatedRanges { component };
+        let s = &self.replicas[src];
+        let q_src = match &s.peer {
+            Some(p) => p.send(&query(s.component), Bytes::new()),
+            None => Err(RpcError::Closed),
+        };
+        let q_dst = peer.send(&query(self.replicas[idx].component), Bytes::new());
+        let timeout = self.cfg.io_timeout;
+        self.spawn_report(async move {
+            let regions = plan([q_src, q_dst], timeout).await;
+            Internal::ResyncPlan { attempt, regions }
+        });
+        Flow::Continue
+    }
+
+    pub(super) fn planned(&mut self, attempt: u64, regions: Result<Vec<u64>, RpcError>) -> Flow {
+        if !self.is_current(attempt) {
+            return Flow::Continue;
+        }
+        match regions {
+            Ok(regions) => {
+                tracing::info!(
+                    volume = self.volume,
+                    regions = regions.len(),
+                    "resync copying"
+                );
+                if let Some(rs) = &mut self.resync {
+                    rs.regions = regions.into();
+                    rs.phase = ResyncPhase::Copying;
+                }
+                self.copy_next();
+            }
+            Err(e) => {
+                tracing::warn!(volume = self.volume, "resync plan failed: {e}");
+                self.abort_resync();
+            }
+        }
+        Flow::Continue
+    }
+
+    /// Starts copying the next region (locking it against client writes
+    /// until its copy is queued), or finishes once none is left.
+    fn copy_next(&mut self) {
+        let Some(rs) = &mut self.resync else { return };
+        let size = self.size;
+        let next = std::iter::from_fn(|| rs.regions.pop_front()).find(|r| r * REGION < size);
+        let attempt = rs.attempt;
+        let Some(region) = next else {
+            rs.phase = ResyncPhase::Finishing;
+            let component = self.replicas[rs.idx].component;
+            let (volume, generation) = (self.volume, self.generation);
+            let control = self.control.clone();
+            self.spawn_report(async move {
+                let result = control
+                    .set_component_state(volume, component, ComponentState::Active, generation)
+                    .await;
+                Internal::ResyncDone { attempt, result }
+            });
+            return;
+        };
+        let Some(src) = rs.source else { return };
+        let off = region * REGION;
+        let len = REGION.min(self.size - off);
+        debug_assert!(off.is_multiple_of(BLOCK_SIZE));
+        self.lock = Some((off, off + len));
+        let s = &self.replicas[src];
+        let read = Request::Read {
+            component: s.component,
+            generation: self.generation,
+            offset: off,
+            len: len as u32,
+        };
+        let sent = s.peer.as_ref().map(|p| p.send(&read, Bytes::new()));
+        let timeout = self.cfg.io_timeout;
+        self.spawn_report(async move {
+            let result = answer(sent, timeout).await;
+            Internal::CopyRead {
+                attempt,
+                region,
+                result,
+            }
+        });
+    }
+
+    /// A region was read from the source: queue it to the target (ahead of
+    /// any later write) and release the region's lock.
+    pub(super) fn copy_read(
+        &mut self,
+        attempt: u64,
+        region: u64,
+        result: Result<Bytes, RpcError>,
+    ) -> Flow {
+        let Some(rs) = self.resync.as_ref().filter(|rs| rs.attempt == attempt) else {
+            return Flow::Continue;
+        };
+        let (idx, source) = (rs.idx, rs.source);
+        let data = match result {
+            Ok(d) => d,
+            Err(e) => {
+                if let Some(s) = source {
+                    self.fail(s, state_for(&e));
+                }
+                // A source that stays in service (the last in-sync copy)
+                // does not abort the attempt by failing: abort it here, so
+                // that the region's lock is released.
+                if self.is_current(attempt) {
+                    self.abort_resync();
+                }
+                return Flow::Continue;
+            }
+        };
+        let sent = self.copy_request(idx, region * REGION, data);
+        // The copy is queued ahead of any later write: release the region.
+        self.lock = None;
+        self.unblock();
+        let timeout = self.cfg.io_timeout;
+        self.spawn_report(async move {
+            let result = answer(sent, timeout).await.map(|_| ());
+            Internal::CopyWritten { attempt, result }
+        });
+        Flow::Continue
+    }
+
+    /// Sends a region's data to the resync target: as zeroes (freeing
+    /// space) when it is all zero.
+    fn copy_request(
+        &self,
+        idx: usize,
+        off: u64,
+        data: Bytes,
+    ) -> Option<Result<PendingReply, RpcError>> {
+        let t = &self.replicas[idx];
+        let p = t.peer.as_ref().filter(|_| t.mode == Mode::Resyncing)?;
+        let (req, payload) = if data.iter().all(|&b| b == 0) {
+            let zeroes = Request::WriteZeroes {
+                component: t.component,
+                generation: self.generation,
+                offset: off,
+                len: data.len() as u64,
+                seq: 0,
+            };
+            (zeroes, Bytes::new())
+        } else {
+            let write = Request::Write {
+                component: t.component,
+                generation: self.generation,
+                offset: off,
+                seq: 0,
+            };
+            (write, data)
+        };
+        Some(p.send(&req, payload))
+    }
+
+    pub(super) fn copy_written(&mut self, attempt: u64, result: Result<(), RpcError>) -> Flow {
+        let Some(idx) = self
+            .resync
+            .as_ref()
+            .filter(|rs| rs.attempt == attempt)
+            .map(|rs| rs.idx)
+        else {
+            return Flow::Continue;
+        };
+        match result {
+            Ok(()) => self.copy_next(),
+            Err(e) => self.fail(idx, state_for(&e)),
+        }
+        Flow::Continue
+    }
+
+    pub(super) fn resync_done(&mut self, attempt: u64, result: Result<(), ControlError>) -> Flow {
+        if result == Err(ControlError::Conflict) {
+            return Flow::Stop;
+        }
+        if !self.is_current(attempt) {
+            return Flow::Continue;
+        }
+        let Some(rs) = self.resync.take() else {
+            return Flow::Continue;
+        };
+        let idx = rs.idx;
+        match result {
+            Ok(()) if self.replicas[idx].mode == Mode::Resyncing => {
+                tracing::info!(
+                    volume = self.volume,
+                    component = self.replicas[idx].component,
+                    "resync complete"
+                );
+                self.replicas[idx].mode = Mode::InSync;
+                self.replicas[idx].degraded = false;
+            }
+            Ok(()) => {}
+            Err(_) => self.fail(idx, ComponentState::Absent),
+        }
+        Flow::Continue
+    }
+
+    /// Gives the attempt up: the target is out again, the region lock is
+    /// released, and the next attempt waits a while.
+    pub(super) fn abort_resync(&mut self) {
+        if let Some(rs) = self.resync.take() {
+            let r = &mut self.replicas[rs.idx];
+            if r.mode == Mode::Resyncing {
+                r.mode = Mode::Out;
+                r.peer = None;
+            }
+            self.resync_backoff = if r.degraded {
+                DEGRADED_RETRY_TICKS
+            } else {
+                RESYNC_RETRY_TICKS
+            };
+        }
+        if self.lock.take().is_some() {
+            self.unblock();
+        }
+    }
+}

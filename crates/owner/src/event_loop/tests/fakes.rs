@@ -1,0 +1,363 @@
+//! The loop's world, faked without sockets: replicas served in this
+//! process through `shoal_rpc`'s local links (a `Peer` to an address
+//! registered with [`shoal_rpc::register_local`] calls its handler
+//! directly), answering from a script and logging what they were asked in
+//! the order they were asked; a directory that records what the loop
+//! proposes; and a rig that builds a [`Loop`] over them and feeds it
+//! events one at a time.
+
+use super::super::replica::{Mode, Replica};
+use super::super::{Flow, Internal, Loop};
+use crate::{Control, ControlError, Event, Op, OwnerConfig, OwnerError, ReadRoute, REGION};
+use bytes::Bytes;
+use futures::StreamExt;
+use shoal_model::{ComponentRole, ComponentState, Generation, VolumeId};
+use shoal_rpc::{Handler, Peer, RemoteError, Request, Response};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+
+/// Size of the test volume, in bytes.
+pub(super) const SIZE: u64 = 4 * REGION;
+/// The loop's I/O timeout in tests, in milliseconds: short, so that a
+/// replica that hangs fails fast.
+const IO_TIMEOUT_MS: u64 = 100;
+/// Longest a test waits for the loop's next event, in milliseconds.
+const EVENT_WAIT_MS: u64 = 5_000;
+/// Most events a test applies while waiting for a state.
+const MAX_STEPS: usize = 1_000;
+
+/// How a fake replica answers a request.
+#[derive(Clone, Debug, Default)]
+pub(super) enum Answer {
+    #[default]
+    Ok,
+    Err(RemoteError),
+    /// Never: the loop's timeout fires.
+    Hang,
+}
+
+/// A replica in memory: reads answer `fill` bytes; everything else
+/// succeeds, unless scripted otherwise (reads, activations and the rest
+/// separately).
+#[derive(Default)]
+pub(super) struct FakeReplica {
+    log: Mutex<Vec<Request>>,
+    reads: Mutex<Answer>,
+    activations: Mutex<Answer>,
+    others: Mutex<Answer>,
+    fill: u8,
+    ranges: Mutex<Vec<(u64, u64)>>,
+}
+
+impl FakeReplica {
+    pub(super) fn answer_reads(&self, a: Answer) {
+        *self.reads.lock().unwrap() = a;
+    }
+
+    pub(super) fn answer_activations(&self, a: Answer) {
+        *self.activations.lock().unwrap() = a;
+    }
+
+    /// How every request but reads and activations is answered.
+    pub(super) fn answer_others(&self, a: Answer) {
+        *self.others.lock().unwrap() = a;
+    }
+
+    /// What `AllocatedRanges` answers.
+    pub(super) fn allocate(&self, ranges: &[(u64, u64)]) {
+        *self.ranges.lock().unwrap() = ranges.to_vec();
+    }
+
+    /// The requests received so far, in order.
+    pub(super) fn requests(&self) -> Vec<Request> {
+        self.log.lock().unwrap().clone()
+    }
+
+    fn ok(&self, req: &Request) -> (Response, Bytes) {
+        match req {
+            Request::Read { len, .. } => {
+                (Response::Data, Bytes::from(vec![self.fill; *len as usize]))
+            }
+            Request::Activate { .. } => (Response::Activated { dirty: vec![] }, Bytes::new()),
+            Request::AllocatedRanges { .. } => (
+                Response::Ranges(self.ranges.lock().unwrap().clone()),
+                Bytes::new(),
+            ),
+            Request::Repair { .. } => (Response::Repaired(true), Bytes::new()),
+            _ => (Response::Ok, Bytes::new()),
+        }
+    }
+}
+
+impl Handler for FakeReplica {
+    fn handle(&self, req: Request, _payload: Bytes) -> shoal_rpc::Reply {
+        let answer = match req {
+            Request::Read { .. } => self.reads.lock().unwrap().clone(),
+            Request::Activate { .. } => self.activations.lock().unwrap().clone(),
+            _ => self.others.lock().unwrap().clone(),
+        };
+        let ok = self.ok(&req);
+        self.log.lock().unwrap().push(req);
+        match answer {
+            Answer::Ok => Box::pin(async move { ok }),
+            Answer::Err(e) => Box::pin(async move { (Response::Err(e), Bytes::new()) }),
+            Answer::Hang => Box::pin(std::future::pending()),
+        }
+    }
+}
+
+/// The directory: at generation 1, records what it is told.
+pub(super) struct FakeDir {
+    pub(super) generation: AtomicU64,
+    pub(super) states: Mutex<Vec<(u64, ComponentState)>>,
+    /// Refuse everything: a newer owner took over.
+    pub(super) conflict: AtomicBool,
+}
+
+impl Control for FakeDir {
+    async fn set_component_state(
+        &self,
+        _volume: VolumeId,
+        component: u64,
+        state: ComponentState,
+        generation: Generation,
+    ) -> Result<(), ControlError> {
+        if self.conflict.load(Ordering::SeqCst)
+            || generation != self.generation.load(Ordering::SeqCst)
+        {
+            return Err(ControlError::Conflict);
+        }
+        self.states.lock().unwrap().push((component, state));
+        Ok(())
+    }
+
+    async fn reclaim(
+        &self,
+        _volume: VolumeId,
+        expected: Generation,
+    ) -> Result<Generation, ControlError> {
+        if self.conflict.load(Ordering::SeqCst) {
+            return Err(ControlError::Conflict);
+        }
+        self.generation
+            .compare_exchange(expected, expected + 1, Ordering::SeqCst, Ordering::SeqCst)
+            .map(|g| g + 1)
+            .map_err(|_| ControlError::Conflict)
+    }
+}
+
+/// One replica of a rig.
+#[derive(Clone, Copy)]
+pub(super) struct Spec {
+    role: ComponentRole,
+    node: u64,
+    mode: Mode,
+    connected: bool,
+    fill: u8,
+}
+
+/// A data copy on `node` (node 1 is the owner's) whose reads answer
+/// `fill` bytes; connected unless it is out.
+pub(super) fn copy(node: u64, mode: Mode, fill: u8) -> Spec {
+    Spec {
+        role: ComponentRole::Data,
+        node,
+        mode,
+        connected: mode != Mode::Out,
+        fill,
+    }
+}
+
+pub(super) fn witness(node: u64) -> Spec {
+    Spec {
+        role: ComponentRole::Witness,
+        node,
+        mode: Mode::Out,
+        connected: true,
+        fill: 0,
+    }
+}
+
+impl Spec {
+    pub(super) fn disconnected(self) -> Spec {
+        Spec {
+            connected: false,
+            ..self
+        }
+    }
+}
+
+/// Two in-sync copies (the first on the owner's node, reads 1s; the
+/// second reads 2s) and a witness: components 1, 2, 3.
+pub(super) fn standard() -> [Spec; 3] {
+    [
+        copy(1, Mode::InSync, 1),
+        copy(2, Mode::InSync, 2),
+        witness(3),
+    ]
+}
+
+/// A loop over fake replicas, fed by hand.
+pub(super) struct Rig {
+    pub(super) lp: Loop<FakeDir>,
+    rx: mpsc::UnboundedReceiver<Event>,
+    pub(super) fakes: Vec<Arc<FakeReplica>>,
+    pub(super) dir: Arc<FakeDir>,
+    pub(super) route: ReadRoute,
+}
+
+pub(super) type Answered = oneshot::Receiver<Result<Bytes, OwnerError>>;
+
+pub(super) async fn rig(specs: &[Spec]) -> Rig {
+    static NEXT_ADDR: AtomicU64 = AtomicU64::new(0);
+    let dir = Arc::new(FakeDir {
+        generation: AtomicU64::new(1),
+        states: Mutex::default(),
+        conflict: AtomicBool::new(false),
+    });
+    let mut replicas = Vec::new();
+    let mut fakes = Vec::new();
+    for (i, s) in specs.iter().enumerate() {
+        let fake = Arc::new(FakeReplica {
+            fill: s.fill,
+            ..FakeReplica::default()
+        });
+        let addr = format!(
+            "owner-loop-test-{}",
+            NEXT_ADDR.fetch_add(1, Ordering::SeqCst)
+        );
+        shoal_rpc::register_local(&addr, fake.clone());
+        let peer = if s.connected {
+            Some(Arc::new(
+                Peer::connect(&addr, Duration::from_secs(1)).await.unwrap(),
+            ))
+        } else {
+            None
+        };
+        replicas.push(Replica {
+            role: s.role,
+            component: i as u64 + 1,
+            node: s.node,
+            votes: 1,
+            device: 1,
+            addr,
+            node_up: true,
+            witness_ok: s.role == ComponentRole::Witness && s.connected,
+            peer,
+            mode: s.mode,
+            reconnecting: false,
+            degraded: false,
+        });
+        fakes.push(fake);
+    }
+    let cfg = OwnerConfig {
+        node: 1,
+        io_timeout: Duration::from_millis(IO_TIMEOUT_MS),
+        tick: Duration::from_millis(50),
+    };
+    let route = ReadRoute::default();
+    let (mut lp, rx) = Loop::new(cfg, dir.clone(), route.clone(), 7, SIZE, 1, replicas);
+    lp.publish_route();
+    lp.check_invariants(Flow::Continue);
+    Rig {
+        lp,
+        rx,
+        fakes,
+        dir,
+        route,
+    }
+}
+
+pub(super) fn write(offset: u64, len: usize, byte: u8) -> Op {
+    Op::Write {
+        offset,
+        data: Bytes::from(vec![byte; len]),
+    }
+}
+
+impl Rig {
+    /// Hands the loop a client operation; its answer to come.
+    pub(super) fn submit(&mut self, op: Op) -> Answered {
+        let (tx, rx) = oneshot::channel();
+        assert_eq!(self.lp.apply(Event::Io(op, tx)), Flow::Continue);
+        rx
+    }
+
+    pub(super) fn internal(&mut self, ev: Internal) -> Flow {
+        self.lp.apply(Event::Internal(ev))
+    }
+
+    pub(super) fn tick(&mut self) -> Flow {
+        self.internal(Internal::Tick)
+    }
+
+    /// Applies the next write whose copies all answered.
+    pub(super) async fn finish_write(&mut self) -> Flow {
+        let wait = Duration::from_millis(EVENT_WAIT_MS);
+        let done = tokio::time::timeout(wait, self.lp.writes.next())
+            .await
+            .expect("a write finishes")
+            .expect("a write is in flight");
+        self.lp.apply(Event::Internal(done))
+    }
+
+    /// The next event the loop's tasks report, not yet applied.
+    pub(super) async fn next_event(&mut self) -> Event {
+        let wait = Duration::from_millis(EVENT_WAIT_MS);
+        tokio::time::timeout(wait, self.rx.recv())
+            .await
+            .expect("an event comes")
+            .expect("the loop's channel is open")
+    }
+
+    pub(super) async fn step(&mut self) -> Flow {
+        let ev = self.next_event().await;
+        self.lp.apply(ev)
+    }
+
+    /// Applies reported events until `done` holds; each must leave the
+    /// loop running.
+    pub(super) async fn run_until(&mut self, done: impl Fn(&Loop<FakeDir>) -> bool) {
+        for _ in 0..MAX_STEPS {
+            if done(&self.lp) {
+                return;
+            }
+            assert_eq!(self.step().await, Flow::Continue, "the loop stopped");
+        }
+        panic!("state not reached in {MAX_STEPS} events");
+    }
+
+    /// Applies reported events until one stops the loop.
+    pub(super) async fn run_until_stopped(&mut self) {
+        for _ in 0..MAX_STEPS {
+            if self.step().await == Flow::Stop {
+                return;
+            }
+        }
+        panic!("the loop did not stop in {MAX_STEPS} events");
+    }
+
+    pub(super) fn requests(&self, i: usize) -> Vec<Request> {
+        self.fakes[i].requests()
+    }
+
+    /// Whether the shared read route (what `Owner` handles read) is set.
+    pub(super) fn route_published(&self) -> bool {
+        self.route.read().unwrap().is_some()
+    }
+}
+
+/// Waits for an operation's answer (reads answer from their own task).
+pub(super) async fn answer(rx: Answered) -> Result<Bytes, OwnerError> {
+    tokio::time::timeout(Duration::from_millis(EVENT_WAIT_MS), rx)
+        .await
+        .expect("an answer comes")
+        .expect("the operation is answered")
+}
+
+/// The answer already given, if any.
+pub(super) fn answered(rx: &mut Answered) -> Option<Result<Bytes, OwnerError>> {
+    rx.try_recv().ok()
+}
