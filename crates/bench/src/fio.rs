@@ -79,8 +79,8 @@ pub fn job_file(title: &str, spec: &Spec, jobs: &[Job], log_prefix: &Path, zero_
         let _ = writeln!(s, "ramp_time={}ms", spec.warmup.as_millis());
     }
     // Threads, not a process per job: on a small machine fio's job
-    // processes cost visibly more scheduling than one process (about 30%
-    // fewer IOPS and twice the p99 at 4 KiB here).
+    // processes cost visibly more scheduling than one process
+    // (bench/RESULTS.md, 2026-11-30, group commit and fio's engine).
     s.push_str("thread=1\ngroup_reporting=1\nrandrepeat=0\nnorandommap=1\n");
     s.push_str("percentile_list=50:95:99:99.9\n");
     if zero_pct > 0 {

@@ -17,10 +17,9 @@ use std::path::PathBuf;
 
 /// mimalloc instead of glibc's malloc: every request allocates and frees a
 /// few small objects (futures, frames, buffers), often on different
-/// threads; glibc spent about 8% of the busiest node thread's time in
-/// `malloc`/`free` and their consolidation at QD32. A/B, 4 rounds of 4 KiB
-/// random writes at QD32: CPU per write 50–57 µs against 56–68 µs, and
-/// QD1 latency unchanged.
+/// threads, and glibc's took a measurable share of the busiest node thread
+/// (bench/RESULTS.md, 2026-11-30, wake-ups, the allocator, and request
+/// futures).
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

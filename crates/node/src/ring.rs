@@ -241,10 +241,9 @@ impl ReadRing {
     }
 
     /// Submits the device reads of `plan` (which has some) at once. The
-    /// answer comes when all of them have completed. (Deferring the
-    /// submission to gather a burst of reads into one system call was
-    /// tried: A/B, 4 rounds of 4 KiB random reads at QD32 through the
-    /// cluster, median 44.2k IOPS deferred against 47.8k at once.)
+    /// answer comes when all of them have completed. (Gathering a burst
+    /// of reads into one system call measured slower: bench/RESULTS.md,
+    /// 2026-12-01, reads on the runtime's ring.)
     pub fn submit(&self, mut plan: ReadPlan) -> io::Result<oneshot::Receiver<Done>> {
         let parts = plan.raw_parts();
         assert!(!parts.is_empty(), "a plan without device reads");
