@@ -255,6 +255,12 @@ fn start_node(n: &LocalNode, join: Option<&str>, workers: usize) -> Result<i32> 
 pub async fn up(a: UpArgs) -> Result<()> {
     let data = a.target.data.clone();
     std::fs::create_dir_all(&data).with_context(|| format!("creating {}", data.display()))?;
+    {
+        // The cluster's folder holds every node's data: the user's alone.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("setting the mode of {}", data.display()))?;
+    }
     let data = data.canonicalize()?;
     let fresh;
     let cluster = match load(&data)? {

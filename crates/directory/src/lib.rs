@@ -139,6 +139,16 @@ fn raft_config() -> Result<Config, DirectoryError> {
     .map_err(|e| DirectoryError::Raft(e.to_string()))
 }
 
+/// Largest body of a vote, a join or a proposal, in bytes: a command is a
+/// few hundred bytes (a volume with its components a few KiB).
+const SMALL_BODY_MAX_BYTES: usize = 1 << 20;
+/// Largest body of an append, in bytes: a batch of log entries (openraft
+/// sends at most a few hundred at once, each a command).
+const APPEND_BODY_MAX_BYTES: usize = 16 << 20;
+/// Largest body of a snapshot, in bytes: the whole directory in JSON, a
+/// few KiB per volume, so room for tens of thousands of volumes.
+const SNAPSHOT_BODY_MAX_BYTES: usize = 256 << 20;
+
 /// Outcome of one attempt of a retried operation.
 enum Attempt {
     /// Give up with this error.
@@ -220,13 +230,22 @@ impl Directory {
     /// `/directory/{join,propose}`, all POST with JSON bodies. State is
     /// applied, so the result can be merged into another router.
     pub fn router(&self) -> Router {
+        let limit = |bytes: usize| DefaultBodyLimit::max(bytes);
         Router::new()
-            .route("/raft/append", post(h_append))
-            .route("/raft/vote", post(h_vote))
-            .route("/raft/snapshot", post(h_snapshot))
-            .route("/directory/join", post(h_join))
-            .route("/directory/propose", post(h_propose))
-            .layer(DefaultBodyLimit::max(512 << 20))
+            .route(
+                "/raft/append",
+                post(h_append).layer(limit(APPEND_BODY_MAX_BYTES)),
+            )
+            .route("/raft/vote", post(h_vote).layer(limit(SMALL_BODY_MAX_BYTES)))
+            .route(
+                "/raft/snapshot",
+                post(h_snapshot).layer(limit(SNAPSHOT_BODY_MAX_BYTES)),
+            )
+            .route("/directory/join", post(h_join).layer(limit(SMALL_BODY_MAX_BYTES)))
+            .route(
+                "/directory/propose",
+                post(h_propose).layer(limit(SMALL_BODY_MAX_BYTES)),
+            )
             .with_state(self.clone())
     }
 

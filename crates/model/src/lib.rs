@@ -257,7 +257,16 @@ pub enum InputError {
     BadName(String),
     #[error("size {0:?} is not understood: use bytes or a suffix K, M, G, T (powers of 1024)")]
     BadSize(String),
+    #[error("volume size {0} is larger than the largest volume, {MAX_VOLUME_SIZE} bytes (4 PiB less 1 MiB)")]
+    TooLarge(u64),
+    #[error("volume name {0:?} is reserved")]
+    ReservedName(String),
 }
+
+/// Largest volume in bytes: just under 4 PiB (2^32 - 1 regions of 1 MiB),
+/// far past any device, and small enough that block numbers and byte
+/// offsets never overflow in the store, which keeps components to it.
+pub const MAX_VOLUME_SIZE: u64 = (u32::MAX as u64) << 20;
 
 /// Checks a volume name: it is also the NBD export name.
 pub fn check_volume_name(name: &str) -> Result<(), InputError> {
@@ -266,6 +275,10 @@ pub fn check_volume_name(name: &str) -> Result<(), InputError> {
         && name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    // `.` and `..` would be paths, not names, wherever a name is one.
+    if name == "." || name == ".." {
+        return Err(InputError::ReservedName(name.to_string()));
+    }
     if ok {
         Ok(())
     } else {
@@ -279,6 +292,8 @@ pub fn check_volume_size(size: u64) -> Result<(), InputError> {
         Err(InputError::ZeroSize)
     } else if !size.is_multiple_of(BLOCK_SIZE) {
         Err(InputError::Unaligned(size))
+    } else if size > MAX_VOLUME_SIZE {
+        Err(InputError::TooLarge(size))
     } else {
         Ok(())
     }
@@ -380,6 +395,15 @@ mod tests {
         assert_eq!(check_volume_size(4097), Err(InputError::Unaligned(4097)));
         assert!(check_volume_name("demo-1").is_ok());
         assert!(check_volume_name("a/b").is_err());
+        assert!(matches!(check_volume_name("."), Err(InputError::ReservedName(_))));
+        assert!(matches!(check_volume_name(".."), Err(InputError::ReservedName(_))));
+        assert!(check_volume_name("...").is_ok());
+        assert!(check_volume_size(MAX_VOLUME_SIZE).is_ok());
+        assert_eq!(
+            check_volume_size(MAX_VOLUME_SIZE + 4096),
+            Err(InputError::TooLarge(MAX_VOLUME_SIZE + 4096))
+        );
+        assert!(check_volume_size(u64::MAX - 4095).is_err());
         assert_eq!(human_size(256 << 20), "256 MiB");
     }
 }

@@ -29,6 +29,16 @@ const MAX_OPTION_LEN: u32 = 64 * 1024;
 const MAX_DISCARD_OPTION_LEN: u32 = 16 * 1024 * 1024;
 /// Options accepted per connection before we consider it a DoS.
 const MAX_OPTIONS: usize = 4096;
+/// Connections one listener serves at once: past this a new connection is
+/// closed at once, so a flood of idle connections cannot use up the node's
+/// descriptors (the other ports keep theirs).
+pub const MAX_CONNECTIONS: usize = 1024;
+/// Connections one client address may hold at once on a TCP listener: a
+/// host runs a few clients per volume; one address cannot take them all.
+pub const MAX_CONNECTIONS_PER_ADDRESS: usize = 128;
+/// Seconds a client has from connecting to the end of option haggling: a
+/// real client takes milliseconds; one that says nothing is closed.
+pub const HANDSHAKE_TIMEOUT_S: u64 = 10;
 /// Replies coalesced into one vectored write.
 const MAX_BATCH_CHUNKS: usize = 64;
 const MAX_BATCH_BYTES: usize = 4 * 1024 * 1024;
@@ -107,13 +117,25 @@ pub async fn serve<L: Listener, E: Exports>(
     shutdown: impl Future<Output = ()> + Send,
 ) -> io::Result<()> {
     tokio::pin!(shutdown);
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let per_address = PerAddress::default();
     loop {
         tokio::select! {
             _ = &mut shutdown => return Ok(()),
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
+                    let Ok(slot) = slots.clone().try_acquire_owned() else {
+                        warn!(%peer, "nbd connection refused: {MAX_CONNECTIONS} already open");
+                        continue;
+                    };
+                    let Some(held) = per_address.take(&peer) else {
+                        warn!(%peer, "nbd connection refused: \
+                            {MAX_CONNECTIONS_PER_ADDRESS} already open from its address");
+                        continue;
+                    };
                     let exports = exports.clone();
                     tokio::spawn(async move {
+                        let _held = (slot, held);
                         match serve_connection(stream, exports).await {
                             Ok(()) => debug!(%peer, "nbd connection closed"),
                             Err(NbdError::ClientAborted) => debug!(%peer, "nbd client went away"),
@@ -131,15 +153,65 @@ pub async fn serve<L: Listener, E: Exports>(
     }
 }
 
-/// Serve one already-accepted connection (used by serve and tests).
+/// Connections open per client address (TCP; Unix-socket clients are
+/// local and authorised by the socket's permissions).
+#[derive(Default, Clone)]
+struct PerAddress(Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>);
+
+/// One connection's place in [`PerAddress`]; given back when dropped.
+struct AddressSlot(Option<(PerAddress, String)>);
+
+impl PerAddress {
+    /// A place for a connection from `peer` (`ip:port`, or `unix...`), or
+    /// None when its address has [`MAX_CONNECTIONS_PER_ADDRESS`] already.
+    fn take(&self, peer: &str) -> Option<AddressSlot> {
+        if peer.starts_with("unix") {
+            return Some(AddressSlot(None));
+        }
+        let addr = peer.rsplit_once(':').map_or(peer, |(a, _)| a).to_string();
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(addr.clone()).or_default();
+        if *n >= MAX_CONNECTIONS_PER_ADDRESS {
+            return None;
+        }
+        *n += 1;
+        Some(AddressSlot(Some((self.clone(), addr))))
+    }
+}
+
+impl Drop for AddressSlot {
+    fn drop(&mut self) {
+        if let Some((per, addr)) = self.0.take() {
+            let mut m = per.0.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(n) = m.get_mut(&addr) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(&addr);
+                }
+            }
+        }
+    }
+}
+
+/// Serve one already-accepted connection (used by serve and tests). The
+/// handshake must end within [`HANDSHAKE_TIMEOUT_S`].
 pub async fn serve_connection<S: Conn, E: Exports>(
     mut stream: S,
     exports: Arc<E>,
 ) -> Result<(), NbdError> {
     stream.prepare();
-    let export = match handshake(&mut stream, &*exports).await? {
-        Some(export) => export,
-        None => return Ok(()),
+    let haggle = handshake(&mut stream, &*exports);
+    let export = match tokio::time::timeout(Duration::from_secs(HANDSHAKE_TIMEOUT_S), haggle).await
+    {
+        Ok(r) => match r? {
+            Some(export) => export,
+            None => return Ok(()),
+        },
+        Err(_) => {
+            return Err(NbdError::Protocol(format!(
+                "no handshake within {HANDSHAKE_TIMEOUT_S} s"
+            )))
+        }
     };
     drop(exports);
     transmission(stream, Arc::new(export)).await
@@ -699,4 +771,69 @@ async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, n: usize) -> std::io::Res
         }
     }
     Ok(buf.freeze())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mem::MemExports;
+
+    async fn listen() -> (std::net::SocketAddr, tokio::sync::oneshot::Sender<()>) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let mut e = MemExports::new();
+        e.add("d", 1 << 20);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(serve(l, Arc::new(e), async move {
+            let _ = stopped.await;
+        }));
+        (addr, stop)
+    }
+
+    /// The server's greeting, or None if the connection was closed first.
+    async fn greeting(s: &mut TcpStream) -> Option<[u8; 18]> {
+        let mut g = [0u8; 18];
+        s.read_exact(&mut g).await.ok().map(|_| g)
+    }
+
+    /// One address gets at most MAX_CONNECTIONS_PER_ADDRESS connections;
+    /// one more is closed before the greeting, and a place frees when a
+    /// connection closes.
+    #[tokio::test]
+    async fn one_address_cannot_take_every_connection() {
+        let (addr, _stop) = listen().await;
+        let mut open = Vec::new();
+        for _ in 0..MAX_CONNECTIONS_PER_ADDRESS {
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            assert!(greeting(&mut s).await.is_some());
+            open.push(s);
+        }
+        let mut extra = TcpStream::connect(addr).await.unwrap();
+        assert!(greeting(&mut extra).await.is_none(), "one too many");
+        drop(open.pop());
+        let mut again = None;
+        for _ in 0..100 {
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            if greeting(&mut s).await.is_some() {
+                again = Some(s);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(again.is_some(), "the freed place is given again");
+    }
+
+    /// A client that connects and says nothing is closed once the
+    /// handshake time is up.
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_client_is_closed_after_the_handshake_timeout() {
+        let (addr, _stop) = listen().await;
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        assert!(greeting(&mut s).await.is_some());
+        let t0 = tokio::time::Instant::now();
+        let mut buf = [0u8; 1];
+        let n = s.read(&mut buf).await.unwrap_or(0);
+        assert_eq!(n, 0, "closed, not answered");
+        assert!(t0.elapsed() >= Duration::from_secs(HANDSHAKE_TIMEOUT_S));
+    }
 }

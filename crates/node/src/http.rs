@@ -107,9 +107,14 @@ pub fn routes(h: Http) -> axum::Router {
         .route("/v1/local/owners", get(owners))
         .route("/v1/scrub", get(scrub_status).post(scrub_start))
         .route("/metrics", get(metrics))
+        .layer(axum::extract::DefaultBodyLimit::max(API_BODY_MAX_BYTES))
         .with_state(h)
         .merge(dir_routes)
 }
+
+/// Largest body of a REST request, in bytes: the largest is a heartbeat
+/// with a node's devices, a few hundred bytes each.
+const API_BODY_MAX_BYTES: usize = 256 << 10;
 
 async fn status(State(h): State<Http>) -> Json<StatusReport> {
     let s = h.router.dir.state();

@@ -145,6 +145,20 @@ fn bind_unix(path: &Path) -> Result<tokio::net::UnixListener> {
     tokio::net::UnixListener::bind(path).with_context(|| format!("listening on {}", path.display()))
 }
 
+/// Mode of a node's data folder: its identity, directory database and
+/// sockets are the node's alone.
+const DATA_DIR_MODE: u32 = 0o700;
+/// Mode of a device file: volumes' data is readable by no other user.
+const DEVICE_FILE_MODE: u32 = 0o600;
+
+/// Gives `path` the permission bits `mode` (no access for group and
+/// others), whatever the umask made it.
+fn owner_only(path: &Path, mode: u32) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .with_context(|| format!("setting the mode of {} to {mode:o}", path.display()))
+}
+
 /// What a data folder remembers about the node that owns it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Identity {
@@ -243,6 +257,7 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
     let (essentials, mut ended) = Essentials::new();
     std::fs::create_dir_all(&cfg.data_dir)
         .with_context(|| format!("creating data folder {}", cfg.data_dir.display()))?;
+    owner_only(&cfg.data_dir, DATA_DIR_MODE)?;
     let identity = load_identity(&cfg.data_dir)?;
     if let Some(id) = &identity {
         if id.node_id != cfg.id {
@@ -291,6 +306,12 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
         }
         let s = replica::Store::open_or_create(&d.path, d.size, &cluster_id)
             .with_context(|| format!("device {}", d.path.display()))?;
+        if std::fs::metadata(&d.path).is_ok_and(|m| m.is_file()) {
+            // A file system that keeps its own modes (FUSE) may refuse.
+            if let Err(e) = owner_only(&d.path, DEVICE_FILE_MODE) {
+                tracing::warn!(error = %format!("{e:#}"), "device file readable by others");
+            }
+        }
         let s = Arc::new(s);
         // The store's background cleaner (ends when the last Arc goes).
         s.start_background()

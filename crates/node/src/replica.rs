@@ -332,6 +332,23 @@ impl Replicas {
         Ok(())
     }
 
+    /// A read's generation check, which changes nothing: an older
+    /// generation is stale, a newer one has not activated this copy (an
+    /// owner activates every copy before it reads), so it is refused too.
+    fn check_read(&self, d: &Device, c: ComponentId, gen: Generation) -> Result<(), RemoteError> {
+        let have = d
+            .store
+            .generation(c)
+            .ok_or(RemoteError::NoSuchComponent(c))?;
+        match gen.cmp(&have) {
+            std::cmp::Ordering::Less => Err(RemoteError::StaleGeneration { have, got: gen }),
+            std::cmp::Ordering::Equal => Ok(()),
+            std::cmp::Ordering::Greater => Err(RemoteError::Unavailable(format!(
+                "component {c} is not activated under generation {gen} (it is at {have})"
+            ))),
+        }
+    }
+
     /// Records the regions an owner's write touches as dirty until a
     /// barrier covers it: in memory (for the next owner, if this one dies)
     /// and marked on the device (for a restart of this node, if every node
@@ -612,7 +629,7 @@ impl Replicas {
                 len,
             } => {
                 let d = self.device_of(component)?;
-                self.fence(&d, component, generation)?;
+                self.check_read(&d, component, generation)?;
                 if len > shoal_rpc::MAX_PAYLOAD {
                     return Err(RemoteError::BadRequest("read too large".into()));
                 }
@@ -868,5 +885,49 @@ mod tests {
         barrier(&r, 2, 0).await;
         r.settle_marks();
         assert_eq!(marks(&r), vec![]);
+    }
+
+    /// A read never changes a replica's state: one with a newer generation
+    /// than the copy's is refused and leaves the generation as it was; one
+    /// with the copy's generation is served; an older one is stale.
+    #[tokio::test]
+    async fn a_read_never_changes_the_generation() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dev.img");
+        let s = Store::create(&path, 64 * MIB, "t").unwrap();
+        s.create_component(1, 1, 8 * MIB).unwrap();
+        s.close().unwrap();
+        let r = replicas(&path);
+        write(&r, 1, 0, 1).await;
+        let read = |generation| Request::Read {
+            component: 1,
+            generation,
+            offset: 0,
+            len: 4096,
+        };
+        let resp = call(&r, read(1_000_000), Bytes::new()).await;
+        assert!(
+            matches!(resp, Response::Err(RemoteError::Unavailable(_))),
+            "{resp:?}"
+        );
+        let d = r.devices().next().unwrap().clone();
+        assert_eq!(d.store.generation(1), Some(1), "the read changed nothing");
+        assert!(matches!(
+            call(&r, read(1), Bytes::new()).await,
+            Response::Data
+        ));
+        let act = Request::Activate {
+            component: 1,
+            generation: 3,
+        };
+        assert!(matches!(
+            call(&r, act, Bytes::new()).await,
+            Response::Activated { .. }
+        ));
+        let resp = call(&r, read(1), Bytes::new()).await;
+        assert!(
+            matches!(resp, Response::Err(RemoteError::StaleGeneration { .. })),
+            "{resp:?}"
+        );
     }
 }

@@ -27,16 +27,27 @@ use std::time::Duration;
 /// own; payloads larger than it are read straight into their buffers.
 pub(crate) const READ_BUFFER: usize = 64 << 10;
 
+/// Most memory a frame's buffer grows by before its next bytes arrive, in
+/// bytes: a header that declares a large body or payload costs nothing
+/// until the bytes come.
+pub(crate) const GROW_STEP_BYTES: usize = 1 << 20;
+
 /// Reads exactly `n` bytes into a fresh buffer, without zeroing it first.
+/// The buffer grows with the bytes that arrive (by at most
+/// [`GROW_STEP_BYTES`] ahead of them), never to `n` up front.
 pub(crate) async fn read_payload<R: tokio::io::AsyncRead + Unpin>(
     r: &mut R,
     n: usize,
 ) -> std::io::Result<bytes::Bytes> {
     use tokio::io::AsyncReadExt;
-    let mut buf = bytes::BytesMut::with_capacity(n);
+    let mut buf = bytes::BytesMut::with_capacity(n.min(GROW_STEP_BYTES));
     while buf.len() < n {
         let want = n - buf.len();
-        if (&mut *r).take(want as u64).read_buf(&mut buf).await? == 0 {
+        if buf.capacity() == buf.len() {
+            buf.reserve(want.min(GROW_STEP_BYTES));
+        }
+        let room = (buf.capacity() - buf.len()).min(want);
+        if (&mut *r).take(room as u64).read_buf(&mut buf).await? == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
     }

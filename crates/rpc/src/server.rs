@@ -8,7 +8,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 
 /// The rest of a request's work, run concurrently with later requests.
 pub type Reply = Pin<Box<dyn Future<Output = (Response, Bytes)> + Send>>;
@@ -26,11 +26,52 @@ pub trait Handler: Send + Sync + 'static {
 /// are served again soon after the cause goes.
 const ACCEPT_RETRY_MS: u64 = 50;
 
+/// Peer connections served at once by one node: a cluster of dozens of
+/// nodes opens a few per node; past this, new connections are closed at
+/// once, so a flood of connections cannot use up the node's descriptors.
+pub const MAX_PEER_CONNECTIONS: usize = 512;
+
+/// Requests of one peer connection being served at once: an owner keeps
+/// at most its clients' queue depths in flight; past this the node stops
+/// reading the connection until replies go out.
+pub const MAX_REQUESTS_IN_FLIGHT_PER_CONNECTION: usize = 1024;
+
+/// Bytes one peer connection may hold in the node at once (payloads of
+/// requests being served and of replies not yet written), in MiB: a peer
+/// that does not read its replies stops being read instead of growing the
+/// node. At least one largest frame ([`crate::MAX_PAYLOAD`]) fits.
+pub const MAX_BYTES_IN_FLIGHT_PER_CONNECTION_MIB: usize = 128;
+
+/// The same bound for all peer connections of the node together, in MiB.
+pub const MAX_PEER_BYTES_IN_FLIGHT_MIB: usize = 1024;
+
+/// Unit of the byte budgets, in bytes.
+const BUDGET_UNIT_BYTES: usize = 4096;
+
+/// What a request holds of the budgets while it is served and its reply
+/// waits to be written.
+struct Held {
+    _requests: tokio::sync::OwnedSemaphorePermit,
+    _bytes: tokio::sync::OwnedSemaphorePermit,
+    _node_bytes: tokio::sync::OwnedSemaphorePermit,
+}
+
+/// The node-wide budgets shared by every peer connection.
+#[derive(Clone)]
+struct Budgets {
+    connections: Arc<Semaphore>,
+    node_bytes: Arc<Semaphore>,
+}
+
 /// Accepts peers for as long as the node runs; each connection runs on
 /// its own task, and a bad frame closes only that connection. A failed
 /// `accept` (e.g. `EMFILE`) is logged and tried again: it never stops the
 /// server, which would leave the node alive with a dead peer port.
 pub async fn serve<H: Handler>(listener: TcpListener, handler: Arc<H>) -> std::io::Result<()> {
+    let budgets = Budgets {
+        connections: Arc::new(Semaphore::new(MAX_PEER_CONNECTIONS)),
+        node_bytes: Arc::new(Semaphore::new(units(MAX_PEER_BYTES_IN_FLIGHT_MIB << 20))),
+    };
     loop {
         let (stream, from) = match listener.accept().await {
             Ok(a) => a,
@@ -40,21 +81,50 @@ pub async fn serve<H: Handler>(listener: TcpListener, handler: Arc<H>) -> std::i
                 continue;
             }
         };
-        let h = handler.clone();
+        let Ok(slot) = budgets.connections.clone().try_acquire_owned() else {
+            tracing::warn!(%from, "peer connection refused: {MAX_PEER_CONNECTIONS} already open");
+            drop(stream);
+            continue;
+        };
+        let (h, b) = (handler.clone(), budgets.clone());
         tokio::spawn(async move {
-            if let Err(e) = connection(stream, h).await {
+            if let Err(e) = connection(stream, h, b).await {
                 tracing::debug!(%from, "peer connection closed: {e}");
             }
+            drop(slot);
         });
     }
 }
 
-async fn connection<H: Handler>(stream: TcpStream, handler: Arc<H>) -> std::io::Result<()> {
+/// Budget units of `bytes` (at least one).
+fn units(bytes: usize) -> usize {
+    bytes.div_ceil(BUDGET_UNIT_BYTES).max(1)
+}
+
+/// Payload bytes the reply to `req` will carry, as far as the request
+/// tells.
+fn reply_bytes(req: &Request) -> usize {
+    match req {
+        Request::Read { len, .. } => *len as usize,
+        Request::VolumeIo {
+            op: crate::VolumeOp::Read { len, .. },
+            ..
+        } => *len as usize,
+        _ => 0,
+    }
+}
+
+async fn connection<H: Handler>(
+    stream: TcpStream,
+    handler: Arc<H>,
+    budgets: Budgets,
+) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
     let (rd, wr) = stream.into_split();
     // Buffered: a small frame (header, body) arrives in one read call.
     let mut rd = tokio::io::BufReader::with_capacity(crate::READ_BUFFER, rd);
-    let (tx, mut rx) = mpsc::unbounded_channel::<(u64, Response, Bytes)>();
+    let (tx, mut rx) =
+        mpsc::channel::<(u64, Response, Bytes, Held)>(MAX_REQUESTS_IN_FLIGHT_PER_CONNECTION);
     let writer = tokio::spawn(async move {
         let mut w = BufWriter::with_capacity(256 << 10, wr);
         while let Some(first) = rx.recv().await {
@@ -64,7 +134,7 @@ async fn connection<H: Handler>(stream: TcpStream, handler: Arc<H>) -> std::io::
             // its own system call. After it, the whole group goes in one.
             tokio::task::yield_now().await;
             let mut next = Some(first);
-            while let Some((id, resp, payload)) = next.take() {
+            while let Some((id, resp, payload, held)) = next.take() {
                 let body = match postcard::to_stdvec(&resp) {
                     Ok(b) => b,
                     Err(_) => return,
@@ -81,6 +151,8 @@ async fn connection<H: Handler>(stream: TcpStream, handler: Arc<H>) -> std::io::
                 {
                     return;
                 }
+                // Its bytes are in the socket's buffer or the writer's.
+                drop(held);
                 next = rx.try_recv().ok();
             }
             if w.flush().await.is_err() {
@@ -88,16 +160,23 @@ async fn connection<H: Handler>(stream: TcpStream, handler: Arc<H>) -> std::io::
             }
         }
     });
+    let requests = Arc::new(Semaphore::new(MAX_REQUESTS_IN_FLIGHT_PER_CONNECTION));
+    let bytes = Arc::new(Semaphore::new(units(
+        MAX_BYTES_IN_FLIGHT_PER_CONNECTION_MIB << 20,
+    )));
     let res = async {
         loop {
             let mut hb = [0u8; HEADER_LEN];
             rd.read_exact(&mut hb).await?;
             let h = Header::decode(&hb)
                 .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-            let mut body = vec![0u8; h.body_len as usize];
-            rd.read_exact(&mut body).await?;
+            // Bounded by MAX_BODY (checked by decode); grows as it arrives.
+            let body = crate::read_payload(&mut rd, h.body_len as usize).await?;
+            let req = postcard::from_bytes::<Request>(&body);
+            let want = h.payload_len as usize + req.as_ref().map_or(0, reply_bytes);
+            let held = hold(&requests, &bytes, &budgets.node_bytes, want).await?;
             let payload = crate::read_payload(&mut rd, h.payload_len as usize).await?;
-            let fut = match postcard::from_bytes::<Request>(&body) {
+            let fut = match req {
                 Ok(req) => handler.handle(req, payload),
                 Err(e) => {
                     let msg = format!("undecodable request: {e}");
@@ -109,7 +188,7 @@ async fn connection<H: Handler>(stream: TcpStream, handler: Arc<H>) -> std::io::
             let tx = tx.clone();
             tokio::spawn(async move {
                 let (resp, payload) = fut.await;
-                let _ = tx.send((h.id, resp, payload));
+                let _ = tx.send((h.id, resp, payload, held)).await;
             });
         }
     }
@@ -117,6 +196,24 @@ async fn connection<H: Handler>(stream: TcpStream, handler: Arc<H>) -> std::io::
     drop(tx);
     let _ = writer.await;
     res
+}
+
+/// Takes a request's share of the connection's and the node's budgets,
+/// waiting (and so not reading the connection) until they have room.
+async fn hold(
+    requests: &Arc<Semaphore>,
+    bytes: &Arc<Semaphore>,
+    node_bytes: &Arc<Semaphore>,
+    want: usize,
+) -> std::io::Result<Held> {
+    let closed = |_| std::io::Error::other("budget closed");
+    // One frame may be as large as the whole connection budget allows.
+    let n = units(want).min(units(MAX_BYTES_IN_FLIGHT_PER_CONNECTION_MIB << 20)) as u32;
+    Ok(Held {
+        _requests: requests.clone().acquire_owned().await.map_err(closed)?,
+        _bytes: bytes.clone().acquire_many_owned(n).await.map_err(closed)?,
+        _node_bytes: node_bytes.clone().acquire_many_owned(n).await.map_err(closed)?,
+    })
 }
 
 #[cfg(test)]
@@ -180,5 +277,57 @@ mod tests {
             p.call(&Request::Ping, Bytes::new(), t).await.unwrap().0,
             Response::Ok
         );
+    }
+
+    /// A peer that sends requests and never reads the replies stops being
+    /// read once its budget is held: the node keeps at most
+    /// MAX_BYTES_IN_FLIGHT_PER_CONNECTION_MIB of it (plus what the
+    /// sockets buffer), however much it sends.
+    #[tokio::test]
+    async fn a_peer_that_does_not_read_replies_stops_being_read() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(serve(l, Arc::new(Echo)));
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        let payload = vec![7u8; 1 << 20];
+        let mut sent_mib = 0usize;
+        for id in 0..400u64 {
+            let req = Request::Write {
+                component: 1,
+                generation: 1,
+                offset: 0,
+                seq: id,
+            };
+            let body = postcard::to_stdvec(&req).unwrap();
+            let h = Header {
+                flags: 0,
+                id,
+                body_len: body.len() as u32,
+                payload_len: payload.len() as u32,
+            };
+            let mut frame = h.encode().to_vec();
+            frame.extend_from_slice(&body);
+            frame.extend_from_slice(&payload);
+            let sent = tokio::time::timeout(Duration::from_secs(2), s.write_all(&frame)).await;
+            if sent.is_err() {
+                break;
+            }
+            sent_mib += 1;
+        }
+        // The echoed replies (1 MiB each) are held unread: the server
+        // stopped reading near its budget, not at the 400 MiB sent.
+        assert!(
+            sent_mib < MAX_BYTES_IN_FLIGHT_PER_CONNECTION_MIB + 32,
+            "{sent_mib} MiB accepted"
+        );
+        assert!(sent_mib >= 16, "{sent_mib} MiB accepted");
+        // Another connection is still served.
+        let p = Peer::connect(&addr.to_string(), Duration::from_secs(1))
+            .await
+            .unwrap();
+        let r = p
+            .call(&Request::Ping, Bytes::new(), Duration::from_secs(2))
+            .await;
+        assert_eq!(r.unwrap().0, Response::Ok);
     }
 }

@@ -165,7 +165,7 @@ pub(crate) fn device_len(file: &mut File) -> io::Result<(u64, bool)> {
     }
 }
 
-/// Largest component in bytes: just under 4 PiB (2^32 - 1 MiB units), far
+/// Largest component in bytes: the largest volume (just under 4 PiB), far
 /// past any device, and small enough that block numbers and byte offsets
 /// never overflow.
-pub(crate) const MAX_SIZE: u64 = (u32::MAX as u64) << 20;
+pub(crate) const MAX_SIZE: u64 = shoal_model::MAX_VOLUME_SIZE;
