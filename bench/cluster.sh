@@ -563,9 +563,11 @@ run_job() { # run_job TARGET JOB
 # scrape_log_metrics FILE: the Shoal nodes' per-device log counters (syncs,
 # cleaner, checkpoints), one "node metric value" line each.
 scrape_log_metrics() {
-  local n
+  local n token
+  # /metrics needs a token: the cluster's admin token, as `shoal up` wrote it.
+  token=$(cat "$SHOAL_DATA/admin.token" 2>/dev/null || true)
   for n in 1 2 3 4; do
-    curl -s --max-time 3 "http://$NET.$n:9400/metrics" 2>/dev/null \
+    curl -s --max-time 3 -H "Authorization: Bearer $token" "http://$NET.$n:9400/metrics" 2>/dev/null \
       | grep -E '^shoal_device_(syncs|sync_microseconds|cleaner_blocks|cleaned_segments|cleaner_waits|checkpoints|checkpoint_microseconds|relocate_microseconds)_total' \
       | awk -v n="$n" '{ sub(/\{.*\}/, "", $1); s[$1] += $2 } END { for (k in s) print n, k, s[k] }'
   done >"$1" || true

@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 use shoal_model::{
-    DeviceId, DeviceInfo, DeviceState, Generation, NodeId, NodeInfo, Volume, VolumeHealth,
+    DeviceId, DeviceInfo, DeviceState, Generation, NodeId, NodeInfo, Role, Volume, VolumeHealth,
 };
 use std::time::Duration;
 
@@ -137,6 +137,38 @@ pub struct CopyDigest {
     pub error: Option<String>,
 }
 
+/// Body of `POST /v1/tokens`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CreateToken {
+    pub role: Role,
+    #[serde(default)]
+    pub note: String,
+}
+
+/// Answer to `POST /v1/tokens`: the token's text, shown this once.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NewToken {
+    pub id: String,
+    pub role: Role,
+    pub token: String,
+}
+
+/// One token in `GET /v1/tokens` (never its secret).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TokenInfo {
+    pub id: String,
+    pub role: Role,
+    pub note: String,
+}
+
+/// `GET /livez`: the one call that needs no token (liveness probes, a
+/// joining node learning the cluster's id).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Livez {
+    pub node: NodeId,
+    pub cluster_id: String,
+}
+
 /// Error body of any non-2xx answer.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ErrorBody {
@@ -159,9 +191,31 @@ pub enum ApiError {
 pub struct Client {
     base: String,
     http: reqwest::Client,
+    /// Sent as `Authorization: Bearer ...` with every request.
+    token: Option<String>,
 }
 
 impl Client {
+    /// A client that presents `token` (the text of an API token).
+    pub fn with_token(base: &str, token: Option<String>) -> Client {
+        Client {
+            token,
+            ..Client::new(base)
+        }
+    }
+
+    /// The token this client presents.
+    pub fn token(&self) -> Option<&str> {
+        self.token.as_deref()
+    }
+
+    fn authorized(&self, r: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.token {
+            Some(t) => r.bearer_auth(t),
+            None => r,
+        }
+    }
+
     /// `base` is `http://ip:port` or `ip:port`.
     pub fn new(base: &str) -> Client {
         let base = if base.starts_with("http") {
@@ -174,7 +228,11 @@ impl Client {
             .timeout(Duration::from_secs(30))
             .build()
             .unwrap_or_default();
-        Client { base, http }
+        Client {
+            base,
+            http,
+            token: None,
+        }
     }
 
     pub fn base(&self) -> &str {
@@ -209,7 +267,7 @@ impl Client {
 
     pub async fn get<T: for<'de> Deserialize<'de>>(&self, path: &str) -> Result<T, ApiError> {
         let url = format!("{}{}", self.base, path);
-        let r = self.http.get(&url).send().await;
+        let r = self.authorized(self.http.get(&url)).send().await;
         self.answer(&url, r).await
     }
 
@@ -219,13 +277,13 @@ impl Client {
         body: &B,
     ) -> Result<T, ApiError> {
         let url = format!("{}{}", self.base, path);
-        let r = self.http.post(&url).json(body).send().await;
+        let r = self.authorized(self.http.post(&url).json(body)).send().await;
         self.answer(&url, r).await
     }
 
     pub async fn delete<T: for<'de> Deserialize<'de>>(&self, path: &str) -> Result<T, ApiError> {
         let url = format!("{}{}", self.base, path);
-        let r = self.http.delete(&url).send().await;
+        let r = self.authorized(self.http.delete(&url)).send().await;
         self.answer(&url, r).await
     }
 
@@ -258,6 +316,24 @@ impl Client {
     ) -> Result<VolumeReport, ApiError> {
         self.post(&format!("/v1/volumes/{name}/settings"), settings)
             .await
+    }
+
+    /// Makes an API token (admin).
+    pub async fn create_token(&self, req: &CreateToken) -> Result<NewToken, ApiError> {
+        self.post("/v1/tokens", req).await
+    }
+
+    pub async fn tokens(&self) -> Result<Vec<TokenInfo>, ApiError> {
+        self.get("/v1/tokens").await
+    }
+
+    pub async fn revoke_token(&self, id: &str) -> Result<serde_json::Value, ApiError> {
+        self.delete(&format!("/v1/tokens/{id}")).await
+    }
+
+    /// Liveness and the cluster's id, without a token.
+    pub async fn livez(&self) -> Result<Livez, ApiError> {
+        self.get("/livez").await
     }
 
     /// The volumes this node owns, with their throttles.

@@ -334,7 +334,8 @@ pub fn parse_metrics(text: &str) -> BTreeMap<String, f64> {
 
 /// `/metrics` of every node (`api` addresses), summed over nodes. A node
 /// that does not answer is left out and named in the second value.
-pub async fn scrape(apis: &[String]) -> (BTreeMap<String, f64>, Vec<String>) {
+/// `token`: the API token to present (`/metrics` needs a read-only one).
+pub async fn scrape(apis: &[String], token: Option<&str>) -> (BTreeMap<String, f64>, Vec<String>) {
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(3))
         .build()
@@ -346,8 +347,12 @@ pub async fn scrape(apis: &[String]) -> (BTreeMap<String, f64>, Vec<String>) {
         } else {
             format!("http://{a}/metrics")
         };
+        let req = match token {
+            Some(t) => http.get(&url).bearer_auth(t),
+            None => http.get(&url),
+        };
         async move {
-            let r = http.get(&url).send().await.ok()?;
+            let r = req.send().await.ok()?;
             if !r.status().is_success() {
                 return None;
             }

@@ -876,6 +876,9 @@ async fn observe(
     tty: bool,
 ) -> Observed {
     let mut o = Observed::default();
+    let token = monitor
+        .as_ref()
+        .and_then(|(c, _)| c.token().map(String::from));
     let warm = (ms - t0).as_secs_f64().ceil() as i64;
     let meas = (me - ms).as_secs_f64().ceil() as i64;
     let snap = |l: &Option<Arc<Live>>| {
@@ -912,7 +915,7 @@ async fn observe(
         if k == 0 {
             cpu_before = Some(cpu_now(&procs));
             if !apis.is_empty() {
-                let (m, missing) = cluster::scrape(&apis).await;
+                let (m, missing) = cluster::scrape(&apis, token.as_deref()).await;
                 metrics_before = Some(m);
                 o.missing_metrics.extend(missing);
             }
@@ -979,7 +982,7 @@ async fn observe(
         o.events = m.finish().await;
     }
     if let Some(before) = metrics_before {
-        let (after, missing) = cluster::scrape(&apis).await;
+        let (after, missing) = cluster::scrape(&apis, token.as_deref()).await;
         o.missing_metrics.extend(missing);
         o.metrics = Some((before, after));
     }

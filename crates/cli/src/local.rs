@@ -343,6 +343,7 @@ pub async fn up(a: UpArgs) -> Result<()> {
         if fresh && n.id == cluster.nodes[0].id {
             // Let the first node found the cluster before the others join.
             wait_api(&n.api, Duration::from_secs(a.timeout)).await?;
+            take_admin_token(n, &data, Duration::from_secs(a.timeout)).await?;
         }
     }
 
@@ -356,7 +357,7 @@ pub async fn up(a: UpArgs) -> Result<()> {
         let mut answered = 0;
         let mut view = None;
         for n in &cluster.nodes {
-            match Client::new(&n.api).status().await {
+            match Client::with_token(&n.api, token(&a.target)).status().await {
                 Ok(s) if s.leader.is_some() => {
                     answered += 1;
                     view = Some(s);
@@ -394,7 +395,7 @@ pub async fn up(a: UpArgs) -> Result<()> {
         status.leader.unwrap_or(0)
     );
 
-    let c = Client::new(&first_api);
+    let c = Client::with_token(&first_api, token(&a.target));
     if !a.no_demo && status.volumes.iter().all(|v| v.volume.name != "demo") && fresh {
         let policy = match want {
             1 | 2 => "ftt=0",
@@ -438,7 +439,7 @@ pub async fn up(a: UpArgs) -> Result<()> {
 async fn wait_api(api: &str, timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
-        if let Ok(s) = Client::new(api).status().await {
+        if let Ok(s) = Client::new(api).livez().await {
             if !s.cluster_id.is_empty() {
                 return Ok(());
             }
@@ -482,11 +483,58 @@ pub fn down(data: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The admin token of the local cluster in `data` (`DATA/admin.token`).
+pub fn admin_token_path(data: &Path) -> PathBuf {
+    data.join(shoal_node::ADMIN_TOKEN_FILE)
+}
+
+/// The token to present: `--token` (or `SHOAL_TOKEN`), else the local
+/// cluster's admin token.
+fn token(t: &Target) -> Option<String> {
+    if let Some(tok) = &t.token {
+        return Some(tok.clone());
+    }
+    let text = std::fs::read_to_string(admin_token_path(&t.data)).ok()?;
+    Some(text.trim().to_string())
+}
+
+/// Waits for the founding node's admin token to be in the directory, then
+/// copies it to the cluster's folder (mode 0600), where the command line
+/// finds it.
+async fn take_admin_token(first: &LocalNode, data: &Path, timeout: Duration) -> Result<()> {
+    let from = first.dir.join(shoal_node::ADMIN_TOKEN_FILE);
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(text) = std::fs::read_to_string(&from) {
+            let c = Client::with_token(&first.api, Some(text.trim().to_string()));
+            if c.status().await.is_ok() {
+                use std::io::Write;
+                use std::os::unix::fs::OpenOptionsExt;
+                let to = admin_token_path(data);
+                let mut f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .mode(0o600)
+                    .open(&to)
+                    .with_context(|| format!("writing {}", to.display()))?;
+                f.write_all(text.as_bytes())?;
+                return Ok(());
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("node {} made no admin token within {timeout:?}", first.id);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// A client for the cluster the target names: `--api`, or the first node
-/// of the local cluster in `--data` that answers.
+/// of the local cluster in `--data` that answers; with `--token`, or the
+/// local cluster's admin token.
 pub fn client(t: &Target) -> Result<Client> {
     if let Some(api) = &t.api {
-        return Ok(Client::new(api));
+        return Ok(Client::with_token(api, token(t)));
     }
     let Some(c) = load(&t.data)? else {
         bail!(
@@ -500,5 +548,5 @@ pub fn client(t: &Target) -> Result<Client> {
         .find(|n| running(n).is_some())
         .or(c.nodes.first())
         .context("cluster.json lists no nodes")?;
-    Ok(Client::new(&n.api))
+    Ok(Client::with_token(&n.api, token(t)))
 }

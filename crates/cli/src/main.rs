@@ -44,6 +44,10 @@ pub struct Target {
     /// API address of any node (`http://ip:port`); overrides --data.
     #[arg(long, global = true, env = "SHOAL_API")]
     api: Option<String>,
+    /// API token (`shoal token create`); default: the local cluster's
+    /// admin token, DATA/admin.token.
+    #[arg(long, global = true, env = "SHOAL_TOKEN", hide_env_values = true)]
+    token: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -64,6 +68,9 @@ enum Cmd {
     /// Create, list, show, resize and delete volumes.
     #[command(subcommand)]
     Volume(VolumeCmd),
+    /// Make, list and revoke API tokens.
+    #[command(subcommand)]
+    Token(TokenCmd),
     /// Benchmark the cluster: workload profiles over NBD, latency
     /// percentiles, CPU per I/O, and baselines (raw file, nbdkit).
     Bench {
@@ -71,6 +78,36 @@ enum Cmd {
         target: Target,
         #[command(flatten)]
         args: shoal_bench::BenchArgs,
+    },
+}
+
+#[derive(Subcommand)]
+enum TokenCmd {
+    /// Make a token; its text is printed once.
+    Create {
+        /// admin (everything) or read-only (status, volumes, metrics).
+        #[arg(long)]
+        role: String,
+        /// What it is for.
+        #[arg(long, default_value = "")]
+        note: String,
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Tokens by id and role (never their secrets).
+    List {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke a token by id: it opens nothing from then on.
+    Revoke {
+        id: String,
+        #[command(flatten)]
+        target: Target,
     },
 }
 
@@ -409,6 +446,7 @@ async fn run(cmd: Cmd) -> Result<()> {
         Cmd::Down(t) => local::down(&t.data),
         Cmd::Status { target, json } => status(&target, json).await,
         Cmd::Volume(v) => volume(v).await,
+        Cmd::Token(t) => token(t).await,
         Cmd::Bench { target, args } => {
             let c = local::client(&target)?;
             // Node pids (for CPU time) are known for a local cluster only.
@@ -416,6 +454,45 @@ async fn run(cmd: Cmd) -> Result<()> {
             shoal_bench::run(args, c, data).await
         }
     }
+}
+
+async fn token(t: TokenCmd) -> Result<()> {
+    match t {
+        TokenCmd::Create {
+            role,
+            note,
+            target,
+            json,
+        } => {
+            let role: shoal_model::Role = role.parse()?;
+            let c = local::client(&target)?;
+            let r = c
+                .create_token(&shoal_api::CreateToken { role, note })
+                .await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                println!("{}", r.token);
+                eprintln!("token {} ({}): keep its text; it is not shown again", r.id, r.role);
+            }
+        }
+        TokenCmd::List { target, json } => {
+            let r = local::client(&target)?.tokens().await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                println!("{:<18} {:<10} NOTE", "ID", "ROLE");
+                for t in r {
+                    println!("{:<18} {:<10} {}", t.id, t.role.to_string(), t.note);
+                }
+            }
+        }
+        TokenCmd::Revoke { id, target } => {
+            local::client(&target)?.revoke_token(&id).await?;
+            println!("revoked token {id}");
+        }
+    }
+    Ok(())
 }
 
 /// `shoal status`: the cluster as a node sees it and, for a local cluster,

@@ -6,9 +6,9 @@
 
 use serde::{Deserialize, Serialize};
 use shoal_model::{
-    check_volume_name, check_volume_size, Component, ComponentId, ComponentRole, ComponentState,
-    DeviceId, DeviceInfo, DeviceState, Generation, NodeId, NodeInfo, NodeState, Policy, Volume,
-    VolumeId,
+    check_volume_name, check_volume_size, ApiToken, Component, ComponentId, ComponentRole,
+    ComponentState, DeviceId, DeviceInfo, DeviceState, Generation, NodeId, NodeInfo, NodeState,
+    Policy, Volume, VolumeId,
 };
 use std::collections::BTreeMap;
 
@@ -23,6 +23,9 @@ pub struct ClusterState {
     /// Allocator for volume, component and device ids. The next id handed
     /// out is `max(next_id, 1)`; ids are never reused.
     pub next_id: u64,
+    /// API tokens by id (their secrets' hashes only).
+    #[serde(default)]
+    pub tokens: BTreeMap<String, ApiToken>,
 }
 
 /// A change to the cluster state, the payload of a Raft log entry.
@@ -61,6 +64,10 @@ pub enum Command {
     /// Sets a volume's IOPS limit (0: none); its owner applies it to the
     /// I/O it admits from then on, without clients reconnecting.
     SetIopsLimit { name: String, iops_limit: u32 },
+    /// Adds an API token (its id must be new).
+    CreateToken { token: ApiToken },
+    /// Removes an API token: it opens nothing from then on.
+    RevokeToken { id: String },
     /// Compare-and-set of the owner: succeeds only when the volume is at
     /// `expected_generation`; answers the new generation.
     ClaimOwner {
@@ -130,6 +137,10 @@ pub enum StateError {
     Shrink { name: String, from: u64, to: u64 },
     #[error("{0}")]
     Input(String),
+    #[error("a token with id {0} already exists")]
+    TokenTaken(String),
+    #[error("no token with id {0}")]
+    NoSuchToken(String),
     #[error(
         "device {device} cannot guarantee {needed} more reserved bytes: {free} bytes are free"
     )]
@@ -406,6 +417,17 @@ impl ClusterState {
                 self.volumes.remove(&id);
                 Ok(Response::Ok)
             }
+            Command::CreateToken { token } => {
+                if self.tokens.contains_key(&token.id) {
+                    return Err(StateError::TokenTaken(token.id.clone()));
+                }
+                self.tokens.insert(token.id.clone(), token.clone());
+                Ok(Response::Ok)
+            }
+            Command::RevokeToken { id } => match self.tokens.remove(id) {
+                Some(_) => Ok(Response::Ok),
+                None => Err(StateError::NoSuchToken(id.clone())),
+            },
             Command::SetIopsLimit { name, iops_limit } => {
                 let id = self.volume_id_by_name(name)?;
                 if let Some(v) = self.volumes.get_mut(&id) {

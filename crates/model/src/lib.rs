@@ -11,7 +11,9 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
 
+mod auth;
 mod policy;
+pub use auth::{ApiToken, Role, TokenError, TokenText};
 pub use policy::{Layout, Policy, PolicyError};
 
 /// The unit of addressing, checksumming and allocation of a volume, in bytes.

@@ -4,7 +4,7 @@
 use crate::liveness::Liveness;
 use crate::router::Router;
 use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response as HttpResponse};
 use axum::routing::{get, post};
 use axum::Json;
@@ -48,7 +48,7 @@ impl From<DirectoryError> for ApiErr {
             DirectoryError::State(StateError::NameTaken(_)) => {
                 ApiErr(StatusCode::CONFLICT, e.to_string())
             }
-            DirectoryError::State(StateError::NoSuchVolume(_)) => {
+            DirectoryError::State(StateError::NoSuchVolume(_) | StateError::NoSuchToken(_)) => {
                 ApiErr(StatusCode::NOT_FOUND, e.to_string())
             }
             DirectoryError::State(_) => bad(e),
@@ -78,13 +78,19 @@ const OWNER_STATS_TIMEOUT_S: u64 = 2;
 
 /// The throttle report of the volume `v`, from its owner: this node, or
 /// the owner's node through its API.
-async fn throttle_of(h: &Http, state: &ClusterState, v: &Volume) -> Option<ThrottleReport> {
+async fn throttle_of(
+    h: &Http,
+    state: &ClusterState,
+    v: &Volume,
+    token: Option<String>,
+) -> Option<ThrottleReport> {
     let owner = v.owner?;
     let owners = if owner == h.router.node {
         owners_report(h)
     } else {
         let api = &state.nodes.get(&owner)?.api_addr;
-        let client = shoal_api::Client::new(api);
+        // Asked with the caller's own token: it may read this.
+        let client = shoal_api::Client::with_token(api, token);
         tokio::time::timeout(Duration::from_secs(OWNER_STATS_TIMEOUT_S), client.owners())
             .await
             .ok()?
@@ -107,9 +113,72 @@ pub fn routes(h: Http) -> axum::Router {
         .route("/v1/local/owners", get(owners))
         .route("/v1/scrub", get(scrub_status).post(scrub_start))
         .route("/metrics", get(metrics))
+        .route("/v1/tokens", get(tokens).post(create_token))
+        .route("/v1/tokens/{id}", axum::routing::delete(revoke_token))
+        .route("/livez", get(livez))
+        .route_layer(axum::middleware::from_fn_with_state(
+            h.clone(),
+            crate::auth::require,
+        ))
         .layer(axum::extract::DefaultBodyLimit::max(API_BODY_MAX_BYTES))
         .with_state(h)
         .merge(dir_routes)
+}
+
+async fn livez(State(h): State<Http>) -> Json<shoal_api::Livez> {
+    Json(shoal_api::Livez {
+        node: h.router.node,
+        cluster_id: h.router.dir.state().cluster_id.clone(),
+    })
+}
+
+async fn tokens(State(h): State<Http>) -> Json<Vec<shoal_api::TokenInfo>> {
+    let s = h.router.dir.state();
+    Json(
+        s.tokens
+            .values()
+            .map(|t| shoal_api::TokenInfo {
+                id: t.id.clone(),
+                role: t.role,
+                note: t.note.clone(),
+            })
+            .collect(),
+    )
+}
+
+async fn create_token(
+    State(h): State<Http>,
+    Json(req): Json<shoal_api::CreateToken>,
+) -> Result<Json<shoal_api::NewToken>, ApiErr> {
+    if req.note.len() > TOKEN_NOTE_MAX_BYTES {
+        return Err(bad(format!(
+            "a token's note is at most {TOKEN_NOTE_MAX_BYTES} bytes"
+        )));
+    }
+    let (text, token) = crate::new_token(req.role, &req.note);
+    h.router
+        .dir
+        .propose(Command::CreateToken { token })
+        .await?;
+    Ok(Json(shoal_api::NewToken {
+        id: text.id.clone(),
+        role: req.role,
+        token: text.reveal(),
+    }))
+}
+
+/// Longest note of a token, in bytes.
+const TOKEN_NOTE_MAX_BYTES: usize = 256;
+
+async fn revoke_token(
+    State(h): State<Http>,
+    Path(id): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiErr> {
+    h.router
+        .dir
+        .propose(Command::RevokeToken { id: id.clone() })
+        .await?;
+    Ok(Json(serde_json::json!({ "revoked": id })))
 }
 
 /// Largest body of a REST request, in bytes: the largest is a heartbeat
@@ -136,19 +205,31 @@ async fn list(State(h): State<Http>) -> Json<Vec<VolumeReport>> {
 async fn show(
     State(h): State<Http>,
     Path(name): Path<String>,
+    headers: HeaderMap,
+) -> Result<Json<VolumeReport>, ApiErr> {
+    show_report(&h, &name, &headers).await
+}
+
+/// The volume's report, with what its owner says of its IOPS limit.
+async fn show_report(
+    h: &Http,
+    name: &str,
+    headers: &HeaderMap,
 ) -> Result<Json<VolumeReport>, ApiErr> {
     let s = h.router.dir.state();
     let v = s
-        .volume_by_name(&name)
+        .volume_by_name(name)
         .ok_or_else(|| ApiErr(StatusCode::NOT_FOUND, format!("no volume named {name:?}")))?;
     let mut r = report(&s, v);
-    r.throttle = throttle_of(&h, &s, v).await;
+    let token = crate::auth::bearer(headers).map(String::from);
+    r.throttle = throttle_of(h, &s, v, token).await;
     Ok(Json(r))
 }
 
 async fn settings(
     State(h): State<Http>,
     Path(name): Path<String>,
+    headers: HeaderMap,
     Json(req): Json<VolumeSettings>,
 ) -> Result<Json<VolumeReport>, ApiErr> {
     if let Some(iops_limit) = req.iops_limit {
@@ -165,7 +246,7 @@ async fn settings(
         })
         .await;
     }
-    show(State(h), Path(name)).await
+    show_report(&h, &name, &headers).await
 }
 
 async fn create(
@@ -231,6 +312,7 @@ async fn wait_for(h: &Http, f: impl Fn(&ClusterState) -> bool) {
 async fn resize(
     State(h): State<Http>,
     Path(name): Path<String>,
+    headers: HeaderMap,
     Json(req): Json<Resize>,
 ) -> Result<Json<VolumeReport>, ApiErr> {
     check_volume_size(req.size).map_err(bad)?;
@@ -245,13 +327,14 @@ async fn resize(
         s.volume_by_name(&name).is_some_and(|v| v.size >= req.size)
     })
     .await;
-    show(State(h), Path(name)).await
+    show_report(&h, &name, &headers).await
 }
 
 async fn delete(
     State(h): State<Http>,
     Path(name): Path<String>,
     Query(q): Query<HashMap<String, String>>,
+    headers: HeaderMap,
 ) -> Result<Json<serde_json::Value>, ApiErr> {
     let force = q.get("force").is_some_and(|v| v == "true" || v == "1");
     let s = h.router.dir.state();
@@ -264,7 +347,8 @@ async fn delete(
     if !force {
         let mut open = Vec::new();
         for n in s.nodes.values().filter(|n| n.state == NodeState::Up) {
-            let c = shoal_api::Client::new(&n.api_addr);
+            let token = crate::auth::bearer(&headers).map(String::from);
+            let c = shoal_api::Client::with_token(&n.api_addr, token);
             match c.get::<Connections>("/v1/local/connections").await {
                 Ok(conns) => {
                     if let Some(k) = conns.volumes.get(&name) {

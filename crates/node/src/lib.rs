@@ -7,6 +7,7 @@
 //! lifecycle and identity; must never hold cluster state of its own beyond
 //! what the directory says.
 
+pub mod auth;
 pub mod exports;
 pub mod flusher;
 pub mod http;
@@ -203,7 +204,7 @@ async fn remote_cluster_id(join: &str, tries: u32) -> Result<String> {
     let c = shoal_api::Client::new(join);
     let mut last = String::new();
     for _ in 0..tries {
-        match c.status().await {
+        match c.livez().await {
             Ok(s) if !s.cluster_id.is_empty() => return Ok(s.cluster_id),
             Ok(_) => last = "cluster has no id yet".into(),
             Err(e) => last = e.to_string(),
@@ -211,6 +212,47 @@ async fn remote_cluster_id(join: &str, tries: u32) -> Result<String> {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     bail!("cannot learn the cluster id from {join}: {last}")
+}
+
+/// A new API token of `role`: its text (to hand out once) and the record
+/// the directory keeps.
+pub fn new_token(role: shoal_model::Role, note: &str) -> (shoal_model::TokenText, shoal_model::ApiToken) {
+    let text = shoal_model::TokenText::new(rand::random(), rand::random());
+    let token = shoal_model::ApiToken {
+        id: text.id.clone(),
+        role,
+        secret_sha256: text.secret_sha256(),
+        note: note.to_string(),
+    };
+    (text, token)
+}
+
+/// The founding node's admin token, in its data folder (mode 0600);
+/// `shoal up` hands it to the command line.
+pub const ADMIN_TOKEN_FILE: &str = "admin.token";
+
+/// Makes the cluster's first admin token and writes it to
+/// `DATA/admin.token`, readable by the node's user only.
+async fn first_admin_token(dir: &Directory, data_dir: &Path) -> Result<()> {
+    let (text, token) = new_token(shoal_model::Role::Admin, "made at cluster creation");
+    let path = data_dir.join(ADMIN_TOKEN_FILE);
+    {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&path)
+            .with_context(|| format!("writing {}", path.display()))?;
+        writeln!(f, "{}", text.reveal())?;
+        f.sync_all()?;
+    }
+    dir.propose(Command::CreateToken { token })
+        .await
+        .context("recording the first admin token")?;
+    Ok(())
 }
 
 fn new_cluster_id() -> String {
@@ -406,6 +448,7 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
         })
         .await
         .context("naming the cluster")?;
+        first_admin_token(&dir, &cfg.data_dir).await?;
     } else if let Some(join) = &cfg.join {
         dir.join(join)
             .await
