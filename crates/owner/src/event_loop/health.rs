@@ -70,14 +70,15 @@ async fn record_state<C: Control>(
 }
 
 /// Pings a witness (`flush` carries the loop's generation), connecting (and
-/// creating its component) first if its connection is gone.
+/// creating its component) first if its connection is gone; the connection
+/// used, for the next ping.
 async fn ping_witness(
     peer: Option<Arc<Peer>>,
     addr: String,
     create: Request,
     flush: Request,
     timeout: Duration,
-) -> Result<(), RpcError> {
+) -> Result<Arc<Peer>, RpcError> {
     let peer = match peer {
         Some(p) if !p.is_closed() => p,
         _ => {
@@ -86,7 +87,8 @@ async fn ping_witness(
             p
         }
     };
-    peer.call(&flush, Bytes::new(), timeout).await.map(|_| ())
+    peer.call(&flush, Bytes::new(), timeout).await?;
+    Ok(peer)
 }
 
 impl<C: Control> Loop<C> {
@@ -129,12 +131,22 @@ impl<C: Control> Loop<C> {
         {
             self.abort_resync();
         }
-        self.record(idx, state);
+        self.record_failed(idx, state);
+    }
+
+    /// Has the directory record failed replica `idx` in `state`; for the
+    /// target of an abandoned finish, only once the request to record it
+    /// active answered, so that the two never land out of order.
+    fn record_failed(&mut self, idx: usize, state: ComponentState) {
+        match &mut self.abandoned {
+            Some(a) if a.idx == idx => a.state = state,
+            _ => self.record(idx, state),
+        }
     }
 
     /// Has the directory record replica `idx` in `state`; reports
     /// [`Internal::Marked`] once it did.
-    fn record(&self, idx: usize, state: ComponentState) {
+    pub(super) fn record(&self, idx: usize, state: ComponentState) {
         let work = record_state(
             self.control.clone(),
             self.tx.clone(),
@@ -196,45 +208,61 @@ impl<C: Control> Loop<C> {
         }
     }
 
-    /// Witness pings: a witness fenced by a newer owner deposes us.
-    fn ping_witnesses(&self) {
-        for (idx, r) in self.replicas.iter().enumerate() {
-            if r.role != ComponentRole::Witness || !r.node_up {
-                continue;
-            }
-            let create = Request::CreateComponent {
-                component: r.component,
-                volume: self.volume,
-                device: r.device,
-                size: 0,
-            };
-            let flush = Request::Flush {
-                component: r.component,
-                generation: self.generation,
-            };
-            let ping = ping_witness(
-                r.peer.clone(),
-                r.addr.clone(),
-                create,
-                flush,
-                self.cfg.io_timeout,
-            );
-            self.spawn_report(async move {
-                let result = ping.await;
-                Internal::WitnessPing { idx, result }
-            });
+    /// Witness pings, at most one in flight per witness, so that pings do
+    /// not pile up against a witness that hangs.
+    fn ping_witnesses(&mut self) {
+        let due: ReplicaSet = (0..self.replicas.len())
+            .filter(|&i| {
+                let r = &self.replicas[i];
+                r.role == ComponentRole::Witness && r.node_up && !r.pinging
+            })
+            .collect();
+        for idx in due.iter() {
+            self.replicas[idx].pinging = true;
+            self.ping(idx);
         }
     }
 
-    pub(super) fn witness_pinged(&mut self, idx: usize, result: Result<(), RpcError>) -> Flow {
+    /// Pings witness `idx`; reports [`Internal::WitnessPing`].
+    fn ping(&self, idx: usize) {
+        let r = &self.replicas[idx];
+        let create = Request::CreateComponent {
+            component: r.component,
+            volume: self.volume,
+            device: r.device,
+            size: 0,
+        };
+        let flush = Request::Flush {
+            component: r.component,
+            generation: self.generation,
+        };
+        let ping = ping_witness(
+            r.peer.clone(),
+            r.addr.clone(),
+            create,
+            flush,
+            self.cfg.io_timeout,
+        );
+        self.spawn_report(async move {
+            let result = ping.await;
+            Internal::WitnessPing { idx, result }
+        });
+    }
+
+    /// A witness fenced by a newer owner deposes us; one that answered
+    /// counts, and keeps the connection the ping used.
+    pub(super) fn witness_pinged(
+        &mut self,
+        idx: usize,
+        result: Result<Arc<Peer>, RpcError>,
+    ) -> Flow {
         if result.as_ref().is_err_and(is_stale) {
             return Flow::Stop;
         }
         let r = &mut self.replicas[idx];
+        r.pinging = false;
         r.witness_ok = result.is_ok();
-        if !r.witness_ok {
-            r.peer = None;
-        }
+        r.peer = result.ok();
         Flow::Continue
     }
 

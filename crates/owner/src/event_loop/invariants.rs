@@ -36,7 +36,10 @@ impl<C: Control> Loop<C> {
             votes += r.votes;
             match r.role {
                 ComponentRole::Witness => assert_eq!(r.mode, Mode::Out, "witness {i} in service"),
-                ComponentRole::Data => assert!(!r.witness_ok, "data copy {i} counted as witness"),
+                ComponentRole::Data => {
+                    assert!(!r.witness_ok, "data copy {i} counted as witness");
+                    assert!(!r.pinging, "data copy {i} pinged as witness");
+                }
             }
             match r.mode {
                 Mode::Resyncing => {
@@ -56,8 +59,10 @@ impl<C: Control> Loop<C> {
     }
 
     /// The resync's target and source are where its phase says; a region
-    /// lock is held only by a copy step, and writes wait only on a lock.
+    /// lock is held only by a copy step, and writes wait only on a lock; an
+    /// abandoned finish's target is failing, and no attempt follows it yet.
     fn check_resync(&self) {
+        self.check_abandoned();
         if let Some((start, end)) = self.lock {
             assert!(start < end && end <= self.size, "bad lock {start}..{end}");
             assert!(
@@ -89,6 +94,23 @@ impl<C: Control> Loop<C> {
                 );
             }
         }
+    }
+
+    /// An abandoned finish's target is a failing data copy, and the
+    /// abandoned attempt is the last one started.
+    fn check_abandoned(&self) {
+        let Some(a) = &self.abandoned else { return };
+        assert!(
+            self.resync.is_none(),
+            "resync started while one is abandoned"
+        );
+        assert_eq!(a.attempt, self.resync_attempts, "abandoned an old attempt");
+        let r = &self.replicas[a.idx];
+        assert!(
+            r.is_data() && r.mode == Mode::Failing,
+            "abandoned finishing copy {} is not failing",
+            a.idx
+        );
     }
 
     /// Sequence numbers, barriers and the futures waiting for answers

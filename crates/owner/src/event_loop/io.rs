@@ -1,8 +1,8 @@
 //! Client I/O: writes fanned out to every copy in one order and
 //! acknowledged once durable on enough of them (parked while a copy that
-//! missed one is being recorded absent), writes held back by a resync's
-//! region lock, and reads from one in-sync copy, tried on another when it
-//! fails.
+//! missed one, failing it or failing already when it was sent, is being
+//! recorded absent), writes held back by a resync's region lock, and reads
+//! from one in-sync copy, tried on another when it fails.
 
 use super::health::{owner_error, state_for};
 use super::replica::{Mode, ReplicaSet};
@@ -33,8 +33,8 @@ impl WriteOp {
 /// An answered write waiting for the directory to record the copies that
 /// missed it.
 pub(super) struct Parked {
-    /// Copies that failed the write; it is acknowledged once none of them
-    /// is still `Failing`.
+    /// Copies that missed the write (failed it, or were failing when it
+    /// was sent); it is acknowledged once none of them is still `Failing`.
     pub(super) waiting: ReplicaSet,
     /// Copies that took the write.
     pub(super) ok: ReplicaSet,
@@ -254,7 +254,6 @@ impl<C: Control> Loop<C> {
         // copies different.
         let any_ok = results.iter().any(|(_, r)| r.is_ok());
         let mut ok = ReplicaSet::EMPTY;
-        let mut waiting = ReplicaSet::EMPTY;
         for (i, res) in results {
             let e = match res {
                 Ok(()) => {
@@ -276,16 +275,23 @@ impl<C: Control> Loop<C> {
                 None => {}
             }
             self.fail(i, state_for(&e));
-            if self.replicas[i].mode == Mode::Failing {
-                waiting.insert(i);
-            }
         }
+        let waiting = self.missed(ok);
         if waiting.is_empty() {
             let _ = reply.send(self.ack(ok));
         } else {
             self.parked.push(Parked { waiting, ok, reply });
         }
         Flow::Continue
+    }
+
+    /// The copies a write that reached those in `ok` missed (it failed on
+    /// them, or was sent while they were failing) and that are not yet
+    /// recorded out of service: it is acknowledged only once they are.
+    fn missed(&self, ok: ReplicaSet) -> ReplicaSet {
+        (0..self.replicas.len())
+            .filter(|&i| self.replicas[i].mode == Mode::Failing && !ok.contains(i))
+            .collect()
     }
 
     /// The answer to a write that reached the copies in `ok`: success if

@@ -35,7 +35,7 @@ use futures::StreamExt;
 use io::{Parked, WriteOp};
 use repair::RepairError;
 use replica::{Replica, ReplicaSet};
-use resync::{Resync, ReviveError};
+use resync::{Abandoned, Resync, ReviveError};
 use route::Routed;
 use shoal_model::{ComponentState, Generation};
 use shoal_rpc::{Peer, RpcError};
@@ -92,9 +92,11 @@ pub(crate) enum Internal {
     /// The directory refused a change: another owner holds a newer generation.
     Deposed,
     Tick,
+    /// A ping of witness `idx` ended: the connection it used (maybe one it
+    /// made), or why it failed.
     WitnessPing {
         idx: usize,
-        result: Result<(), RpcError>,
+        result: Result<Arc<Peer>, RpcError>,
     },
     /// The reconnection of in-sync replica `idx` ended.
     Reconnected {
@@ -124,6 +126,8 @@ pub(crate) enum Internal {
         attempt: u64,
         result: Result<(), RpcError>,
     },
+    /// The request to record the target active answered: the end of the
+    /// attempt, or of an abandoned one's wait ([`resync::Abandoned`]).
     ResyncDone {
         attempt: u64,
         result: Result<(), ControlError>,
@@ -167,7 +171,11 @@ pub(super) struct Loop<C: Control> {
     lock: Option<(u64, u64)>,
     blocked: VecDeque<(WriteOp, Reply)>,
     resync: Option<Resync>,
-    /// Resync attempts started so far; the last one numbers `resync`.
+    /// An attempt given up while the directory was being asked to record
+    /// its target active: no other starts until that request answered.
+    abandoned: Option<Abandoned>,
+    /// Resync attempts started so far; the last one numbers `resync` (or
+    /// `abandoned`).
     resync_attempts: u64,
     /// Ticks to wait before trying another resync after a failed attempt.
     resync_backoff: u32,
@@ -222,6 +230,7 @@ impl<C: Control> Loop<C> {
             lock: None,
             blocked: VecDeque::new(),
             resync: None,
+            abandoned: None,
             resync_attempts: 0,
             resync_backoff: 0,
             read_rr: 0,

@@ -13,7 +13,9 @@ pub(super) enum Mode {
     InSync,
     /// Receives writes, being copied to; serves no reads.
     Resyncing,
-    /// Failed; waiting for the directory to record it absent.
+    /// Failed; waiting for the directory to record it absent (for a
+    /// resync target given up while being recorded active, first for that
+    /// request to answer). Writes that miss it wait too.
     Failing,
     /// Not written to.
     Out,
@@ -31,6 +33,9 @@ pub(super) struct Replica {
     pub(super) mode: Mode,
     /// Witnesses only: answered the last ping under our generation.
     pub(super) witness_ok: bool,
+    /// Witnesses only: a ping is in flight (it ends within the connect
+    /// timeout and two I/O timeouts); the next waits for its report.
+    pub(super) pinging: bool,
     /// A reconnection of this in-sync copy is under way.
     pub(super) reconnecting: bool,
     /// Its device reported an I/O error (the directory says `Degraded`):
@@ -53,6 +58,7 @@ impl Replica {
             peer: None,
             mode: Mode::Out,
             witness_ok: false,
+            pinging: false,
             reconnecting: false,
             degraded: t.component.state == ComponentState::Degraded,
         }
@@ -72,6 +78,7 @@ impl Replica {
             peer: None,
             mode: Mode::Out,
             witness_ok: false,
+            pinging: false,
             reconnecting: false,
             degraded: self.degraded,
         }

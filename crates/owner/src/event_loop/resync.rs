@@ -1,12 +1,17 @@
 //! Resync: bringing back a copy that was out of service while writes go
 //! on. One at a time, in phases: raise the generation to fence frames of
-//! older sessions (reclaim), activate the copy and record it resyncing
-//! (revive; from here it receives every write), ask both sides what is
-//! allocated (plan), copy those regions one at a time from an in-sync copy
-//! while writes to the region being copied wait (copy), and record the
-//! copy active (finish). Any failure aborts the attempt; the tick tries
+//! older sessions and have the copies in service take it (reclaim),
+//! activate the copy and record it resyncing (revive; from here it
+//! receives every write), ask both sides what is allocated (plan), copy
+//! those regions one at a time from an in-sync copy while writes to the
+//! region being copied wait (copy), and record the copy active (finish). Any failure aborts the attempt; the tick tries
 //! again later. Each attempt has a number its reports carry, so that a
 //! late report of an aborted attempt never acts on a later one.
+//!
+//! An attempt aborted while finishing is [`Abandoned`]: the directory may
+//! still record the target active, so the target stays failing (writes
+//! that skip it wait) until that request answered, is recorded absent (or
+//! degraded) only then, and no other attempt starts meanwhile.
 
 use super::activation::activate;
 use super::health::state_for;
@@ -39,6 +44,16 @@ pub(super) struct Resync {
     pub(super) phase: ResyncPhase,
     /// Regions left to copy, in order.
     pub(super) regions: VecDeque<u64>,
+}
+
+/// An attempt aborted while the directory was being asked to record its
+/// target active: the target is failing until that request answers
+/// ([`Internal::ResyncDone`]), then recorded in `state`.
+pub(super) struct Abandoned {
+    pub(super) attempt: u64,
+    pub(super) idx: usize,
+    /// Absent, or degraded if the target failed with a device error.
+    pub(super) state: ComponentState,
 }
 
 /// Why a copy could not be revived.
@@ -98,7 +113,7 @@ impl<C: Control> Loop<C> {
             self.resync_backoff -= 1;
             return;
         }
-        if self.resync.is_some() {
+        if self.resync.is_some() || self.abandoned.is_some() {
             return;
         }
         let candidate = self
@@ -144,6 +159,7 @@ impl<C: Control> Loop<C> {
             Ok(g) => {
                 assert!(g > self.generation, "reclaim must raise the generation");
                 self.generation = g;
+                self.fence_in_service();
                 if self.is_current(attempt) {
                     self.revive();
                 }
@@ -157,6 +173,22 @@ impl<C: Control> Loop<C> {
             }
         }
         Flow::Continue
+    }
+
+    /// Has every copy in service take the generation just raised, ahead of
+    /// anything sent to it under that generation: a replica refuses reads
+    /// under a generation it has not taken (from an activation or a write).
+    fn fence_in_service(&self) {
+        for i in self.targets().iter() {
+            let r = &self.replicas[i];
+            let flush = Request::Flush {
+                component: r.component,
+                generation: self.generation,
+            };
+            if let Some(p) = &r.peer {
+                let _ = p.send(&flush, Bytes::new());
+            }
+        }
     }
 
     /// Activates the target under the new generation and records it
@@ -193,6 +225,9 @@ impl<C: Control> Loop<C> {
     /// The target is back: from now on it receives every write; ask both
     /// sides what is allocated, in order after all writes sent so far.
     pub(super) fn revived(&mut self, attempt: u64, peer: Result<Arc<Peer>, ReviveError>) -> Flow {
+        if matches!(peer, Err(ReviveError::Record(ControlError::Conflict))) {
+            return Flow::Stop;
+        }
         if !self.is_current(attempt) {
             return Flow::Continue;
         }
@@ -392,6 +427,14 @@ impl<C: Control> Loop<C> {
         if result == Err(ControlError::Conflict) {
             return Flow::Stop;
         }
+        if self
+            .abandoned
+            .as_ref()
+            .is_some_and(|a| a.attempt == attempt)
+        {
+            self.settle_abandoned();
+            return Flow::Continue;
+        }
         if !self.is_current(attempt) {
             return Flow::Continue;
         }
@@ -415,10 +458,14 @@ impl<C: Control> Loop<C> {
         Flow::Continue
     }
 
-    /// Gives the attempt up: the target is out again, the region lock is
-    /// released, and the next attempt waits a while.
+    /// Gives the attempt up: the target is out again (failing, if it may
+    /// still be recorded active), the region lock is released, and the next
+    /// attempt waits a while.
     pub(super) fn abort_resync(&mut self) {
         if let Some(rs) = self.resync.take() {
+            if rs.phase == ResyncPhase::Finishing {
+                self.abandon(rs.attempt, rs.idx);
+            }
             let r = &mut self.replicas[rs.idx];
             if r.mode == Mode::Resyncing {
                 r.mode = Mode::Out;
@@ -432,6 +479,33 @@ impl<C: Control> Loop<C> {
         }
         if self.lock.take().is_some() {
             self.unblock();
+        }
+    }
+
+    /// Gives up a finishing attempt: its target stays failing until the
+    /// request to record it active answers.
+    fn abandon(&mut self, attempt: u64, idx: usize) {
+        tracing::warn!(
+            volume = self.volume,
+            component = self.replicas[idx].component,
+            "resync given up while recording the copy active"
+        );
+        let r = &mut self.replicas[idx];
+        r.mode = Mode::Failing;
+        r.peer = None;
+        self.abandoned = Some(Abandoned {
+            attempt,
+            idx,
+            state: ComponentState::Absent,
+        });
+    }
+
+    /// The request to record an abandoned attempt's target active answered
+    /// (whatever it said): record the target out of service now; `Marked`
+    /// then releases the writes that skipped it.
+    fn settle_abandoned(&mut self) {
+        if let Some(a) = self.abandoned.take() {
+            self.record(a.idx, a.state);
         }
     }
 }

@@ -27,6 +27,9 @@ const IO_TIMEOUT_MS: u64 = 100;
 const EVENT_WAIT_MS: u64 = 5_000;
 /// Most events a test applies while waiting for a state.
 const MAX_STEPS: usize = 1_000;
+/// How long a test lets the loop's spawned tasks run, in milliseconds:
+/// far less than [`IO_TIMEOUT_MS`], so no request times out meanwhile.
+const SETTLE_MS: u64 = 20;
 
 /// How a fake replica answers a request.
 #[derive(Clone, Debug, Default)]
@@ -114,6 +117,22 @@ pub(super) struct FakeDir {
     pub(super) states: Mutex<Vec<(u64, ComponentState)>>,
     /// Refuse everything: a newer owner took over.
     pub(super) conflict: AtomicBool,
+    /// Hold every request to record a copy active until
+    /// [`FakeDir::answer_active`]: a resync's finish left in flight.
+    pub(super) hold_active: AtomicBool,
+    active_answered: tokio::sync::Notify,
+}
+
+impl FakeDir {
+    /// Lets the held request to record a copy active answer.
+    pub(super) fn answer_active(&self) {
+        self.active_answered.notify_one();
+    }
+
+    /// The states recorded so far, in the order their requests answered.
+    pub(super) fn recorded(&self) -> Vec<(u64, ComponentState)> {
+        self.states.lock().unwrap().clone()
+    }
 }
 
 impl Control for FakeDir {
@@ -124,6 +143,9 @@ impl Control for FakeDir {
         state: ComponentState,
         generation: Generation,
     ) -> Result<(), ControlError> {
+        if state == ComponentState::Active && self.hold_active.load(Ordering::SeqCst) {
+            self.active_answered.notified().await;
+        }
         if self.conflict.load(Ordering::SeqCst)
             || generation != self.generation.load(Ordering::SeqCst)
         {
@@ -216,6 +238,8 @@ pub(super) async fn rig(specs: &[Spec]) -> Rig {
         generation: AtomicU64::new(1),
         states: Mutex::default(),
         conflict: AtomicBool::new(false),
+        hold_active: AtomicBool::new(false),
+        active_answered: tokio::sync::Notify::new(),
     });
     let mut replicas = Vec::new();
     let mut fakes = Vec::new();
@@ -247,6 +271,7 @@ pub(super) async fn rig(specs: &[Spec]) -> Rig {
             witness_ok: s.role == ComponentRole::Witness && s.connected,
             peer,
             mode: s.mode,
+            pinging: false,
             reconnecting: false,
             degraded: false,
         });
@@ -310,6 +335,12 @@ impl Rig {
             .await
             .expect("an event comes")
             .expect("the loop's channel is open")
+    }
+
+    /// Lets the tasks the loop spawned run (without applying what they
+    /// report).
+    pub(super) async fn settle(&self) {
+        tokio::time::sleep(Duration::from_millis(SETTLE_MS)).await;
     }
 
     pub(super) async fn step(&mut self) -> Flow {

@@ -7,7 +7,7 @@
 mod fakes;
 
 use super::replica::{Mode, ReplicaSet};
-use super::resync::ResyncPhase;
+use super::resync::{ResyncPhase, ReviveError};
 use super::{Flow, Internal, RESYNC_RETRY_TICKS};
 use crate::{ControlError, Event, Op, OwnerError, View, REGION};
 use bytes::Bytes;
@@ -110,6 +110,27 @@ async fn a_copy_failing_mid_write_is_marked_absent_before_the_ack() {
     );
     assert_eq!(rig.lp.replicas[1].mode, Mode::Out);
     assert!(rig.lp.parked.is_empty());
+}
+
+#[tokio::test]
+async fn a_write_that_skips_a_failing_copy_waits_for_its_record() {
+    let mut rig = rig(&standard()).await;
+    rig.fakes[1].answer_others(Answer::Hang);
+    let first = rig.submit(write(0, 4096, 7));
+    assert_eq!(rig.finish_write().await, Flow::Continue);
+    assert_eq!(rig.lp.replicas[1].mode, Mode::Failing);
+    // Sent to copy 1 no more; it is not recorded absent yet.
+    let mut second = rig.submit(write(4096, 4096, 8));
+    assert_eq!(rig.lp.inflight.get(&2), Some(&ReplicaSet::one(0)));
+    assert_eq!(rig.finish_write().await, Flow::Continue);
+    assert_eq!(
+        answered(&mut second),
+        None,
+        "acked without a copy the directory may still have active"
+    );
+    rig.run_until(|lp| lp.replicas[1].mode == Mode::Out).await;
+    assert_eq!(answer(first).await, Ok(Bytes::new()));
+    assert_eq!(answer(second).await, Ok(Bytes::new()));
 }
 
 #[tokio::test]
@@ -240,6 +261,68 @@ async fn a_witness_that_stops_answering_no_longer_counts() {
     let ack = rig.submit(write(0, 4096, 1));
     rig.finish_write().await;
     assert_eq!(answer(ack).await, Ok(Bytes::new()));
+}
+
+fn count(requests: &[Request], what: fn(&Request) -> bool) -> usize {
+    requests.iter().filter(|r| what(r)).count()
+}
+
+fn is_create(r: &Request) -> bool {
+    matches!(r, Request::CreateComponent { .. })
+}
+
+fn is_flush(r: &Request) -> bool {
+    matches!(r, Request::Flush { .. })
+}
+
+#[tokio::test]
+async fn a_witness_ping_keeps_the_connection_it_made() {
+    let specs = [
+        copy(1, Mode::InSync, 1),
+        copy(2, Mode::InSync, 2),
+        witness(3).disconnected(),
+    ];
+    let mut rig = rig(&specs).await;
+    for _ in 0..2 {
+        rig.tick();
+        let ev = rig.next_event().await;
+        assert!(matches!(
+            ev,
+            Event::Internal(Internal::WitnessPing { idx: 2, .. })
+        ));
+        assert_eq!(rig.lp.apply(ev), Flow::Continue);
+        assert!(rig.lp.replicas[2].witness_ok);
+    }
+    let sent = rig.requests(2);
+    assert_eq!(count(&sent, is_flush), 2, "{sent:?}");
+    assert_eq!(count(&sent, is_create), 1, "a new connection per ping");
+    assert!(rig.lp.replicas[2].peer.is_some());
+}
+
+#[tokio::test]
+async fn a_hung_witness_has_one_ping_at_a_time() {
+    let mut rig = rig(&standard()).await;
+    rig.fakes[2].answer_others(Answer::Hang);
+    for _ in 0..3 {
+        assert_eq!(rig.tick(), Flow::Continue);
+    }
+    rig.settle().await;
+    assert_eq!(count(&rig.requests(2), is_flush), 1, "pings pile up");
+    // The ping times out; the next tick sends another.
+    let ev = rig.next_event().await;
+    assert!(matches!(
+        ev,
+        Event::Internal(Internal::WitnessPing {
+            idx: 2,
+            result: Err(_)
+        })
+    ));
+    assert_eq!(rig.lp.apply(ev), Flow::Continue);
+    assert!(!rig.lp.replicas[2].witness_ok);
+    rig.fakes[2].answer_others(Answer::Ok);
+    rig.tick();
+    rig.run_until(|lp| lp.replicas[2].witness_ok).await;
+    assert_eq!(count(&rig.requests(2), is_flush), 2);
 }
 
 #[tokio::test]
@@ -431,6 +514,27 @@ async fn a_returning_copy_is_resynced_and_rejoins() {
 }
 
 #[tokio::test]
+async fn copies_in_service_adopt_a_reclaimed_generation_before_reads_under_it() {
+    let mut rig = rig(&returning()).await;
+    rig.fakes[0].allocate(&[(0, REGION)]);
+    rig.tick();
+    rig.run_until(|lp| lp.resync.is_none()).await;
+    assert_eq!(rig.lp.replicas[1].mode, Mode::InSync);
+    // A replica refuses a read under a generation it has not taken.
+    let sent = rig.requests(0);
+    let fenced = sent
+        .iter()
+        .position(|r| matches!(r, Request::Flush { generation: 2, .. }));
+    let read = sent
+        .iter()
+        .position(|r| matches!(r, Request::Read { generation: 2, .. }));
+    assert!(
+        matches!((fenced, read), (Some(f), Some(r)) if f < r),
+        "{sent:?}"
+    );
+}
+
+#[tokio::test]
 async fn a_write_to_the_region_being_copied_waits_for_the_copy_step() {
     let mut rig = rig(&returning()).await;
     rig.fakes[0].allocate(&[(0, 2 * REGION)]);
@@ -525,6 +629,138 @@ async fn a_resync_the_directory_refuses_deposes_the_owner() {
 }
 
 #[tokio::test]
+async fn a_conflict_recording_the_copy_resyncing_deposes_the_owner() {
+    let mut rig = rig(&returning()).await;
+    rig.tick();
+    // Reclaimed: the revival is under way, under generation 2.
+    rig.run_until(|lp| lp.generation == 2).await;
+    rig.dir.conflict.store(true, Ordering::SeqCst);
+    let revived = loop {
+        match rig.next_event().await {
+            ev @ Event::Internal(Internal::Revived { .. }) => break ev,
+            other => assert_eq!(rig.lp.apply(other), Flow::Continue),
+        }
+    };
+    assert!(matches!(
+        revived,
+        Event::Internal(Internal::Revived {
+            peer: Err(ReviveError::Record(ControlError::Conflict)),
+            ..
+        })
+    ));
+    assert_eq!(rig.lp.apply(revived), Flow::Stop);
+}
+
+/// A rig whose resync of its one copy out reached its last phase: the
+/// directory holds the request to record that copy active.
+async fn finishing(specs: &[fakes::Spec]) -> fakes::Rig {
+    let mut rig = rig(specs).await;
+    rig.fakes[0].allocate(&[(0, REGION)]);
+    rig.dir.hold_active.store(true, Ordering::SeqCst);
+    rig.tick();
+    rig.run_until(|lp| {
+        lp.resync
+            .as_ref()
+            .is_some_and(|rs| rs.phase == ResyncPhase::Finishing)
+    })
+    .await;
+    rig
+}
+
+fn recorded_before(rig: &fakes::Rig, first: (u64, ComponentState), then: (u64, ComponentState)) {
+    let states = rig.dir.recorded();
+    let at = |s| states.iter().position(|&x| x == s);
+    assert!(
+        matches!((at(first), at(then)), (Some(a), Some(b)) if a < b),
+        "{first:?} not recorded before {then:?}: {states:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_target_failing_while_recorded_active_is_recorded_degraded_after() {
+    let mut rig = finishing(&returning()).await;
+    rig.fakes[1].answer_others(Answer::Err(RemoteError::Io("dead disk".into())));
+    let mut ack = rig.submit(write(0, 4096, 9));
+    assert_eq!(rig.finish_write().await, Flow::Continue);
+    assert_eq!(rig.lp.replicas[1].mode, Mode::Failing);
+    rig.settle().await;
+    assert_eq!(
+        rig.dir.recorded(),
+        vec![(2, ComponentState::Resyncing)],
+        "recorded degraded while the request to record it active is in flight"
+    );
+    assert_eq!(answered(&mut ack), None);
+    rig.dir.answer_active();
+    let ev = rig.next_event().await;
+    assert!(matches!(
+        ev,
+        Event::Internal(Internal::ResyncDone { result: Ok(()), .. })
+    ));
+    assert_eq!(rig.lp.apply(ev), Flow::Continue);
+    assert_eq!(rig.lp.replicas[1].mode, Mode::Failing);
+    assert_eq!(answered(&mut ack), None);
+    rig.run_until(|lp| lp.replicas[1].mode == Mode::Out).await;
+    assert_eq!(
+        rig.dir.recorded(),
+        vec![
+            (2, ComponentState::Resyncing),
+            (2, ComponentState::Active),
+            (2, ComponentState::Degraded)
+        ]
+    );
+    assert_eq!(answer(ack).await, Ok(Bytes::new()));
+}
+
+#[tokio::test]
+async fn a_write_waits_for_a_target_abandoned_while_recorded_active() {
+    // Three copies in sync (the first one is the source), the fourth
+    // being resynced, a witness.
+    let specs = [
+        copy(1, Mode::InSync, 5),
+        copy(2, Mode::InSync, 6),
+        copy(3, Mode::InSync, 7),
+        copy(4, Mode::Out, 0),
+        witness(5),
+    ];
+    let mut rig = finishing(&specs).await;
+    // The source fails: the attempt is given up.
+    rig.fakes[0].answer_reads(Answer::Err(RemoteError::Io("bad sector".into())));
+    let data = rig.submit(Op::Read {
+        offset: 0,
+        len: 4096,
+    });
+    let ev = rig.next_event().await;
+    assert!(matches!(
+        ev,
+        Event::Internal(Internal::ReadFailed { idx: 0, .. })
+    ));
+    assert_eq!(rig.lp.apply(ev), Flow::Continue);
+    assert!(rig.lp.resync.is_none());
+    assert!(answer(data).await.is_ok());
+    // A write that skips the target waits until it is recorded absent,
+    // which waits until the request to record it active answered.
+    let mut ack = rig.submit(write(0, 4096, 9));
+    assert_eq!(rig.finish_write().await, Flow::Continue);
+    rig.run_until(|lp| lp.replicas[0].mode == Mode::Out).await;
+    rig.settle().await;
+    assert_eq!(
+        answered(&mut ack),
+        None,
+        "acknowledged without the target while it may be recorded active"
+    );
+    assert_eq!(rig.lp.replicas[3].mode, Mode::Failing);
+    assert!(!rig.dir.recorded().contains(&(4, ComponentState::Absent)));
+    rig.dir.answer_active();
+    rig.run_until(|lp| lp.replicas[3].mode == Mode::Out).await;
+    recorded_before(
+        &rig,
+        (4, ComponentState::Active),
+        (4, ComponentState::Absent),
+    );
+    assert_eq!(answer(ack).await, Ok(Bytes::new()));
+}
+
+#[tokio::test]
 async fn parked_writes_are_answered_deposed_when_the_loop_ends() {
     let mut rig = rig(&standard()).await;
     rig.dir.conflict.store(true, Ordering::SeqCst);
@@ -586,6 +822,19 @@ async fn a_write_parked_on_no_failing_copy_is_caught() {
         waiting: ReplicaSet::one(1),
         ok: ReplicaSet::one(0),
         reply,
+    });
+    rig.lp.check_invariants(Flow::Continue);
+}
+
+#[tokio::test]
+#[should_panic(expected = "abandoned finishing copy 1 is not failing")]
+async fn an_abandoned_finishing_copy_out_of_service_is_caught() {
+    let mut rig = rig(&returning()).await;
+    rig.lp.resync_attempts = 1;
+    rig.lp.abandoned = Some(super::resync::Abandoned {
+        attempt: 1,
+        idx: 1,
+        state: ComponentState::Absent,
     });
     rig.lp.check_invariants(Flow::Continue);
 }
