@@ -277,7 +277,10 @@ impl Client {
         body: &B,
     ) -> Result<T, ApiError> {
         let url = format!("{}{}", self.base, path);
-        let r = self.authorized(self.http.post(&url).json(body)).send().await;
+        let r = self
+            .authorized(self.http.post(&url).json(body))
+            .send()
+            .await;
         self.answer(&url, r).await
     }
 

@@ -179,7 +179,9 @@ fn check_flags(a: &BenchArgs) -> Result<()> {
         bail!("give --workers or --workers-per-node, not both");
     }
     if a.latency_target.is_some() && a.rate_limit.is_some() {
-        bail!("--rate-limit and --latency-target cannot be combined: the target mode sets the load");
+        bail!(
+            "--rate-limit and --latency-target cannot be combined: the target mode sets the load"
+        );
     }
     Ok(())
 }
@@ -725,7 +727,9 @@ async fn latency_mode(
     args: &BenchArgs,
 ) -> Result<ProfileResult> {
     let target_us = target.as_secs_f64() * 1e6;
-    let percentile = args.latency_percentile.unwrap_or(LATENCY_PERCENTILE_DEFAULT);
+    let percentile = args
+        .latency_percentile
+        .unwrap_or(LATENCY_PERCENTILE_DEFAULT);
     let max_outstanding = args.max_outstanding.unwrap_or(MAX_OUTSTANDING_DEFAULT);
     let q = percentile / 100.0;
     let mut steps = Vec::new();

@@ -335,7 +335,11 @@ pub async fn up(a: UpArgs) -> Result<()> {
             continue;
         }
         let join = (n.id != cluster.nodes[0].id).then_some(first_api.as_str());
-        let pid = start_node(n, join, workers_per_node(cluster.nodes.len(), a.workers.map(usize::from)))?;
+        let pid = start_node(
+            n,
+            join,
+            workers_per_node(cluster.nodes.len(), a.workers.map(usize::from)),
+        )?;
         println!(
             "started node {} (pid {pid}) api {} nbd {}",
             n.id, n.api, n.nbd

@@ -286,9 +286,7 @@ fn node_config(a: NodeArgs) -> Result<NodeConfig> {
     if let Some(w) = a.workers {
         tuning.workers = Some(w);
     }
-    tuning
-        .validate()
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    tuning.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     let id = a.id.or(f.id).unwrap_or(1);
     if id == 0 {
         bail!("node ids start at 1");
@@ -473,7 +471,10 @@ async fn token(t: TokenCmd) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
                 println!("{}", r.token);
-                eprintln!("token {} ({}): keep its text; it is not shown again", r.id, r.role);
+                eprintln!(
+                    "token {} ({}): keep its text; it is not shown again",
+                    r.id, r.role
+                );
             }
         }
         TokenCmd::List { target, json } => {

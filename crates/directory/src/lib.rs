@@ -236,12 +236,18 @@ impl Directory {
                 "/raft/append",
                 post(h_append).layer(limit(APPEND_BODY_MAX_BYTES)),
             )
-            .route("/raft/vote", post(h_vote).layer(limit(SMALL_BODY_MAX_BYTES)))
+            .route(
+                "/raft/vote",
+                post(h_vote).layer(limit(SMALL_BODY_MAX_BYTES)),
+            )
             .route(
                 "/raft/snapshot",
                 post(h_snapshot).layer(limit(SNAPSHOT_BODY_MAX_BYTES)),
             )
-            .route("/directory/join", post(h_join).layer(limit(SMALL_BODY_MAX_BYTES)))
+            .route(
+                "/directory/join",
+                post(h_join).layer(limit(SMALL_BODY_MAX_BYTES)),
+            )
             .route(
                 "/directory/propose",
                 post(h_propose).layer(limit(SMALL_BODY_MAX_BYTES)),

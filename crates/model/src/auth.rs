@@ -81,7 +81,9 @@ impl fmt::Debug for TokenText {
 }
 
 fn is_hex(s: &str, len: usize) -> bool {
-    s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    s.len() == len
+        && s.bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -116,7 +118,10 @@ impl TokenText {
 impl FromStr for TokenText {
     type Err = TokenError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let rest = s.trim().strip_prefix("shoal-").ok_or(TokenError::Malformed)?;
+        let rest = s
+            .trim()
+            .strip_prefix("shoal-")
+            .ok_or(TokenError::Malformed)?;
         let (id, secret) = rest.split_once('-').ok_or(TokenError::Malformed)?;
         if !is_hex(id, 16) || !is_hex(secret, 64) {
             return Err(TokenError::Malformed);

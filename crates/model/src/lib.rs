@@ -397,8 +397,14 @@ mod tests {
         assert_eq!(check_volume_size(4097), Err(InputError::Unaligned(4097)));
         assert!(check_volume_name("demo-1").is_ok());
         assert!(check_volume_name("a/b").is_err());
-        assert!(matches!(check_volume_name("."), Err(InputError::ReservedName(_))));
-        assert!(matches!(check_volume_name(".."), Err(InputError::ReservedName(_))));
+        assert!(matches!(
+            check_volume_name("."),
+            Err(InputError::ReservedName(_))
+        ));
+        assert!(matches!(
+            check_volume_name(".."),
+            Err(InputError::ReservedName(_))
+        ));
         assert!(check_volume_name("...").is_ok());
         assert!(check_volume_size(MAX_VOLUME_SIZE).is_ok());
         assert_eq!(

@@ -95,7 +95,10 @@ mod tests {
             needed(&Method::GET, "/v1/volumes"),
             Access::Needs(Role::ReadOnly)
         );
-        assert_eq!(needed(&Method::GET, "/metrics"), Access::Needs(Role::ReadOnly));
+        assert_eq!(
+            needed(&Method::GET, "/metrics"),
+            Access::Needs(Role::ReadOnly)
+        );
         assert_eq!(
             needed(&Method::POST, "/v1/volumes"),
             Access::Needs(Role::Admin)
@@ -104,7 +107,10 @@ mod tests {
             needed(&Method::DELETE, "/v1/volumes/x"),
             Access::Needs(Role::Admin)
         );
-        assert_eq!(needed(&Method::POST, "/v1/scrub"), Access::Needs(Role::Admin));
+        assert_eq!(
+            needed(&Method::POST, "/v1/scrub"),
+            Access::Needs(Role::Admin)
+        );
         let mut h = HeaderMap::new();
         assert_eq!(bearer(&h), None);
         h.insert(header::AUTHORIZATION, "Bearer shoal-x".parse().unwrap());

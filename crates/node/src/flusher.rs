@@ -358,8 +358,13 @@ mod tests {
         let store = Arc::new(LogStore::create(&dir.path().join("dev.img"), 64 << 20, "t").unwrap());
         store.create_component(1, 1, 16 << 20).unwrap();
         let f = Arc::new(
-            Flusher::with_threads(store.clone(), "t", threads, crate::tuning::GATHER_US_DEFAULT)
-                .unwrap(),
+            Flusher::with_threads(
+                store.clone(),
+                "t",
+                threads,
+                crate::tuning::GATHER_US_DEFAULT,
+            )
+            .unwrap(),
         );
         (dir, store, f)
     }

@@ -10,8 +10,7 @@ use axum::routing::{get, post};
 use axum::Json;
 use shoal_api::{
     Connections, CopyDigest, CreateVolume, Digests, ErrorBody, Heartbeat, Owners, Resize,
-    ThrottleReport, VolumeSettings,
-    StatusReport, VolumeReport,
+    StatusReport, ThrottleReport, VolumeReport, VolumeSettings,
 };
 use shoal_directory::{ClusterState, Command, DirectoryError, StateError};
 use shoal_model::{check_volume_name, check_volume_size, NodeState, Policy, Volume};
@@ -156,10 +155,7 @@ async fn create_token(
         )));
     }
     let (text, token) = crate::new_token(req.role, &req.note);
-    h.router
-        .dir
-        .propose(Command::CreateToken { token })
-        .await?;
+    h.router.dir.propose(Command::CreateToken { token }).await?;
     Ok(Json(shoal_api::NewToken {
         id: text.id.clone(),
         role: req.role,

@@ -216,7 +216,10 @@ async fn remote_cluster_id(join: &str, tries: u32) -> Result<String> {
 
 /// A new API token of `role`: its text (to hand out once) and the record
 /// the directory keeps.
-pub fn new_token(role: shoal_model::Role, note: &str) -> (shoal_model::TokenText, shoal_model::ApiToken) {
+pub fn new_token(
+    role: shoal_model::Role,
+    note: &str,
+) -> (shoal_model::TokenText, shoal_model::ApiToken) {
     let text = shoal_model::TokenText::new(rand::random(), rand::random());
     let token = shoal_model::ApiToken {
         id: text.id.clone(),

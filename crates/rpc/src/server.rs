@@ -212,7 +212,11 @@ async fn hold(
     Ok(Held {
         _requests: requests.clone().acquire_owned().await.map_err(closed)?,
         _bytes: bytes.clone().acquire_many_owned(n).await.map_err(closed)?,
-        _node_bytes: node_bytes.clone().acquire_many_owned(n).await.map_err(closed)?,
+        _node_bytes: node_bytes
+            .clone()
+            .acquire_many_owned(n)
+            .await
+            .map_err(closed)?,
     })
 }
 

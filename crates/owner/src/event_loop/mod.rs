@@ -49,9 +49,9 @@ type Reply = oneshot::Sender<Result<Bytes, OwnerError>>;
 
 /// Regions a new owner reconciles at once after a crash (each a 1 MiB read
 /// from one copy and a write to the others): a few at once keep the copies'
-/// devices busy instead of waiting one round trip per region. The 2,048
-/// regions of a 2 GiB volume took 10.5 s one at a time, 7.5 s eight at a
-/// time on the demo cluster (one run each; 4 GiB of I/O on one disk).
+/// devices busy instead of waiting one round trip per region (eight at a
+/// time measured faster than one: bench/RESULTS.md, 2026-12-01, what a
+/// whole-cluster crash costs at restart).
 const RECONCILE_REGIONS_IN_FLIGHT: usize = 8;
 /// How long to wait for a TCP connection to a replica, in milliseconds.
 const CONNECT_TIMEOUT_MS: u64 = 1000;
