@@ -10,7 +10,7 @@ use std::time::Instant;
 fn bench_quick_run_reports_sane_figures_and_cleans_up() {
     require("fio");
     let t = Instant::now();
-    let c = Cluster::start(3, 50);
+    let c = Cluster::start(3);
     let out = c.data.parent().unwrap().join("bench-out");
     let stdout = c.shoal(&[
         "bench",

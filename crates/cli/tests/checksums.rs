@@ -2,8 +2,6 @@
 //! detected by the per-block checksum on read, the client still gets the
 //! right data from the other copy, and the bad block is repaired from it;
 //! the scrubber finds and repairs the bad blocks no client reads.
-//!
-//! Loopback subnet 127.0.70.x.
 
 mod common;
 
@@ -13,18 +11,28 @@ use std::fs::OpenOptions;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-const SUBNET: u8 = 70;
 const MIB: usize = 1 << 20;
 const BLOCK: usize = 4096;
 
-fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+/// Waits until every node in `nodes` finished `passes` scrub passes.
+fn wait_scrub_passes(c: &Cluster, nodes: &[u32], passes: u64) {
+    wait_for(
+        &format!("{passes} scrub passes on every node"),
+        Duration::from_secs(60),
+        || {
+            for &n in nodes {
+                let r: serde_json::Value =
+                    serde_json::from_str(&c.rest(n, "/v1/scrub", &[])).expect("scrub json");
+                let done = r["passes"].as_u64().unwrap_or(0);
+                if done < passes {
+                    return Err(format!("node {n}: {done} passes"));
+                }
+            }
+            Ok(())
+        },
+    );
 }
 
 /// (node, device path) of each data copy of `vol`, and its owner.
@@ -100,7 +108,7 @@ fn flipped_bits_are_detected_served_from_the_other_copy_and_repaired() {
     require("nbdcopy");
     require("qemu-io");
     require("curl");
-    let c = Cluster::start(3, SUBNET);
+    let c = Cluster::start(3);
     c.create_volume("rot", "64M", "raid1 ftt=1");
     c.wait_healthy("rot", Duration::from_secs(30));
     let (data, _) = copies(&c, "rot");
@@ -143,8 +151,11 @@ fn flipped_bits_are_detected_served_from_the_other_copy_and_repaired() {
     sh(&format!("nbdcopy {} {}", c.uri(a.0, "rot"), back.display()));
     let got = std::fs::read(&back).expect("read back");
     assert!(got[..16 * MIB] == content[..], "client read wrong data");
-    wait_for("the read-path repair", Duration::from_secs(20), || {
-        c.metric(&[a.0], "shoal_device_repaired_blocks_total") == 1
+    wait_for("the read-path repair", Duration::from_secs(20), || match c
+        .metric(&[a.0], "shoal_device_repaired_blocks_total")
+    {
+        1 => Ok(()),
+        n => Err(format!("{n} blocks repaired")),
     });
     assert!(c.metric(&[a.0], "shoal_device_checksum_errors_total") >= 1);
     // Copy B's bad block was not read yet.
@@ -152,20 +163,9 @@ fn flipped_bits_are_detected_served_from_the_other_copy_and_repaired() {
 
     // The scrubber finds it.
     for &n in &nodes {
-        sh(&format!("curl -sf -X POST {}/v1/scrub", c.api(n)));
+        c.rest(n, "/v1/scrub", &["-X", "POST"]);
     }
-    wait_for(
-        "a scrub pass on every node",
-        Duration::from_secs(60),
-        || {
-            nodes.iter().all(|&n| {
-                let r: serde_json::Value =
-                    serde_json::from_str(&sh(&format!("curl -sf {}/v1/scrub", c.api(n))))
-                        .expect("scrub json");
-                r["passes"].as_u64() >= Some(1)
-            })
-        },
-    );
+    wait_scrub_passes(&c, &nodes, 1);
     assert_eq!(c.metric(&[b.0], "shoal_scrub_bad_blocks_total"), 1);
     assert_eq!(c.metric(&[b.0], "shoal_device_repaired_blocks_total"), 1);
     assert_eq!(c.metric(&[a.0], "shoal_device_repaired_blocks_total"), 1);
@@ -177,16 +177,9 @@ fn flipped_bits_are_detected_served_from_the_other_copy_and_repaired() {
     c.verify_copies("rot");
     let bad_before = c.metric(&nodes, "shoal_scrub_bad_blocks_total");
     for &n in &nodes {
-        sh(&format!("curl -sf -X POST {}/v1/scrub", c.api(n)));
+        c.rest(n, "/v1/scrub", &["-X", "POST"]);
     }
-    wait_for("a second scrub pass", Duration::from_secs(60), || {
-        nodes.iter().all(|&n| {
-            let r: serde_json::Value =
-                serde_json::from_str(&sh(&format!("curl -sf {}/v1/scrub", c.api(n))))
-                    .expect("scrub json");
-            r["passes"].as_u64() >= Some(2)
-        })
-    });
+    wait_scrub_passes(&c, &nodes, 2);
     assert_eq!(c.metric(&nodes, "shoal_scrub_bad_blocks_total"), bad_before);
     assert_eq!(c.health("rot"), "healthy");
     sh(&format!("nbdcopy {} {}", c.uri(b.0, "rot"), back.display()));

@@ -1,8 +1,8 @@
-//! Bad input gets a clear error and changes nothing. Subnets 127.0.40-49.
+//! Bad input gets a clear error and changes nothing.
 
 mod common;
 
-use common::{require, run, shoal_bin, Cluster};
+use common::{require, run, shoal_bin, wait_for, Cluster, Subnet};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -19,7 +19,7 @@ fn volumes(c: &Cluster) -> serde_json::Value {
 
 #[test]
 fn bad_volume_requests_are_refused_and_change_nothing() {
-    let c = Cluster::start(4, 40);
+    let c = Cluster::start(4);
     c.create_volume("taken", "64M", "raid1 ftt=1");
     let before = volumes(&c);
     let cases: &[(&[&str], &str)] = &[
@@ -91,9 +91,7 @@ fn bad_volume_requests_are_refused_and_change_nothing() {
             "checksum=off is not supported",
         ),
         (
-            &[
-                "volume", "create", "x", "--size", "64M", "--policy", ",",
-            ],
+            &["volume", "create", "x", "--size", "64M", "--policy", ","],
             "unknown policy word",
         ),
         (
@@ -115,7 +113,10 @@ fn bad_volume_requests_are_refused_and_change_nothing() {
             "bad value",
         ),
         (&["volume", "set", "taken"], "nothing to set"),
-        (&["volume", "set", "nosuch", "--iops", "5"], "no volume named"),
+        (
+            &["volume", "set", "nosuch", "--iops", "5"],
+            "no volume named",
+        ),
     ];
     for (args, want) in cases {
         let err = c.shoal_fails(args);
@@ -131,54 +132,94 @@ fn bad_volume_requests_are_refused_and_change_nothing() {
     assert_eq!(v["volume"]["size"], 128u64 << 20);
 }
 
-/// A slow fio reader that keeps an NBD connection open for `secs`.
-fn hold_connection(uri: &str, secs: u32) -> std::process::Child {
-    Command::new("fio")
-        .args([
-            "--name=hold",
-            "--ioengine=nbd",
-            &format!("--uri={uri}"),
-            "--rw=randread",
-            "--bs=4k",
-            "--size=64M",
-            &format!("--runtime={secs}"),
-            "--time_based",
-            "--rate_iops=50",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("fio")
+/// A slow fio reader that keeps an NBD connection open (for a minute at
+/// most: the test ends it once it has done with it). Killed when dropped;
+/// its job is a thread (`--thread`), not a child process that would keep
+/// the connection after the kill.
+struct Holder(std::process::Child);
+
+impl Holder {
+    fn start(uri: &str) -> Holder {
+        let child = Command::new("fio")
+            .args([
+                "--name=hold",
+                "--thread",
+                "--ioengine=nbd",
+                &format!("--uri={uri}"),
+                "--rw=randread",
+                "--bs=4k",
+                "--size=64M",
+                "--runtime=60",
+                "--time_based",
+                "--rate_iops=50",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("fio");
+        Holder(child)
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// NBD connections to `volume` open on `node` (its
+/// `/v1/local/connections`).
+fn connections(c: &Cluster, node: u32, volume: &str) -> Result<u64, String> {
+    let body = c.try_rest(node, "/v1/local/connections", &[])?;
+    let v: serde_json::Value = serde_json::from_str(&body).map_err(|e| format!("{body}: {e}"))?;
+    Ok(v["volumes"][volume].as_u64().unwrap_or(0))
+}
+
+fn wait_connections(c: &Cluster, node: u32, volume: &str, open: bool) {
+    let what = if open { "open" } else { "closed" };
+    wait_for(
+        &format!("a connection to {volume} on node {node} {what}"),
+        Duration::from_secs(30),
+        || match connections(c, node, volume)? {
+            n if (n > 0) == open => Ok(()),
+            n => Err(format!("{n} connections")),
+        },
+    );
 }
 
 #[test]
 fn delete_with_open_connections_needs_force() {
     require("fio");
-    let c = Cluster::start(3, 41);
+    let c = Cluster::start(3);
     c.create_volume("busy", "64M", "raid1 ftt=1");
-    // A client holding a connection for a while.
-    let mut fio = hold_connection(&c.uri(2, "busy"), 8);
-    std::thread::sleep(Duration::from_secs(2));
+    // A client holding a connection.
+    let fio = Holder::start(&c.uri(2, "busy"));
+    wait_connections(&c, 2, "busy", true);
     let err = c.shoal_fails(&["volume", "delete", "busy"]);
     assert!(err.contains("open connections"), "{err}");
     assert!(c.json(&["volume", "show", "busy"])["volume"]["name"] == "busy");
-    let _ = fio.wait();
-    // Without clients the delete goes through.
+    drop(fio);
+    // Without clients (once the node saw the client go) the delete goes
+    // through.
+    wait_connections(&c, 2, "busy", false);
     c.shoal(&["volume", "delete", "busy"]);
     c.shoal_fails(&["volume", "show", "busy"]);
     // --force deletes under a connection.
     c.create_volume("busy2", "64M", "raid1 ftt=1");
-    let mut fio = hold_connection(&c.uri(1, "busy2"), 5);
-    std::thread::sleep(Duration::from_secs(2));
+    let fio = Holder::start(&c.uri(1, "busy2"));
+    wait_connections(&c, 1, "busy2", true);
     c.shoal(&["volume", "delete", "busy2", "--force"]);
-    let _ = fio.wait();
+    drop(fio);
     c.shoal_fails(&["volume", "show", "busy2"]);
 }
 
 #[test]
 fn node_refuses_small_device_and_foreign_data_folder() {
     let tmp = tempfile::tempdir().expect("tmp");
-    // A device file too small.
+    // A device file too small (on addresses of a subnet of its own, in
+    // case the node got as far as listening).
+    let net = Subnet::claim();
     let out = run(Command::new(shoal_bin()).args([
         "node",
         "--id",
@@ -188,19 +229,19 @@ fn node_refuses_small_device_and_foreign_data_folder() {
         "--device",
         &format!("{}:1M", tmp.path().join("small.img").display()),
         "--api",
-        "127.0.42.1:9400",
+        &net.api_addr(1),
         "--nbd",
-        "127.0.42.1:10809",
+        &net.nbd_addr(1),
         "--peer",
-        "127.0.42.1:9500",
+        &net.peer_addr(1),
     ]));
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("too small"), "{err}");
 
     // Two clusters; a node folder of the first cannot join the second.
-    let a = Cluster::start(1, 43);
-    let b = Cluster::start(1, 44);
+    let a = Cluster::start(1);
+    let b = Cluster::start(1);
     a.shoal(&["down"]);
     let out = run(Command::new(shoal_bin()).args([
         "node",
@@ -211,13 +252,13 @@ fn node_refuses_small_device_and_foreign_data_folder() {
         "--device",
         &format!("{}:4G", a.node_dir(1).join("dev0.img").display()),
         "--api",
-        "127.0.43.1:9400",
+        &a.api_addr(1),
         "--nbd",
-        "127.0.43.1:10809",
+        &a.nbd_addr(1),
         "--peer",
-        "127.0.43.1:9500",
+        &a.peer_addr(1),
         "--join",
-        "127.0.44.1:9400",
+        &b.api_addr(1),
     ]));
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
@@ -235,13 +276,13 @@ fn node_refuses_small_device_and_foreign_data_folder() {
         "--device",
         &format!("{}:4G", a.node_dir(1).join("dev0.img").display()),
         "--api",
-        "127.0.44.2:9400",
+        &b.api_addr(2),
         "--nbd",
-        "127.0.44.2:10809",
+        &b.nbd_addr(2),
         "--peer",
-        "127.0.44.2:9500",
+        &b.peer_addr(2),
         "--join",
-        "127.0.44.1:9400",
+        &b.api_addr(1),
     ]));
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);

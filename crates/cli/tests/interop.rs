@@ -1,12 +1,12 @@
 //! Interoperability tests: real NBD clients (qemu-img, qemu-io, fio,
 //! nbdinfo, nbdcopy, nbdfuse + ext4 on a loop device) against a real local
-//! cluster of `shoal` node processes. Every test uses its own subnet
-//! (127.0.20-29) so that the tests can run in parallel. Missing tools are
-//! failures, not skips: CI installs them.
+//! cluster of `shoal` node processes. Every test's cluster has a loopback
+//! subnet of its own, so that the tests can run in parallel. Missing tools
+//! are failures, not skips: CI installs them.
 
 mod common;
 
-use common::{ok, require, run, sh, Cluster};
+use common::{ok, pid_alive, poll_for, require, run, sh, wait_for, Cluster};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -55,8 +55,8 @@ fn random_file(path: &Path, mib: u64) {
     assert_eq!(std::fs::metadata(path).unwrap().len(), mib * MIB);
 }
 
-fn start_volume(subnet: u8, vol: &str, size: &str) -> Cluster {
-    let c = Cluster::start(4, subnet);
+fn start_volume(vol: &str, size: &str) -> Cluster {
+    let c = Cluster::start(4);
     c.create_volume(vol, size, POLICY);
     c.wait_healthy(vol, HEALTHY);
     c
@@ -74,7 +74,7 @@ fn qemu_img_convert_and_compare() {
     let _t = Timed::start("qemu_img_convert_and_compare");
     require("qemu-img");
     require("qemu-io");
-    let c = start_volume(20, "vol", "256M");
+    let c = start_volume("vol", "256M");
     // Make node 1 the owner (the first I/O claims the volume), so that the
     // write through node 2 and the reads through nodes 3 and 4 are forwarded.
     ok(Command::new("qemu-io").args(["-f", "raw", "-c", "read 0 4k", &c.uri(1, "vol")]));
@@ -195,7 +195,7 @@ fn qemu_io(uri: &str, cmds: &[&str]) -> String {
 fn qemu_io_patterns() {
     let _t = Timed::start("qemu_io_patterns");
     require("qemu-io");
-    let c = start_volume(21, "vol", "64M");
+    let c = start_volume("vol", "64M");
     let u1 = c.uri(1, "vol");
     let u3 = c.uri(3, "vol");
 
@@ -316,7 +316,7 @@ fn fio_verify() {
     let _t = Timed::start("fio_verify");
     require("fio");
     require("nbdkit");
-    let c = start_volume(22, "vol", "128M");
+    let c = start_volume("vol", "128M");
 
     // Every 4 KiB block of 64 MiB written once in random order through a
     // non-owner (node 2 forwards to node 1 after the first I/O there)...
@@ -396,10 +396,13 @@ fn fio_verify() {
         .stderr(Stdio::null())
         .spawn()
         .expect("starting nbdkit");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !sock.exists() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for("nbdkit's socket", Duration::from_secs(10), || {
+        if sock.exists() {
+            Ok(())
+        } else {
+            Err(format!("no {}", sock.display()))
+        }
+    });
     let uri = format!("--uri=nbd+unix:///?socket={}", sock.display());
     let bad = try_fio(&[
         "--name=null",
@@ -605,10 +608,10 @@ fn nbdinfo_list_and_errors() {
     let _t = Timed::start("nbdinfo_list_and_errors");
     require("nbdinfo");
     require("qemu-io");
-    let c = start_volume(23, "alpha", "256M");
+    let c = start_volume("alpha", "256M");
     c.create_volume("beta", "64M", POLICY);
     c.wait_healthy("beta", HEALTHY);
-    let server = |node: u32| format!("nbd://{}.{node}:10809", c.net);
+    let server = |node: u32| format!("nbd://{}", c.nbd_addr(node));
 
     // Every node lists every volume.
     for node in [1, 4] {
@@ -645,7 +648,7 @@ fn nbdinfo_list_and_errors() {
         "the error does not say the export is unknown:\n{}",
         show(&bad)
     );
-    match raw::Conn::open(&format!("{}.3:10809", c.net), "nosuch") {
+    match raw::Conn::open(&c.nbd_addr(3), "nosuch") {
         Err(kind) => assert_eq!(
             kind,
             raw::REP_ERR_UNKNOWN,
@@ -695,7 +698,7 @@ fn nbdinfo_list_and_errors() {
     // owner and through a forwarding node: errors, and the connection
     // stays usable (a rejected write's payload is skipped).
     for node in [1, 2] {
-        let addr = format!("{}.{node}:10809", c.net);
+        let addr = c.nbd_addr(node);
         let mut conn = raw::Conn::open(&addr, "alpha").expect("NBD_OPT_GO alpha");
         assert_eq!(conn.size, 256 * MIB);
         let end = conn.size;
@@ -773,7 +776,7 @@ fn unix_socket_serves_local_clients() {
     let _t = Timed::start("unix_socket_serves_local_clients");
     require("nbdinfo");
     require("qemu-io");
-    let c = start_volume(27, "vol", "64M");
+    let c = start_volume("vol", "64M");
 
     let info = nbdinfo_json(&[&c.unix_uri(1, "vol")]);
     assert_eq!(
@@ -828,11 +831,11 @@ fn unix_socket_serves_local_clients() {
         "--data",
         &c.data.join("node9").display().to_string(),
         "--peer",
-        &format!("{}.9:9500", c.net),
+        &c.peer_addr(9),
         "--nbd",
-        &format!("{}.9:10809", c.net),
+        &c.nbd_addr(9),
         "--api",
-        &format!("{}.9:9400", c.net),
+        &c.api_addr(9),
         "--nbd-socket",
         &sock.display().to_string(),
     ]));
@@ -848,17 +851,13 @@ fn unix_socket_serves_local_clients() {
 
 /// Waits until process `pid` is gone (or a zombie nobody reaped yet).
 fn wait_gone(pid: i32) {
-    let t0 = Instant::now();
-    let alive = || {
-        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-            s.rsplit_once(')')
-                .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
-        })
-    };
-    while alive() {
-        assert!(t0.elapsed() < HEALTHY, "process {pid} did not end");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for(&format!("process {pid} to end"), HEALTHY, || {
+        if pid_alive(pid) {
+            Err("running".into())
+        } else {
+            Ok(())
+        }
+    });
 }
 
 // ---------------------------------------------------------------------------
@@ -880,7 +879,7 @@ fn nbdcopy_both_ways() {
     let _t = Timed::start("nbdcopy_both_ways");
     require("nbdcopy");
     require("nbdinfo");
-    let c = start_volume(24, "vol", "64M");
+    let c = start_volume("vol", "64M");
     let info = nbdinfo_json(&[&c.uri(1, "vol")]);
     assert_eq!(
         info["exports"][0]["can_multi_conn"], true,
@@ -942,8 +941,10 @@ impl Fuse {
             child: Some(child),
             log,
         };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !pidfile.exists() {
+        wait_for("nbdfuse serving", Duration::from_secs(20), || {
+            if pidfile.exists() {
+                return Ok(());
+            }
             if let Some(st) = f.child.as_mut().unwrap().try_wait().unwrap() {
                 f.child = None;
                 panic!(
@@ -951,13 +952,8 @@ impl Fuse {
                     std::fs::read_to_string(&f.log).unwrap_or_default()
                 );
             }
-            assert!(
-                Instant::now() < deadline,
-                "nbdfuse not ready after 20s:\n{}",
-                f.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+            Err(format!("no pid file yet; log:\n{}", f.log_text()))
+        });
         f
     }
 
@@ -972,25 +968,28 @@ impl Fuse {
     /// Unmounts and waits for nbdfuse; returns its exit status.
     fn stop(&mut self) -> Option<std::process::ExitStatus> {
         let mut child = self.child.take()?;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
+        // Also called from `drop`: no panic; poll, then force.
+        let exited = poll_for(Duration::from_secs(20), || {
             let _ = Command::new("fusermount3")
                 .arg("-u")
                 .arg(&self.dir)
                 .output();
-            if let Ok(Some(st)) = child.try_wait() {
-                return Some(st);
+            match child.try_wait() {
+                Ok(Some(st)) => Ok(st),
+                r => Err(format!("{r:?}")),
             }
-            if Instant::now() > deadline {
+        });
+        match exited {
+            Ok(st) => Some(st),
+            Err(_) => {
                 let _ = Command::new("fusermount3")
                     .arg("-uz")
                     .arg(&self.dir)
                     .output();
                 let _ = child.kill();
                 let _ = child.wait();
-                return None;
+                None
             }
-            std::thread::sleep(Duration::from_millis(100));
         }
     }
 
@@ -1073,7 +1072,7 @@ fn ext4_through_nbdfuse() {
         show(&lo)
     );
 
-    let c = start_volume(25, "vol", "512M");
+    let c = start_volume("vol", "512M");
     let tmp = tempdir();
     let root = tmp.path();
     let fs = root.join("fs");
@@ -1147,10 +1146,10 @@ fn concurrent_unaligned_writes_through_all_nodes() {
     const CLIENTS: u64 = 8;
     const BLOCKS: u64 = 64;
     const SLOT: u64 = 509;
-    let c = start_volume(26, "vol", "16M");
+    let c = start_volume("vol", "16M");
     let threads: Vec<_> = (0..CLIENTS)
         .map(|i| {
-            let addr = format!("{}.{}:10809", c.net, i % 4 + 1);
+            let addr = c.nbd_addr(i as u32 % 4 + 1);
             std::thread::spawn(move || {
                 let mut conn = raw::Conn::open(&addr, "vol").expect("NBD_OPT_GO vol");
                 let writes: Vec<(u64, Vec<u8>)> = (0..BLOCKS)
@@ -1173,8 +1172,7 @@ fn concurrent_unaligned_writes_through_all_nodes() {
 
     let mut bad = Vec::new();
     for node in [1, 3] {
-        let mut conn =
-            raw::Conn::open(&format!("{}.{node}:10809", c.net), "vol").expect("NBD_OPT_GO vol");
+        let mut conn = raw::Conn::open(&c.nbd_addr(node), "vol").expect("NBD_OPT_GO vol");
         let (err, data) = conn.request(raw::CMD_READ, 0, (BLOCKS * 4096) as u32, &[]);
         assert_eq!(err, 0, "read back through node {node}");
         conn.disconnect();

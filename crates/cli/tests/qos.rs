@@ -1,6 +1,6 @@
 //! Quality of service: a volume's IOPS limit (`iops=N` in its policy,
 //! `shoal volume set NAME --iops N`), checked with fio's nbd engine and a
-//! client that stays connected while the limit changes. Subnet 127.0.45.x.
+//! client that stays connected while the limit changes.
 
 mod common;
 
@@ -60,7 +60,7 @@ fn within(what: &str, got: f64, want: f64, tolerance: f64) {
 #[test]
 fn an_iops_limit_holds_and_leaves_other_volumes_alone() {
     require("fio");
-    let c = Cluster::start(4, 45);
+    let c = Cluster::start(4);
     c.create_volume("slow", "128M", "raid1 ftt=1 iops=500");
     c.create_volume("free", "128M", "raid1 ftt=1");
     // Something to read: the first 96 MiB of both.
@@ -101,7 +101,7 @@ fn an_iops_limit_holds_and_leaves_other_volumes_alone() {
 /// A new limit applies to a client that stays connected, and 0 lifts it.
 #[test]
 fn a_changed_limit_applies_without_reconnecting() {
-    let c = Cluster::start(4, 46);
+    let c = Cluster::start(4);
     c.create_volume("v", "64M", "raid1 ftt=1 iops=300");
     let load = ReadLoad::start(&c.nbd_addr(1), "v", 32, 4096, 64 << 20);
     let window = Duration::from_secs(3);

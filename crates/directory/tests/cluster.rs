@@ -26,20 +26,20 @@ impl Member {
     async fn start(id: NodeId, data_dir: &Path, addr: Option<SocketAddr>) -> Member {
         let bind = addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap());
         // A restarted member binds its old port again: the old server's
-        // socket may take a moment to close, so retry for a while.
-        let started = Instant::now();
-        let listener = loop {
-            match TcpListener::bind(bind).await {
-                Ok(l) => break l,
-                Err(e)
-                    if e.kind() == std::io::ErrorKind::AddrInUse
-                        && started.elapsed() < Duration::from_secs(10) =>
-                {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                Err(e) => panic!("binding {bind}: {e}"),
-            }
-        };
+        // socket may take a moment to close.
+        let listener =
+            wait_for(
+                &format!("binding {bind}"),
+                secs(10),
+                || match std::net::TcpListener::bind(bind) {
+                    Ok(l) => Ok(l),
+                    Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(e.to_string()),
+                    Err(e) => panic!("binding {bind}: {e}"),
+                },
+            )
+            .await;
+        listener.set_nonblocking(true).expect("non-blocking");
+        let listener = TcpListener::from_std(listener).expect("tokio listener");
         let addr = listener.local_addr().unwrap();
         let dir = Directory::open(DirectoryConfig {
             node_id: id,
@@ -82,16 +82,45 @@ impl Member {
     }
 }
 
-async fn wait_for<F: FnMut() -> bool>(what: &str, secs: u64, mut f: F) -> Duration {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < Duration::from_secs(secs),
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+/// Polls `cond` until it holds, at most `timeout`; panics with `what` and
+/// the last state `cond` described (its `Err`) if it never does. (The
+/// shape of the cluster tests' `wait_for`, for async tests.)
+async fn wait_for<T>(
+    what: &str,
+    timeout: Duration,
+    mut cond: impl FnMut() -> Result<T, String>,
+) -> T {
+    let deadline = Instant::now() + timeout;
+    let mut pause = Duration::from_millis(10);
+    loop {
+        match cond() {
+            Ok(v) => return v,
+            Err(last) if Instant::now() > deadline => {
+                panic!("{what}: not after {timeout:?} (last: {last})")
+            }
+            Err(_) => {}
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(100));
     }
-    start.elapsed()
+}
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+/// `Ok` when `holds`, else `Err` with `state` (computed only then).
+fn check(holds: bool, state: impl FnOnce() -> String) -> Result<(), String> {
+    if holds {
+        Ok(())
+    } else {
+        Err(state())
+    }
+}
+
+/// The leader each member believes in.
+fn leaders<'a>(dirs: impl Iterator<Item = &'a Directory>) -> String {
+    format!("leaders {:?}", dirs.map(|d| d.leader()).collect::<Vec<_>>())
 }
 
 fn node(id: NodeId) -> NodeInfo {
@@ -184,15 +213,26 @@ async fn three_members_replicate_fail_over_and_persist() {
     assert!(!members[0].dir.is_initialized().await);
     members[0].dir.bootstrap().await.unwrap();
     members[0].dir.bootstrap().await.unwrap(); // no-op
-    wait_for("node 1 to lead", 10, || members[0].dir.is_leader()).await;
+    wait_for("node 1 to lead", secs(10), || {
+        check(members[0].dir.is_leader(), || {
+            leaders(members.iter().map(|m| &m.dir))
+        })
+    })
+    .await;
     members[1].dir.join(&addrs[0].to_string()).await.unwrap();
     members[2].dir.join(&addrs[1].to_string()).await.unwrap();
     members[2].dir.join(&addrs[0].to_string()).await.unwrap(); // no-op
-    wait_for("three voters everywhere", 10, || {
-        members.iter().all(|m| {
-            let mut v = m.dir.voters();
-            v.sort();
-            v == vec![1, 2, 3] && m.dir.members().len() == 3
+    wait_for("three voters everywhere", secs(10), || {
+        let seen: Vec<_> = members
+            .iter()
+            .map(|m| {
+                let mut v = m.dir.voters();
+                v.sort();
+                (v, m.dir.members().len())
+            })
+            .collect();
+        check(seen.iter().all(|(v, n)| *v == [1, 2, 3] && *n == 3), || {
+            format!("(voters, members) per member: {seen:?}")
         })
     })
     .await;
@@ -203,8 +243,11 @@ async fn three_members_replicate_fail_over_and_persist() {
     assert!(!follower.is_leader());
     let vol = populate(follower).await;
     let mut watch = members[1].dir.watch();
-    wait_for("the same state everywhere", 10, || {
-        same_state(&members.iter().map(|m| &m.dir).collect::<Vec<_>>())
+    wait_for("the same state everywhere", secs(10), || {
+        check(
+            same_state(&members.iter().map(|m| &m.dir).collect::<Vec<_>>()),
+            || "states differ".into(),
+        )
     })
     .await;
     let st = members[0].dir.state();
@@ -262,11 +305,16 @@ async fn three_members_replicate_fail_over_and_persist() {
     let dead = members.remove(idx);
     let dead_id = dead.id;
     dead.stop().await;
-    let took = wait_for("a new leader", 15, || {
+    let t0 = Instant::now();
+    wait_for("a new leader", secs(15), || {
         let l = members[0].dir.leader();
-        l.is_some() && l != Some(dead_id) && members.iter().all(|m| m.dir.leader() == l)
+        check(
+            l.is_some() && l != Some(dead_id) && members.iter().all(|m| m.dir.leader() == l),
+            || leaders(members.iter().map(|m| &m.dir)),
+        )
     })
     .await;
+    let took = t0.elapsed();
     eprintln!("new leader elected in {took:?}");
     // Generous bound: the machine is shared; the figure itself is printed above.
     assert!(took < Duration::from_secs(30), "election took {took:?}");
@@ -279,8 +327,11 @@ async fn three_members_replicate_fail_over_and_persist() {
         .await
         .unwrap();
     assert_eq!(r, Response::Ok);
-    wait_for("survivors to agree", 10, || {
-        same_state(&members.iter().map(|m| &m.dir).collect::<Vec<_>>())
+    wait_for("survivors to agree", secs(10), || {
+        check(
+            same_state(&members.iter().map(|m| &m.dir).collect::<Vec<_>>()),
+            || "states differ".into(),
+        )
     })
     .await;
     let before: Arc<ClusterState> = members[0].dir.state();
@@ -298,13 +349,18 @@ async fn three_members_replicate_fail_over_and_persist() {
         assert!(m.dir.is_initialized().await);
         m.dir.bootstrap().await.unwrap(); // no-op on a member
     }
-    wait_for("a leader after restart", 15, || {
+    wait_for("a leader after restart", secs(15), || {
         let l = members[0].dir.leader();
-        l.is_some() && members.iter().all(|m| m.dir.leader() == l)
+        check(
+            l.is_some() && members.iter().all(|m| m.dir.leader() == l),
+            || leaders(members.iter().map(|m| &m.dir)),
+        )
     })
     .await;
-    wait_for("state restored everywhere", 15, || {
-        members.iter().all(|m| *m.dir.state() == *before)
+    wait_for("state restored everywhere", secs(15), || {
+        check(members.iter().all(|m| *m.dir.state() == *before), || {
+            "a member's state differs from the one before the restart".into()
+        })
     })
     .await;
     let r = members[1]
@@ -316,8 +372,11 @@ async fn three_members_replicate_fail_over_and_persist() {
         .await
         .unwrap();
     assert_eq!(r, Response::Ok);
-    wait_for("the same state after restart", 10, || {
-        same_state(&members.iter().map(|m| &m.dir).collect::<Vec<_>>())
+    wait_for("the same state after restart", secs(10), || {
+        check(
+            same_state(&members.iter().map(|m| &m.dir).collect::<Vec<_>>()),
+            || "states differ".into(),
+        )
     })
     .await;
     assert_eq!(members[2].dir.state().nodes[&dead_id].state, NodeState::Up);

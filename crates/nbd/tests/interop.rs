@@ -72,7 +72,7 @@ async fn nbdinfo_list_and_size() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains(&(64 * MIB).to_string()), "{text}");
     assert!(text.contains("can_multi_conn: true"), "{text}");
-    eventually(|| srv.exports.open_handles() == 0).await;
+    wait_open_handles(&srv, 0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -136,7 +136,7 @@ async fn nbdcopy_roundtrip() {
         .unwrap();
     run("nbdcopy", &[&uri, path(&dst)]).await;
     assert!(std::fs::read(&dst).unwrap() == data);
-    eventually(|| srv.exports.open_handles() == 0).await;
+    wait_open_handles(&srv, 0).await;
 }
 
 fn path(p: &Path) -> &str {

@@ -62,12 +62,12 @@ async fn info_reports_size_name_and_block_size() {
     assert!(matches!(infos[0], Info::Export { size, .. } if size == MIB as u64));
     assert!(matches!(infos[1], Info::BlockSize { .. }));
     // INFO does not hold the export open; negotiation continues with GO.
-    eventually(|| srv.exports.open_handles() == 0).await;
+    wait_open_handles(&srv, 0).await;
     let (size, flags) = c.go("disk").await;
     assert_eq!((size, flags), (4 * MIB as u64, EXPECTED_TFLAGS));
     assert_eq!(srv.exports.open_handles(), 1);
     c.disconnect().await;
-    eventually(|| srv.exports.open_handles() == 0).await;
+    wait_open_handles(&srv, 0).await;
 }
 
 #[tokio::test]
@@ -346,7 +346,7 @@ async fn disc_finishes_in_flight_requests() {
     assert_eq!(handles, vec![1, 2]);
     c.expect_eof().await;
     assert_eq!(&srv.exports.disk("disk").unwrap().snapshot()[..4], b"abcd");
-    eventually(|| srv.exports.open_handles() == 0).await;
+    wait_open_handles(&srv, 0).await;
 }
 
 #[tokio::test]
@@ -373,7 +373,7 @@ async fn bad_magic_closes_only_that_connection() {
     bad3.s.write_all(&[0x25, 0x60]).await.unwrap();
     drop(bad3);
 
-    eventually(|| srv.exports.open_handles() == 1).await;
+    wait_open_handles(&srv, 1).await;
     assert_eq!(good.read(0, 2).await.unwrap(), b"ok");
     // New connections still work too.
     let mut again = Client::connect(srv.addr).await;
@@ -381,7 +381,7 @@ async fn bad_magic_closes_only_that_connection() {
     assert_eq!(again.read(0, 2).await.unwrap(), b"ok");
     again.disconnect().await;
     good.disconnect().await;
-    eventually(|| srv.exports.open_handles() == 0).await;
+    wait_open_handles(&srv, 0).await;
 }
 
 #[tokio::test]

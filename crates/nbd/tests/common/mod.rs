@@ -230,13 +230,39 @@ pub fn rand_handle() -> u64 {
     rand::random()
 }
 
-/// Wait (bounded) until `f` is true.
-pub async fn eventually(mut f: impl FnMut() -> bool) {
-    for _ in 0..500 {
-        if f() {
-            return;
+/// Polls `cond` until it holds, at most `timeout`; panics with `what` and
+/// the last state `cond` described (its `Err`) if it never does. (The
+/// shape of the cluster tests' `wait_for`, for async tests.)
+pub async fn wait_for<T>(
+    what: &str,
+    timeout: std::time::Duration,
+    mut cond: impl FnMut() -> Result<T, String>,
+) -> T {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut pause = std::time::Duration::from_millis(5);
+    loop {
+        match cond() {
+            Ok(v) => return v,
+            Err(last) if tokio::time::Instant::now() > deadline => {
+                panic!("{what}: not after {timeout:?} (last: {last})")
+            }
+            Err(_) => {}
         }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(std::time::Duration::from_millis(100));
     }
-    panic!("condition not reached");
+}
+
+/// Waits until the server's exports are open `n` times (connections that
+/// ended are gone from the count once the server saw them end).
+pub async fn wait_open_handles(srv: &Server, n: usize) {
+    wait_for(
+        &format!("{n} open export handles"),
+        std::time::Duration::from_secs(5),
+        || match srv.exports.open_handles() {
+            k if k == n => Ok(()),
+            k => Err(format!("{k} open")),
+        },
+    )
+    .await
 }
