@@ -492,6 +492,20 @@ impl LogStore {
                 }
                 st.segs.clear_headers(s);
                 st.segs.set_state(s, SegState::Free);
+                if self.prep.on() {
+                    // The device file is being prepared (allocated) ahead of
+                    // the log: a hole punched here would only be filled
+                    // with zeros again.
+                    #[cfg(test)]
+                    if self
+                        .prep
+                        .reprepare_freed
+                        .load(std::sync::atomic::Ordering::Relaxed)
+                    {
+                        st.segs.set_unprepared([s]);
+                    }
+                    continue;
+                }
                 let at = byte_off(st.segs.block(s, 0));
                 if let Err(e) = self.dev.discard(at, self.geo.seg_blocks as u64 * BLOCK_U64) {
                     tracing::debug!(segment = s, error = %e, "discard failed");

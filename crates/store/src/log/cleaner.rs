@@ -18,13 +18,20 @@
 //! Writers wait for its steps when free segments fall near the inline
 //! threshold; the inline cleaning in `ensure_space` stays as the fallback
 //! when it is stuck or not running.
+//!
+//! The same thread prepares unallocated space ahead of the log between
+//! cleaning rounds (`prepare.rs`): cleaning always comes first, and a
+//! preparation step (zeros over one segment, a few milliseconds) never
+//! starts while free segments are short.
 
 use super::format::{BatchHeader, Entry, BLOCK};
+use super::prepare::{PrepStep, Preparer};
 use super::segment::SegState;
 use super::{byte_off, lock, LogStore, Need, Result, State};
 use crate::direct::AlignedBuf;
 use crate::StoreError;
 use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::Instant;
 
 /// Flags shared by the store and its background cleaner thread.
 #[derive(Default)]
@@ -39,6 +46,8 @@ struct BgFlags {
     running: bool,
     /// Work was asked for since the thread last looked.
     wake: bool,
+    /// Preparation was asked for (the log took a segment).
+    prep: bool,
     /// The store is going away.
     stop: bool,
     /// The last step could not make progress (no victim worth moving) or
@@ -95,6 +104,21 @@ impl Bg {
         true
     }
 
+    /// Asks the thread (if any) to look at preparation. Called under the
+    /// state lock.
+    pub(super) fn wake_prep(&self) {
+        let mut g = lock(&self.m);
+        if g.running && !g.prep {
+            g.prep = true;
+            self.cv.notify_all();
+        }
+    }
+
+    /// Whether a cleaning round was asked for and not started yet.
+    fn clean_wanted(&self) -> bool {
+        lock(&self.m).wake
+    }
+
     pub(super) fn stop(&self) {
         let mut g = lock(&self.m);
         g.stop = true;
@@ -112,14 +136,31 @@ impl Bg {
         self.cv.notify_all();
     }
 
-    /// Sleeps until woken; false when the thread must end.
-    fn sleep(&self) -> bool {
+    /// Sleeps until woken or `until`; `None` when the thread must end,
+    /// else whether cleaning was asked for.
+    fn sleep(&self, until: Option<Instant>) -> Option<bool> {
         let mut g = lock(&self.m);
-        while !g.wake && !g.stop {
-            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        while !g.wake && !g.prep && !g.stop {
+            match until {
+                None => g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner()),
+                Some(t) => {
+                    let now = Instant::now();
+                    if now >= t {
+                        break;
+                    }
+                    g = self
+                        .cv
+                        .wait_timeout(g, t - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+            }
         }
-        g.wake = false;
-        !g.stop
+        if g.stop {
+            return None;
+        }
+        g.prep = false;
+        Some(std::mem::take(&mut g.wake))
     }
 
     fn stopping(&self) -> bool {
@@ -135,6 +176,7 @@ impl Bg {
 
 /// The background cleaner thread: holds the store only between its wake-up
 /// and the end of each step, so dropping the last `Arc` elsewhere ends it.
+/// Between cleaning rounds it prepares space ahead of the log.
 fn bg_loop(store: Weak<LogStore>, bg: Arc<Bg>) {
     /// Marks the thread gone however it ends, a panic included: writers
     /// waiting for its steps then clean inline instead of waiting forever.
@@ -145,8 +187,12 @@ fn bg_loop(store: Weak<LogStore>, bg: Arc<Bg>) {
         }
     }
     let _exit = Exit(bg.clone());
-    while bg.sleep() {
-        loop {
+    let mut prep = Preparer::new();
+    let mut until = None;
+    while let Some(clean) = bg.sleep(until) {
+        until = None;
+        let mut cleaning = clean;
+        while cleaning {
             let Some(s) = store.upgrade() else {
                 bg.exit();
                 return;
@@ -160,10 +206,28 @@ fn bg_loop(store: Weak<LogStore>, bg: Arc<Bg>) {
             bg.finished_step(&r);
             match r {
                 Ok(Step::Progress) if !bg.stopping() => continue,
-                Ok(_) => break,
+                Ok(_) => cleaning = false,
                 Err(_) => {
                     bg.exit();
                     return;
+                }
+            }
+        }
+        // Preparation, one segment per step, until there is nothing to do
+        // now or cleaning is asked for (then it goes on after the round).
+        while !bg.stopping() && !bg.clean_wanted() {
+            let Some(s) = store.upgrade() else {
+                bg.exit();
+                return;
+            };
+            let r = s.prepare_step(&mut prep);
+            // May be the last reference, as above.
+            drop(s);
+            match r {
+                PrepStep::Again => continue,
+                PrepStep::Later(t) => {
+                    until = t;
+                    break;
                 }
             }
         }
@@ -249,6 +313,8 @@ impl LogStore {
             return Ok(());
         }
         lock(&self.bg.m).running = true;
+        // Before the thread starts, so its first look finds the holes.
+        self.start_preparation();
         let (w, bg) = (Arc::downgrade(self), self.bg.clone());
         let name = format!("shoal-cleaner-{:x}", self.sb.uuid & 0xffff);
         match std::thread::Builder::new()
@@ -259,8 +325,12 @@ impl LogStore {
                 *t = Some(h);
                 drop(t);
                 // Start ahead of the writers if space is already short.
-                if self.lock_state().segs.free_count() < self.geo.bg_high {
+                let st = self.lock_state();
+                if st.segs.free_count() < self.geo.bg_high {
                     self.bg.wake();
+                }
+                if self.prep.on() && st.segs.unprepared_count() > 0 {
+                    self.bg.wake_prep();
                 }
                 Ok(())
             }

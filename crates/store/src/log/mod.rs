@@ -21,6 +21,7 @@ pub mod device;
 pub mod format;
 mod gate;
 pub mod index;
+mod prepare;
 mod replay;
 mod scrub;
 mod segment;
@@ -128,6 +129,9 @@ pub struct LogStats {
     /// Batches and log blocks (headers and data) replayed by the open.
     pub replayed_batches: u64,
     pub replayed_blocks: u64,
+    /// Segments written with zeros ahead of the log (unallocated space of
+    /// a sparse device file made allocated; `prepare.rs`).
+    pub prepared_segments: u64,
 }
 
 impl LogStats {
@@ -489,6 +493,9 @@ pub struct LogStore {
     landed: Condvar,
     /// The background cleaner's flags (lock order: state, then this).
     bg: Arc<cleaner::Bg>,
+    /// Preparation of unallocated space ahead of the log, done by the
+    /// background thread (lock order: state, then its lock).
+    prep: prepare::Prep,
     bg_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Free segments as of the last rotation or checkpoint (read without
     /// the state lock by writers deciding whether to wait for the cleaner).
@@ -811,6 +818,7 @@ impl LogStore {
             flight: Mutex::new(Flight::default()),
             landed: Condvar::new(),
             bg: Arc::new(cleaner::Bg::default()),
+            prep: prepare::Prep::default(),
             bg_thread: Mutex::new(None),
             free_hint: std::sync::atomic::AtomicUsize::new(usize::MAX),
         }
@@ -1115,18 +1123,34 @@ impl LogStore {
         st.segs.set_state(old, SegState::Used);
         let head = st.next_seg;
         st.segs.set_state(head, SegState::Head);
-        let Some(next) = st.segs.pop_free() else {
-            // The space checks make this unreachable; refuse rather than
-            // overwrite anything.
-            return Err(self.poison(io::Error::other(
-                "log out of free segments (space accounting error)",
-            )));
+        let next = match st.segs.pop_free() {
+            Some(n) => n,
+            // Only the segment being zeroed is free (the space checks count
+            // it): wait for its zeros (one write), then take it.
+            None => match st.segs.zeroing() {
+                Some(z) => {
+                    let ok = self.prep.wait_done(z);
+                    st.segs.end_zeroing(z, ok);
+                    st.segs.pop_free().expect("the segment just zeroed is free")
+                }
+                None => {
+                    // The space checks make this unreachable; refuse rather
+                    // than overwrite anything.
+                    return Err(self.poison(io::Error::other(
+                        "log out of free segments (space accounting error)",
+                    )));
+                }
+            },
         };
         st.next_seg = next;
         self.free_hint
             .store(st.segs.free_count(), Ordering::Relaxed);
         if st.segs.free_count() < self.geo.bg_high {
             self.bg.wake();
+        }
+        if st.segs.unprepared_count() > 0 && self.prep.on() {
+            // The log took a segment: keep the ones after it prepared.
+            self.bg.wake_prep();
         }
         let base = st.segs.block(head, 0);
         st.batch.reset(head, 0, base, self.geo.seg_blocks);

@@ -15,6 +15,10 @@ pub enum SegState {
     /// Written; may hold live blocks. With none left it becomes `Free` at
     /// the next checkpoint.
     Used,
+    /// A free segment the preparer is writing zeros over (`prepare.rs`):
+    /// out of the free set, so the log never takes it meanwhile, but
+    /// counted as free space (it is given back when the zeros are written).
+    Zeroing,
 }
 
 pub struct Segments {
@@ -26,6 +30,12 @@ pub struct Segments {
     hdr: Vec<u64>,
     words: usize,
     free: BTreeSet<u32>,
+    /// Free segments not allocated by the file system under them, to be
+    /// prepared (`prepare.rs`). Only ever free or zeroing segments: the
+    /// log taking one removes it.
+    unprepared: BTreeSet<u32>,
+    /// The segment in the `Zeroing` state, if any (at most one).
+    zeroing: Option<u32>,
 }
 
 impl Segments {
@@ -39,6 +49,8 @@ impl Segments {
             hdr: vec![0; nsegs as usize * words],
             words,
             free: (0..nsegs).collect(),
+            unprepared: BTreeSet::new(),
+            zeroing: None,
         }
     }
 
@@ -51,6 +63,12 @@ impl Segments {
     }
 
     pub fn set_state(&mut self, s: u32, st: SegState) {
+        // Only `claim_zeroing` and `end_zeroing` move a segment into or out
+        // of `Zeroing`: nothing else may take it while zeros are written.
+        assert!(
+            self.state[s as usize] != SegState::Zeroing && st != SegState::Zeroing,
+            "segment {s} changes state while it is being zeroed"
+        );
         if st == SegState::Free {
             self.free.insert(s);
         } else {
@@ -59,15 +77,92 @@ impl Segments {
         self.state[s as usize] = st;
     }
 
+    /// Free segments, the one being zeroed included (it is free space that
+    /// is given back within one write of zeros).
     pub fn free_count(&self) -> usize {
-        self.free.len()
+        self.free.len() + self.zeroing.is_some() as usize
     }
 
-    /// Takes the lowest free segment.
+    /// Takes the lowest free segment (never the one being zeroed).
     pub fn pop_free(&mut self) -> Option<u32> {
         let s = self.free.pop_first()?;
         self.state[s as usize] = SegState::Next;
+        // The log writes it whole: it needs no preparation any more.
+        self.unprepared.remove(&s);
         Some(s)
+    }
+
+    /// The free segments in the order [`pop_free`](Self::pop_free) takes
+    /// them.
+    pub fn free_in_order(&self) -> impl Iterator<Item = u32> + '_ {
+        self.free.iter().copied()
+    }
+
+    /// Records the free segments among `segs` as unprepared (not
+    /// allocated under them); others are ignored.
+    pub fn set_unprepared(&mut self, segs: impl IntoIterator<Item = u32>) {
+        for s in segs {
+            if s < self.count() && self.state(s) == SegState::Free {
+                self.unprepared.insert(s);
+            }
+        }
+    }
+
+    pub fn is_unprepared(&self, s: u32) -> bool {
+        self.unprepared.contains(&s)
+    }
+
+    /// Free segments still unprepared (the one being zeroed included).
+    pub fn unprepared_count(&self) -> usize {
+        self.unprepared.len()
+    }
+
+    /// The lowest unprepared free segment not being zeroed.
+    pub fn first_unprepared(&self) -> Option<u32> {
+        self.unprepared
+            .iter()
+            .copied()
+            .find(|&s| Some(s) != self.zeroing)
+    }
+
+    /// Forgets every unprepared segment (preparation stopped).
+    pub fn clear_unprepared(&mut self) {
+        self.unprepared.clear();
+    }
+
+    /// The segment being zeroed, if any.
+    pub fn zeroing(&self) -> Option<u32> {
+        self.zeroing
+    }
+
+    /// Takes free segment `s` out of the free set to write zeros over it:
+    /// the log cannot take it until [`end_zeroing`](Self::end_zeroing).
+    pub fn claim_zeroing(&mut self, s: u32) {
+        assert!(
+            self.state(s) == SegState::Free && self.live(s) == 0 && self.zeroing.is_none(),
+            "claiming segment {s} ({:?}, {} live) for zeroing while {:?} is",
+            self.state(s),
+            self.live(s),
+            self.zeroing
+        );
+        self.free.remove(&s);
+        self.state[s as usize] = SegState::Zeroing;
+        self.zeroing = Some(s);
+    }
+
+    /// Gives segment `s` back to the free set once its zeros are written
+    /// (`prepared`) or failed.
+    pub fn end_zeroing(&mut self, s: u32, prepared: bool) {
+        assert!(
+            self.zeroing == Some(s) && self.state(s) == SegState::Zeroing,
+            "segment {s} was not being zeroed"
+        );
+        self.zeroing = None;
+        self.state[s as usize] = SegState::Free;
+        self.free.insert(s);
+        if prepared {
+            self.unprepared.remove(&s);
+        }
     }
 
     pub fn live(&self, s: u32) -> u32 {
@@ -173,7 +268,7 @@ impl Segments {
 
     /// Heap bytes of the table.
     pub fn heap_bytes(&self) -> usize {
-        self.state.len() * (1 + 4 + 8 * self.words) + self.free.len() * 8
+        self.state.len() * (1 + 4 + 8 * self.words) + (self.free.len() + self.unprepared.len()) * 8
     }
 }
 
@@ -207,5 +302,44 @@ mod tests {
         assert_eq!(t.reclaimable(), vec![0]);
         t.inc(1000);
         assert_eq!(t.reclaimable(), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn a_segment_being_zeroed_is_never_taken() {
+        let mut t = Segments::new(5, 64, 0);
+        assert_eq!(t.pop_free(), Some(0));
+        t.set_unprepared([0, 1, 2, 4]);
+        // Segment 0 is not free: not recorded.
+        assert!(!t.is_unprepared(0) && t.is_unprepared(1));
+        assert_eq!(t.unprepared_count(), 3);
+        t.claim_zeroing(1);
+        assert_eq!(t.state(1), SegState::Zeroing);
+        // Still free space, but the log takes the others.
+        assert_eq!(t.free_count(), 4);
+        assert_eq!(t.first_unprepared(), Some(2));
+        assert_eq!(t.free_in_order().collect::<Vec<_>>(), vec![2, 3, 4]);
+        assert_eq!(t.pop_free(), Some(2));
+        assert!(!t.is_unprepared(2));
+        assert_eq!(t.pop_free(), Some(3));
+        assert_eq!(t.pop_free(), Some(4));
+        assert_eq!(t.pop_free(), None);
+        assert_eq!(t.free_count(), 1);
+        t.end_zeroing(1, true);
+        assert_eq!(t.unprepared_count(), 0);
+        assert_eq!(t.pop_free(), Some(1));
+        // A failed zeroing leaves it unprepared.
+        let mut t = Segments::new(3, 64, 0);
+        t.set_unprepared(0..3);
+        t.claim_zeroing(2);
+        t.end_zeroing(2, false);
+        assert!(t.is_unprepared(2) && t.state(2) == SegState::Free);
+    }
+
+    #[test]
+    #[should_panic(expected = "being zeroed")]
+    fn a_segment_being_zeroed_keeps_its_state() {
+        let mut t = Segments::new(3, 64, 0);
+        t.claim_zeroing(1);
+        t.set_state(1, SegState::Used);
     }
 }

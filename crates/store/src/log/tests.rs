@@ -186,6 +186,167 @@ fn thick_files_stay_thick() {
     assert!(std::fs::metadata(&q).unwrap().blocks() * 512 < 16 * M);
 }
 
+/// Waits (up to 30 s) until `done`, polling.
+fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let t0 = std::time::Instant::now();
+    while !done() {
+        assert!(t0.elapsed().as_secs() < 30, "timed out waiting for {what}");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+/// A sparse file is prepared a few segments ahead of the log; reopened,
+/// the store finds from the file's holes where preparation stopped (the
+/// prepared watermark). A thick file needs none.
+#[test]
+fn prepared_watermark_survives_reopening() {
+    let dir = TempDir::new().unwrap();
+    let p = dev_path(&dir);
+    let s = Arc::new(new_store(&dir));
+    if !s.direct_io() {
+        eprintln!("no O_DIRECT here: the store does not prepare");
+        return;
+    }
+    let nsegs = s.geometry().0.nsegs;
+    s.create_component(1, 1, 4 * M).unwrap();
+    s.write(1, 0, &noise(1, 8 * BLOCK)).unwrap();
+    s.sync().unwrap();
+    // Eight segments ahead, none when idle.
+    s.set_preparation_pace(8, 0);
+    s.start_background().unwrap();
+    {
+        let st = s.lock_state();
+        assert_eq!((st.batch.seg, st.next_seg), (0, 1));
+        if st.segs.unprepared_count() == 0 {
+            eprintln!("this file system reports no holes");
+            return;
+        }
+    }
+    wait_for("8 prepared segments", || s.stats().prepared_segments == 8);
+    // Nothing more is prepared: the store is idle and idle preparation off.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert_eq!(s.stats().prepared_segments, 8);
+    assert_eq!(s.unprepared_segments(), nsegs as usize - 10);
+    s.stop_background();
+    drop(s);
+
+    let s = LogStore::open(&p).unwrap();
+    assert_eq!(read_vec(&s, 1, 0, 8 * BLOCK), noise(1, 8 * BLOCK));
+    s.start_preparation();
+    {
+        let st = s.lock_state();
+        assert_eq!((st.batch.seg, st.next_seg), (0, 1));
+        // Segments 2..10 were zeroed: allocated, nothing to do there.
+        assert_eq!(st.segs.first_unprepared(), Some(10));
+        assert_eq!(st.segs.unprepared_count(), nsegs as usize - 10);
+        assert!((2..10).all(|s| !st.segs.is_unprepared(s)));
+    }
+    drop(s);
+
+    // A thick file has nothing to prepare.
+    let q = dir.path().join("thick.img");
+    std::fs::write(&q, vec![0u8; MIN_CAPACITY as usize]).unwrap();
+    let s = LogStore::create(&q, MIN_CAPACITY, "test").unwrap();
+    s.start_preparation();
+    assert_eq!(s.unprepared_segments(), 0);
+}
+
+/// Left idle, a new sparse device file is written with zeros all over
+/// its free segments: the file becomes allocated but for the log's own
+/// head and next segments and the checkpoint slots' unwritten ends, and
+/// the data stays.
+#[test]
+fn sparse_file_becomes_allocated_when_idle() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = TempDir::new().unwrap();
+    let p = dev_path(&dir);
+    let s = Arc::new(new_store(&dir));
+    if !s.direct_io() {
+        eprintln!("no O_DIRECT here: the store does not prepare");
+        return;
+    }
+    let (nsegs, seg_bytes) = {
+        let (sb, _) = s.geometry();
+        (sb.nsegs as u64, sb.seg_blocks as u64 * B)
+    };
+    s.create_component(1, 1, 4 * M).unwrap();
+    s.write(1, 0, &noise(2, 8 * BLOCK)).unwrap();
+    s.sync().unwrap();
+    let allocated = || std::fs::metadata(&p).unwrap().blocks() * 512;
+    let before = allocated();
+    assert!(before < 8 * M, "{before} bytes allocated");
+    // Two segments ahead, the rest when idle at 1 GiB/s.
+    s.set_preparation_pace(2, 1024);
+    s.start_background().unwrap();
+    if s.unprepared_segments() == 0 {
+        eprintln!("this file system reports no holes");
+        return;
+    }
+    wait_for("the whole device prepared", || s.unprepared_segments() == 0);
+    let st = s.stats();
+    assert_eq!(st.prepared_segments, nsegs - 2, "{st:?}");
+    let after = allocated();
+    eprintln!(
+        "sparse file: {} KiB allocated before, {} KiB after ({} KiB long)",
+        before >> 10,
+        after >> 10,
+        MIN_CAPACITY >> 10
+    );
+    assert!(after >= (nsegs - 2) * seg_bytes, "{after} bytes allocated");
+    assert_eq!(read_vec(&s, 1, 0, 8 * BLOCK), noise(2, 8 * BLOCK));
+    // Segments freed from now on stay allocated (no holes punched).
+    s.trim(1, 0, 4 * M).unwrap();
+    s.checkpoint().unwrap();
+    assert!(allocated() >= after);
+    s.stop_background();
+    drop(s);
+    let s = LogStore::open(&p).unwrap();
+    s.check().unwrap();
+}
+
+/// An I/O error while writing zeros stops preparation and nothing else:
+/// the store goes on writing.
+#[test]
+fn preparation_stops_at_an_io_error_and_writes_go_on() {
+    let (d, s) = mem_store(64, 32);
+    s.prepare_all_for_tests(4, 0);
+    s.create_component(1, 1, 64 * B).unwrap();
+    let mut p = prepare::Preparer::new();
+    // The four segments after the head and next, then nothing (idle
+    // preparation is off).
+    for _ in 0..4 {
+        assert_eq!(s.prepare_step(&mut p), prepare::PrepStep::Again);
+    }
+    assert_eq!(s.prepare_step(&mut p), prepare::PrepStep::Later(None));
+    assert_eq!(s.stats().prepared_segments, 4);
+    {
+        let st = s.lock_state();
+        assert_eq!(st.segs.first_unprepared(), Some(6));
+        assert!((2..6).all(|x| !st.segs.is_unprepared(x)));
+    }
+    // The log takes segment 2 (prepared): segment 6 enters the window.
+    for b in 0..64 {
+        s.write(1, b * B, &noise(b, BLOCK)).unwrap();
+    }
+    s.sync().unwrap();
+    assert_eq!(s.lock_state().next_seg, 2);
+    d.fail_next_write();
+    assert_eq!(s.prepare_step(&mut p), prepare::PrepStep::Later(None));
+    assert!(!s.prep.on());
+    assert_eq!(s.unprepared_segments(), 0);
+    assert!(s.lock_state().segs.zeroing().is_none());
+    for b in 0..64 {
+        s.write(1, b * B, &noise(100 + b, BLOCK)).unwrap();
+    }
+    s.sync().unwrap();
+    s.check().unwrap();
+    drop(s);
+    let s = reopen(&d);
+    for b in 0..64 {
+        assert_eq!(read_vec(&s, 1, b * B, BLOCK), noise(100 + b, BLOCK));
+    }
+}
+
 #[test]
 fn refuses_small_foreign_and_unformatted_devices() {
     let dir = TempDir::new().unwrap();
@@ -1919,17 +2080,44 @@ fn background_cleaner_keeps_ahead_of_writers() {
 /// during the run, after it, and after reopening.
 #[test]
 fn background_cleaner_races_overwrites_and_trims() {
+    cleaner_races_overwrites_and_trims(false);
+}
+
+/// The same with preparation writing zeros over free segments all along
+/// (every segment a checkpoint frees counts as unallocated again, as if
+/// punched, and each zero write lasts 200 µs more): it never touches a
+/// segment with live data, and the log never writes one being zeroed.
+#[test]
+fn preparation_races_writers_and_the_cleaner() {
+    cleaner_races_overwrites_and_trims(true);
+}
+
+fn cleaner_races_overwrites_and_trims(prepare: bool) {
     // Writers get a millisecond between the cleaner's read of its victim
     // and its moves: enough to overwrite, clean inline, free and reuse it.
     let (d, s) = mem_store(64, 64);
     s.cleaner_pause_us
         .store(1000, std::sync::atomic::Ordering::Relaxed);
+    if prepare {
+        s.prepare_all_for_tests(4, 0);
+        s.prep
+            .reprepare_freed
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        s.prep
+            .pause_us
+            .store(200, std::sync::atomic::Ordering::Relaxed);
+    }
     let s = Arc::new(s);
     s.start_background().unwrap();
     let cap = s.capacity() / B;
     // Two components filling 90% of the capacity: the cleaner works all
-    // the time.
-    let per = cap * 45 / 100;
+    // the time. With preparation, 60%: it needs more free segments than
+    // the cleaner's mark to start.
+    let per = if prepare {
+        cap * 30 / 100
+    } else {
+        cap * 45 / 100
+    };
     for id in 1..=2u64 {
         s.create_component(id, id, per * B).unwrap();
     }
@@ -1974,6 +2162,13 @@ fn background_cleaner_races_overwrites_and_trims() {
     let models: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
     let st = s.stats();
     assert!(st.cleaned_segments_background > 0, "{st:?}");
+    if prepare {
+        eprintln!(
+            "{} segments prepared amid writers, {} cleaned in the background",
+            st.prepared_segments, st.cleaned_segments_background
+        );
+        assert!(st.prepared_segments > 20, "{st:?}");
+    }
     s.check().unwrap();
     let verify = |s: &LogStore| {
         for (i, model) in models.iter().enumerate() {
@@ -2212,17 +2407,39 @@ fn streamed_checkpoints_survive_power_cuts_amid_writers() {
     power_cuts_amid_writers_and_checkpoints(true);
 }
 
+/// Power cuts amid writers, the cleaner and checkpoints while zeros are
+/// written over free segments all along (freed segments count as
+/// unallocated again): the zeros, torn or lost like any unflushed write,
+/// never cost a synced block.
+#[test]
+fn preparation_survives_power_cuts_amid_writers() {
+    power_cuts_amid(false, true);
+}
+
 fn power_cuts_amid_writers_and_checkpoints(streamed: bool) {
+    power_cuts_amid(streamed, false);
+}
+
+fn power_cuts_amid(streamed: bool, prepare: bool) {
     use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
     let (d, s) = mem_store(64, 64);
     s.stream_checkpoints.store(streamed, SeqCst);
+    if prepare {
+        s.prepare_all_for_tests(4, 0);
+        s.prep.reprepare_freed.store(true, SeqCst);
+        s.prep.pause_us.store(100, SeqCst);
+    }
     let s = Arc::new(s);
     // A checkpoint every 96 blocks of log: many of them, under way at
     // most moments.
     s.set_checkpoint_interval(96);
     s.start_background().unwrap();
     let cap = s.capacity() / B;
-    let per = cap * 40 / 100;
+    let per = if prepare {
+        cap * 30 / 100
+    } else {
+        cap * 40 / 100
+    };
     for id in 1..=2u64 {
         s.create_component(id, id, per * B).unwrap();
     }
@@ -2275,6 +2492,11 @@ fn power_cuts_amid_writers_and_checkpoints(streamed: bool) {
         s.stats().checkpoints > 24,
         "too few checkpoints to mean anything"
     );
+    if prepare {
+        let n = s.stats().prepared_segments;
+        eprintln!("{n} segments prepared amid the power cuts");
+        assert!(n > 24, "too few segments prepared to mean anything");
+    }
     for (n, (before, img)) in cuts.into_iter().enumerate() {
         let dev = Arc::new(FaultyDevice::from_image(img));
         let r = LogStore::open_device(dev).unwrap_or_else(|e| panic!("cut {n}: {e}"));
