@@ -39,9 +39,9 @@ pub(super) const PREPARED_AHEAD_MIB: u64 = 64;
 
 /// How fast the rest of the device is prepared while the store is idle, in
 /// MiB/s: a 4 GiB device in about 17 idle minutes. Every byte of zeros
-/// lengthens some flush of the disk (of this store or of others on it:
-/// at 32 MiB/s the idle nodes of a new loopback cluster slowed the busy
-/// ones), so a new cluster's first minutes must not pay for much of it.
+/// lengthens some flush of the disk, this store's or another's (the idle
+/// nodes of a loopback cluster share the busy ones' disk), so a new
+/// cluster's first minutes must not pay for much of it.
 pub(super) const PREPARE_IDLE_MIB_PER_SEC: u64 = 4;
 
 /// The store is idle when nothing was appended to the log for this long,
