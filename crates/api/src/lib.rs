@@ -143,6 +143,35 @@ pub struct CreateToken {
     pub role: Role,
     #[serde(default)]
     pub note: String,
+    /// Seconds until it expires (join tokens: default
+    /// [`JOIN_TOKEN_DEFAULT_TTL_S`]; API tokens last until revoked).
+    #[serde(default)]
+    pub ttl_s: Option<u64>,
+}
+
+/// How long a join token opens a join unless told otherwise, in seconds:
+/// a day, time enough to install a host; a token that leaks later opens
+/// nothing.
+pub const JOIN_TOKEN_DEFAULT_TTL_S: u64 = 24 * 3600;
+
+/// Body of `POST /v1/join` (over TLS, from a node that has no certificate
+/// yet): the join token, who the node is, and a request for a
+/// certificate over a key it keeps.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JoinCertRequest {
+    pub token: String,
+    pub node: NodeId,
+    /// The IP addresses the node serves on (named in its certificate).
+    pub addrs: Vec<std::net::IpAddr>,
+    pub csr_pem: String,
+}
+
+/// Answer to `POST /v1/join`: the node's certificate and the cluster CA.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JoinCertAnswer {
+    pub cert_pem: String,
+    pub ca_pem: String,
 }
 
 /// Answer to `POST /v1/tokens`: the token's text, shown this once.

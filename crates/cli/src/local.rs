@@ -214,7 +214,15 @@ pub fn print_stopped(s: &StoppedNode, verb: &str) {
     }
 }
 
-fn start_node(n: &LocalNode, join: Option<&str>, workers: usize) -> Result<i32> {
+/// Starts a node process; a node joining for the first time gets its join
+/// token through the environment (not its command line, which every
+/// local user can read).
+fn start_node(
+    n: &LocalNode,
+    join: Option<&str>,
+    join_token: Option<&str>,
+    workers: usize,
+) -> Result<i32> {
     std::fs::create_dir_all(&n.dir)?;
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -240,6 +248,10 @@ fn start_node(n: &LocalNode, join: Option<&str>, workers: usize) -> Result<i32> 
     if let Some(j) = join {
         cmd.arg("--join").arg(j);
     }
+    match join_token {
+        Some(t) => cmd.env("SHOAL_JOIN_TOKEN", t),
+        None => cmd.env_remove("SHOAL_JOIN_TOKEN"),
+    };
     cmd.stdin(std::process::Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
@@ -329,15 +341,26 @@ pub async fn up(a: UpArgs) -> Result<()> {
             }
         }
     }
+    let mut join_token: Option<String> = None;
     for n in &cluster.nodes {
         if let Some(pid) = running(n) {
             println!("node {} already running (pid {pid})", n.id);
             continue;
         }
         let join = (n.id != cluster.nodes[0].id).then_some(first_api.as_str());
+        let token = match join {
+            Some(_) if !has_certificate(n) => {
+                if join_token.is_none() {
+                    join_token = Some(new_join_token(&data, &first_api).await?);
+                }
+                join_token.as_deref()
+            }
+            _ => None,
+        };
         let pid = start_node(
             n,
             join,
+            token,
             workers_per_node(cluster.nodes.len(), a.workers.map(usize::from)),
         )?;
         println!(
@@ -501,6 +524,34 @@ fn token(t: &Target) -> Option<String> {
     let text = std::fs::read_to_string(admin_token_path(&t.data)).ok()?;
     Some(text.trim().to_string())
 }
+
+/// Whether a local node has its certificate (it joined before).
+fn has_certificate(n: &LocalNode) -> bool {
+    n.dir
+        .join(shoal_node::membership::TLS_DIR)
+        .join(shoal_tls::CERT_FILE)
+        .exists()
+}
+
+/// A join token for the nodes this `shoal up` adds, valid for an hour.
+async fn new_join_token(data: &Path, first_api: &str) -> Result<String> {
+    let admin = std::fs::read_to_string(admin_token_path(data))
+        .with_context(|| format!("reading {}", admin_token_path(data).display()))?;
+    let c = Client::with_token(first_api, Some(admin.trim().to_string()));
+    let t = c
+        .create_token(&shoal_api::CreateToken {
+            role: shoal_model::Role::Join,
+            note: "made by shoal up for its nodes".into(),
+            ttl_s: Some(UP_JOIN_TOKEN_TTL_S),
+        })
+        .await
+        .context("making a join token for the other nodes")?;
+    Ok(t.token)
+}
+
+/// Lifetime of the join token `shoal up` makes, in seconds: its nodes join
+/// within its `--timeout`; an hour leaves room and little to leak.
+const UP_JOIN_TOKEN_TTL_S: u64 = 3600;
 
 /// Waits for the founding node's admin token to be in the directory, then
 /// copies it to the cluster's folder (mode 0600), where the command line

@@ -85,9 +85,19 @@ enum Cmd {
 enum TokenCmd {
     /// Make a token; its text is printed once.
     Create {
-        /// admin (everything) or read-only (status, volumes, metrics).
+        /// admin (everything), read-only (status, volumes, metrics) or
+        /// join (a new node's certificate, nothing else).
+        #[arg(long, required_unless_present = "join", conflicts_with = "join")]
+        role: Option<String>,
+        /// A join token: what `shoal node --join ADDR --join-token TOKEN`
+        /// needs; it names this cluster's CA and expires (--ttl, default
+        /// 24h).
         #[arg(long)]
-        role: String,
+        join: bool,
+        /// Lifetime: 90s, 30m, 24h, 7d (join tokens: default 24h; others:
+        /// until revoked).
+        #[arg(long, value_parser = parse_duration_s)]
+        ttl: Option<u64>,
         /// What it is for.
         #[arg(long, default_value = "")]
         note: String,
@@ -213,6 +223,15 @@ struct NodeArgs {
     /// API address of a member, to join its cluster.
     #[arg(long)]
     join: Option<String>,
+    /// The join token (`shoal token create --join` on a member) a new node
+    /// shows with --join for its certificate; a restart needs none.
+    #[arg(long, env = "SHOAL_JOIN_TOKEN", hide_env_values = true)]
+    join_token: Option<String>,
+    /// Keep the connections between nodes encrypted for their whole life
+    /// (TLS); without it they are proven by mutual TLS and then carry the
+    /// data in the clear (docs/security.md).
+    #[arg(long)]
+    encrypt_in_transit: bool,
     /// Fault domain (default: the node is its own).
     #[arg(long)]
     fault_domain: Option<String>,
@@ -244,12 +263,33 @@ struct NodeFile {
     nbd_socket: Option<String>,
     api: Option<String>,
     join: Option<String>,
+    #[serde(default)]
+    encrypt_in_transit: bool,
     fault_domain: Option<String>,
     scrub_mib_per_s: Option<u32>,
     scrub_interval_h: Option<u64>,
     /// `[tuning]`: threads and batching of the data path.
     #[serde(default)]
     tuning: Option<shoal_node::NodeTuning>,
+}
+
+/// A duration as `90s`, `30m`, `24h` or `7d`, in seconds (at least 1).
+fn parse_duration_s(s: &str) -> Result<u64, String> {
+    let (n, unit) = s.split_at(s.trim_end_matches(|c: char| c.is_ascii_alphabetic()).len());
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a number and s, m, h or d (e.g. 24h)"))?;
+    let mul = match unit {
+        "s" | "" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86400,
+        _ => return Err(format!("{s:?}: the unit is s, m, h or d")),
+    };
+    match n.checked_mul(mul) {
+        Some(v) if v > 0 => Ok(v),
+        _ => Err(format!("{s:?}: out of range (at least 1s)")),
+    }
 }
 
 fn parse_device(s: &str) -> Result<DeviceSpec> {
@@ -319,6 +359,8 @@ fn node_config(a: NodeArgs) -> Result<NodeConfig> {
         },
         api_addr: a.api.or(f.api).unwrap_or_else(|| "127.0.0.1:9400".into()),
         join: a.join.or(f.join),
+        join_token: a.join_token,
+        encrypt_in_transit: a.encrypt_in_transit || f.encrypt_in_transit,
         fault_domain: a.fault_domain.or(f.fault_domain),
         data_dir: data,
         scrub: {
@@ -458,14 +500,24 @@ async fn token(t: TokenCmd) -> Result<()> {
     match t {
         TokenCmd::Create {
             role,
+            join,
+            ttl,
             note,
             target,
             json,
         } => {
-            let role: shoal_model::Role = role.parse()?;
+            let role: shoal_model::Role = match (join, role) {
+                (true, _) => shoal_model::Role::Join,
+                (false, Some(r)) => r.parse()?,
+                (false, None) => bail!("--role or --join"),
+            };
             let c = local::client(&target)?;
             let r = c
-                .create_token(&shoal_api::CreateToken { role, note })
+                .create_token(&shoal_api::CreateToken {
+                    role,
+                    note,
+                    ttl_s: ttl,
+                })
                 .await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);

@@ -10,6 +10,11 @@
 //! transport (HTTP routes from [`Directory::router`]). Must never touch:
 //! devices or the data path.
 //!
+//! Who calls: the routes serve only requests that carry a [`Caller`], which
+//! the node's server adds once mutual TLS proved the calling member; a
+//! member acts only as itself (its votes and appends, its joins, the
+//! proposals that name a node).
+//!
 //! Membership: the first node calls [`Directory::bootstrap`]; others call
 //! [`Directory::join`] through any member once their router is served. The
 //! leader adds a joining node as a learner and promotes it to voter while
@@ -19,18 +24,20 @@
 pub mod state;
 
 mod network;
+pub use network::CONNECT_TIMEOUT;
 mod store;
 
 pub use state::{ClusterState, Command, PlannedComponent, Response, StateError};
 
 use axum::extract::{DefaultBodyLimit, State};
+use axum::http::StatusCode;
 use axum::routing::post;
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use openraft::error::{ClientWriteError, Fatal, RaftError};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, VoteRequest, VoteResponse,
 };
-use openraft::{BasicNode, ChangeMembers, Config, Raft, RaftMetrics, SnapshotPolicy};
+use openraft::{BasicNode, ChangeMembers, Config, Raft, RaftMetrics, SnapshotPolicy, Vote};
 use serde::{Deserialize, Serialize};
 use shoal_model::NodeId;
 use std::collections::{BTreeMap, BTreeSet};
@@ -70,6 +77,38 @@ pub struct DirectoryConfig {
     /// This node's HTTP API address `ip:port`, where [`Directory::router`]
     /// is served; peers reach this node's Raft there.
     pub api_addr: String,
+    /// How this member reaches the others' routes.
+    pub transport: Transport,
+}
+
+/// How members reach each other's routes.
+#[derive(Clone, Debug)]
+pub struct Transport {
+    /// A client that proves this node where `scheme` is `https`.
+    pub client: reqwest::Client,
+    /// `https` between nodes; `http` in this crate's tests only.
+    pub scheme: &'static str,
+}
+
+/// Who is calling a directory route, as the server that accepted the
+/// connection proved it (a request extension). A request without one is
+/// refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Caller {
+    /// A member, proven by its certificate.
+    Node(NodeId),
+    /// No proof and no checks: this crate's tests over plain HTTP.
+    Unchecked,
+}
+
+impl Caller {
+    /// Whether this caller may act as `node`.
+    fn is(self, node: NodeId) -> bool {
+        match self {
+            Caller::Node(n) => n == node,
+            Caller::Unchecked => true,
+        }
+    }
 }
 
 /// Why a directory operation failed.
@@ -86,6 +125,9 @@ pub enum DirectoryError {
     Network(String),
     #[error("directory raft: {0}")]
     Raft(String),
+    /// The caller may not do this (it acted as another node).
+    #[error("refused: {0}")]
+    Forbidden(String),
 }
 
 /// Errors carried in the answers of `/directory/*` routes.
@@ -95,6 +137,7 @@ enum WireError {
     /// This node is not the leader (or knows none): retry later.
     NotLeader,
     Other(String),
+    Forbidden(String),
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -112,7 +155,7 @@ struct Inner {
     raft: Raft<TypeConfig>,
     metrics: watch::Receiver<RaftMetrics<NodeId, BasicNode>>,
     state: watch::Receiver<Arc<ClusterState>>,
-    http: reqwest::Client,
+    transport: Transport,
     /// Serializes membership changes made by this node as leader.
     membership: tokio::sync::Mutex<()>,
 }
@@ -171,11 +214,11 @@ impl Directory {
             .map_err(|e| DirectoryError::Storage(e.to_string()))??;
         let log = store::LogStore::new(db.clone());
         let (sm, state) = store::StateMachine::open(db)?;
-        let http = network::http_client();
+        let transport = cfg.transport.clone();
         let raft = Raft::new(
             cfg.node_id,
             Arc::new(raft_config()?),
-            network::Network::new(http.clone()),
+            network::Network::new(transport.clone()),
             log,
             sm,
         )
@@ -189,7 +232,7 @@ impl Directory {
                 raft,
                 metrics,
                 state,
-                http,
+                transport,
                 membership: tokio::sync::Mutex::new(()),
             }),
         })
@@ -220,7 +263,7 @@ impl Directory {
             addr: self.inner.api_addr.clone(),
             forwarded: false,
         };
-        let url = format!("http://{via_api_addr}/directory/join");
+        let url = self.url(via_api_addr, "/directory/join");
         let (req, url) = (&req, &url);
         self.retry(|| async move { self.post_json::<_, ()>(url, req, JOIN_TIMEOUT).await })
             .await
@@ -275,7 +318,7 @@ impl Directory {
                 let addr = self
                     .node_addr(l)
                     .ok_or(Attempt::Retry(DirectoryError::NoLeader))?;
-                let url = format!("http://{addr}/directory/propose");
+                let url = self.url(&addr, "/directory/propose");
                 self.post_json(&url, cmd, PROPOSE_TIMEOUT).await
             }
         }
@@ -314,6 +357,11 @@ impl Directory {
         }
     }
 
+    /// The URL of `path` on the member at `addr`.
+    fn url(&self, addr: &str, path: &str) -> String {
+        format!("{}://{addr}{path}", self.inner.transport.scheme)
+    }
+
     /// POSTs JSON to a `/directory/*` route and decodes its answer.
     async fn post_json<Q: Serialize, A: for<'de> Deserialize<'de>>(
         &self,
@@ -324,7 +372,8 @@ impl Directory {
         let net = |e: String| Attempt::Retry(DirectoryError::Network(e));
         let resp = self
             .inner
-            .http
+            .transport
+            .client
             .post(url)
             .timeout(timeout)
             .json(body)
@@ -359,7 +408,7 @@ impl Directory {
             Some(l) if l == self.inner.id => self.add_member(req.node_id, req.addr).await,
             Some(l) if !req.forwarded => {
                 let addr = self.node_addr(l).ok_or(WireError::NotLeader)?;
-                let url = format!("http://{addr}/directory/join");
+                let url = self.url(&addr, "/directory/join");
                 let fwd = JoinRequest {
                     forwarded: true,
                     ..req
@@ -498,51 +547,100 @@ fn wire(e: WireError) -> Attempt {
         WireError::State(s) => Attempt::Final(DirectoryError::State(s)),
         WireError::NotLeader => Attempt::Retry(DirectoryError::NoLeader),
         WireError::Other(s) => Attempt::Retry(DirectoryError::Raft(s)),
+        WireError::Forbidden(s) => Attempt::Final(DirectoryError::Forbidden(s)),
     }
 }
 
 // ------------------------------------------------------------ HTTP handlers
 
+/// A refusal: the request carried no proven caller, or acted as another.
+type Refused = (StatusCode, String);
+
+fn caller_of(c: Option<Extension<Caller>>) -> Result<Caller, Refused> {
+    c.map(|Extension(c)| c).ok_or((
+        StatusCode::FORBIDDEN,
+        "directory routes serve members only (mutual TLS)".into(),
+    ))
+}
+
+/// A vote or append must come from the node it names as candidate/leader.
+fn check_vote(c: Option<Extension<Caller>>, vote: &Vote<NodeId>) -> Result<(), Refused> {
+    let caller = caller_of(c)?;
+    match vote.leader_id().voted_for() {
+        Some(n) if caller.is(n) => Ok(()),
+        other => Err((
+            StatusCode::FORBIDDEN,
+            format!("{caller:?} may not speak for node {other:?}"),
+        )),
+    }
+}
+
 async fn h_append(
     State(d): State<Directory>,
+    c: Option<Extension<Caller>>,
     Json(req): Json<AppendEntriesRequest<TypeConfig>>,
-) -> Json<Result<AppendEntriesResponse<NodeId>, RaftError<NodeId>>> {
-    Json(d.inner.raft.append_entries(req).await)
+) -> Result<Json<Result<AppendEntriesResponse<NodeId>, RaftError<NodeId>>>, Refused> {
+    check_vote(c, &req.vote)?;
+    Ok(Json(d.inner.raft.append_entries(req).await))
 }
 
 async fn h_vote(
     State(d): State<Directory>,
+    c: Option<Extension<Caller>>,
     Json(req): Json<VoteRequest<NodeId>>,
-) -> Json<Result<VoteResponse<NodeId>, RaftError<NodeId>>> {
-    Json(d.inner.raft.vote(req).await)
+) -> Result<Json<Result<VoteResponse<NodeId>, RaftError<NodeId>>>, Refused> {
+    check_vote(c, &req.vote)?;
+    Ok(Json(d.inner.raft.vote(req).await))
 }
 
 async fn h_snapshot(
     State(d): State<Directory>,
+    c: Option<Extension<Caller>>,
     Json(req): Json<network::SnapshotRequest>,
-) -> Json<Result<SnapshotResponse<NodeId>, Fatal<NodeId>>> {
+) -> Result<Json<Result<SnapshotResponse<NodeId>, Fatal<NodeId>>>, Refused> {
+    check_vote(c, &req.vote)?;
     let snapshot = openraft::Snapshot {
         meta: req.meta,
         snapshot: Box::new(Cursor::new(req.data.into_bytes())),
     };
-    Json(d.inner.raft.install_full_snapshot(req.vote, snapshot).await)
+    Ok(Json(
+        d.inner.raft.install_full_snapshot(req.vote, snapshot).await,
+    ))
 }
 
 async fn h_join(
     State(d): State<Directory>,
+    c: Option<Extension<Caller>>,
     Json(req): Json<JoinRequest>,
-) -> Json<Result<(), WireError>> {
-    Json(d.handle_join(req).await)
+) -> Result<Json<Result<(), WireError>>, Refused> {
+    let caller = caller_of(c)?;
+    // A node joins as itself; a member forwards another's join once.
+    if !req.forwarded && !caller.is(req.node_id) {
+        return Ok(Json(Err(WireError::Forbidden(format!(
+            "{caller:?} may not join as node {}",
+            req.node_id
+        )))));
+    }
+    Ok(Json(d.handle_join(req).await))
 }
 
 async fn h_propose(
     State(d): State<Directory>,
+    c: Option<Extension<Caller>>,
     Json(cmd): Json<Command>,
-) -> Json<Result<Response, WireError>> {
-    if !d.is_leader() {
-        return Json(Err(WireError::NotLeader));
+) -> Result<Json<Result<Response, WireError>>, Refused> {
+    let caller = caller_of(c)?;
+    if let Some(actor) = d.state().actor(&cmd) {
+        if !caller.is(actor) {
+            return Ok(Json(Err(WireError::Forbidden(format!(
+                "{caller:?} may not act as node {actor}"
+            )))));
+        }
     }
-    Json(d.propose_local(cmd).await)
+    if !d.is_leader() {
+        return Ok(Json(Err(WireError::NotLeader)));
+    }
+    Ok(Json(d.propose_local(cmd).await))
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
-//! Raft transport, client side: JSON over HTTP to the peers' `/raft/*`
-//! routes (served by [`crate::Directory::router`]).
+//! Raft transport, client side: JSON over HTTPS (mutual TLS, the client
+//! given in [`Transport`]) to the peers' `/raft/*` routes (served by
+//! [`crate::Directory::router`]).
 
-use crate::TypeConfig;
+use crate::{Transport, TypeConfig};
 use openraft::error::{
     Fatal, InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, ReplicationClosed,
     StreamingError, Unreachable,
@@ -23,7 +24,7 @@ const RPC_TIMEOUT: Duration = Duration::from_secs(2);
 /// Timeout of a full snapshot transfer.
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Connect timeout of every request between directory members.
-pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// Body of `POST /raft/snapshot`. The snapshot bytes are JSON, hence UTF-8.
 #[derive(Serialize, Deserialize)]
@@ -33,21 +34,14 @@ pub(crate) struct SnapshotRequest {
     pub data: String,
 }
 
-pub(crate) fn http_client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .connect_timeout(CONNECT_TIMEOUT)
-        .build()
-        .expect("reqwest client")
-}
-
 /// Creates one [`Conn`] per peer.
 pub(crate) struct Network {
-    client: reqwest::Client,
+    transport: Transport,
 }
 
 impl Network {
-    pub(crate) fn new(client: reqwest::Client) -> Self {
-        Network { client }
+    pub(crate) fn new(transport: Transport) -> Self {
+        Network { transport }
     }
 }
 
@@ -58,7 +52,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
         Conn {
             target,
             addr: node.addr.clone(),
-            client: self.client.clone(),
+            transport: self.transport.clone(),
         }
     }
 }
@@ -67,7 +61,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
 pub(crate) struct Conn {
     target: NodeId,
     addr: String,
-    client: reqwest::Client,
+    transport: Transport,
 }
 
 /// Failure to get an answer at all: unreachable peers make Raft back off.
@@ -83,8 +77,9 @@ impl Conn {
         body: &Q,
         timeout: Duration,
     ) -> Result<A, SendError> {
-        let url = format!("http://{}{}", self.addr, path);
+        let url = format!("{}://{}{}", self.transport.scheme, self.addr, path);
         let resp = self
+            .transport
             .client
             .post(&url)
             .timeout(timeout)

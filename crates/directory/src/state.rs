@@ -6,11 +6,11 @@
 
 use serde::{Deserialize, Serialize};
 use shoal_model::{
-    check_volume_name, check_volume_size, ApiToken, Component, ComponentId, ComponentRole,
-    ComponentState, DeviceId, DeviceInfo, DeviceState, Generation, NodeId, NodeInfo, NodeState,
-    Policy, Volume, VolumeId,
+    check_volume_name, check_volume_size, ApiToken, CaRecord, Component, ComponentId,
+    ComponentRole, ComponentState, DeviceId, DeviceInfo, DeviceState, Generation, NodeId, NodeInfo,
+    NodeState, Policy, Volume, VolumeId,
 };
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Everything the directory knows about the cluster.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -26,6 +26,16 @@ pub struct ClusterState {
     /// API tokens by id (their secrets' hashes only).
     #[serde(default)]
     pub tokens: BTreeMap<String, ApiToken>,
+    /// The cluster's certificate authority (set once, by the founding
+    /// node): any member can sign a joining node's certificate.
+    #[serde(default)]
+    pub ca: Option<CaRecord>,
+    /// SHA-256 of every certificate issued to a node, by node.
+    #[serde(default)]
+    pub node_certs: BTreeMap<NodeId, BTreeSet<String>>,
+    /// Certificates members refuse (SHA-256): those of revoked nodes.
+    #[serde(default)]
+    pub revoked_certs: BTreeSet<String>,
 }
 
 /// A change to the cluster state, the payload of a Raft log entry.
@@ -64,6 +74,14 @@ pub enum Command {
     /// Sets a volume's IOPS limit (0: none); its owner applies it to the
     /// I/O it admits from then on, without clients reconnecting.
     SetIopsLimit { name: String, iops_limit: u32 },
+    /// Stores the cluster CA: once; the same CA again is accepted.
+    SetClusterCa { ca: CaRecord },
+    /// Records a certificate issued to a node (by its SHA-256), so that
+    /// revoking the node names it.
+    RecordNodeCert { node: NodeId, cert_sha256: String },
+    /// Revokes every certificate issued to a node: members refuse its
+    /// connections from then on, and a new certificate needs a new join.
+    RevokeNodeCerts { node: NodeId },
     /// Adds an API token (its id must be new).
     CreateToken { token: ApiToken },
     /// Removes an API token: it opens nothing from then on.
@@ -257,6 +275,54 @@ impl ClusterState {
         }
     }
 
+    /// The node a command acts for, when it names one: only that node may
+    /// propose it (its registration, devices and usage, its claims).
+    pub fn actor(&self, cmd: &Command) -> Option<NodeId> {
+        match cmd {
+            Command::RegisterNode { node } => Some(node.id),
+            Command::RegisterDevice { node, .. } => Some(*node),
+            Command::ClaimOwner { node, .. } => Some(*node),
+            Command::ReportDeviceUsage { device, .. } => {
+                // An unknown device is refused by the state machine itself.
+                self.devices.get(device).map(|d| d.node)
+            }
+            _ => None,
+        }
+    }
+
+    fn set_ca(&mut self, ca: &CaRecord) -> Result<Response, StateError> {
+        match &self.ca {
+            Some(have) if have != ca => Err(input("the cluster already has another CA")),
+            _ => {
+                self.ca = Some(ca.clone());
+                Ok(Response::Ok)
+            }
+        }
+    }
+
+    fn record_cert(&mut self, node: NodeId, sha256: &str) -> Result<Response, StateError> {
+        if sha256.len() != 64 || !sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(input("a certificate's SHA-256 is 64 hex digits"));
+        }
+        if self.revoked_certs.contains(sha256) {
+            return Err(input("this certificate is revoked"));
+        }
+        self.node_certs
+            .entry(node)
+            .or_default()
+            .insert(sha256.to_string());
+        Ok(Response::Ok)
+    }
+
+    fn revoke_certs(&mut self, node: NodeId) -> Result<Response, StateError> {
+        let certs = self
+            .node_certs
+            .remove(&node)
+            .ok_or_else(|| input(format!("no certificate was issued to node {node}")))?;
+        self.revoked_certs.extend(certs);
+        Ok(Response::Ok)
+    }
+
     fn apply_inner(&mut self, cmd: &Command) -> Result<Response, StateError> {
         match cmd {
             Command::SetClusterId { cluster_id } => {
@@ -417,6 +483,9 @@ impl ClusterState {
                 self.volumes.remove(&id);
                 Ok(Response::Ok)
             }
+            Command::SetClusterCa { ca } => self.set_ca(ca),
+            Command::RecordNodeCert { node, cert_sha256 } => self.record_cert(*node, cert_sha256),
+            Command::RevokeNodeCerts { node } => self.revoke_certs(*node),
             Command::CreateToken { token } => {
                 if self.tokens.contains_key(&token.id) {
                     return Err(StateError::TokenTaken(token.id.clone()));

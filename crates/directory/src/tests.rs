@@ -32,10 +32,11 @@ async fn start(
         node_id: id,
         data_dir: dir.to_path_buf(),
         api_addr: addr.to_string(),
+        transport: plain_transport(),
     })
     .await
     .unwrap();
-    let router = d.router();
+    let router = d.router().layer(axum::Extension(Caller::Unchecked));
     let h = tokio::spawn(async move {
         let _ = axum::serve(listener, router).await;
     });
@@ -124,5 +125,16 @@ async fn snapshot_catches_up_a_new_member_and_survives_restart() {
         h.abort();
         // The listener closes when the aborted task is gone.
         let _ = h.await;
+    }
+}
+
+/// Plain HTTP between the members of these tests (a node uses mutual TLS).
+fn plain_transport() -> Transport {
+    Transport {
+        client: reqwest::Client::builder()
+            .connect_timeout(crate::CONNECT_TIMEOUT)
+            .build()
+            .unwrap(),
+        scheme: "http",
     }
 }

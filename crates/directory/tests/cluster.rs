@@ -1,8 +1,8 @@
 //! In-process three-member directory over real HTTP on 127.0.0.1.
 
 use shoal_directory::{
-    ClusterState, Command, Directory, DirectoryConfig, DirectoryError, PlannedComponent, Response,
-    StateError,
+    Caller, ClusterState, Command, Directory, DirectoryConfig, DirectoryError, PlannedComponent,
+    Response, StateError, Transport,
 };
 use shoal_model::{ComponentRole, NodeId, NodeInfo, NodeState, Policy};
 use std::net::SocketAddr;
@@ -45,11 +45,12 @@ impl Member {
             node_id: id,
             data_dir: data_dir.to_path_buf(),
             api_addr: addr.to_string(),
+            transport: plain_transport(),
         })
         .await
         .expect("open");
         let (tx, rx) = oneshot::channel::<()>();
-        let router = dir.router();
+        let router = dir.router().layer(axum::Extension(Caller::Unchecked));
         let server = tokio::spawn(async move {
             let _ = axum::serve(listener, router)
                 .with_graceful_shutdown(async move {
@@ -382,5 +383,16 @@ async fn three_members_replicate_fail_over_and_persist() {
     assert_eq!(members[2].dir.state().nodes[&dead_id].state, NodeState::Up);
     for m in members {
         m.stop().await;
+    }
+}
+
+/// Plain HTTP between the members of these tests (a node uses mutual TLS).
+fn plain_transport() -> Transport {
+    Transport {
+        client: reqwest::Client::builder()
+            .connect_timeout(shoal_directory::CONNECT_TIMEOUT)
+            .build()
+            .unwrap(),
+        scheme: "http",
     }
 }

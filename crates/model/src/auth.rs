@@ -4,6 +4,12 @@
 //! and is public (logs, `shoal token list`); `secret` (64 hex digits, 256
 //! random bits) proves it. The directory keeps only the SHA-256 of the
 //! secret, so a copy of the directory grants nothing.
+//!
+//! A join token (role [`Role::Join`]) lets a new node ask for its
+//! certificate and nothing else. Its text also names the cluster it joins:
+//! `shoal-join-<id>-<secret>-<ca>`, `ca` the SHA-256 of the cluster CA's
+//! certificate, so the joining node hands its secret only to a member of
+//! that cluster.
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -17,12 +23,20 @@ pub enum Role {
     ReadOnly,
     /// Everything a person or a tool may do.
     Admin,
+    /// Only: ask for a new node's certificate (`POST /v1/join`).
+    Join,
 }
 
 impl Role {
-    /// Whether this role may do what `needed` allows.
+    /// Whether this role may do what `needed` allows on the REST API. A
+    /// join token allows nothing there.
     pub fn allows(self, needed: Role) -> bool {
-        self >= needed
+        match (self, needed) {
+            (Role::Admin, Role::Admin | Role::ReadOnly) => true,
+            (Role::ReadOnly, Role::ReadOnly) => true,
+            (Role::Join, Role::Join) => true,
+            _ => false,
+        }
     }
 }
 
@@ -31,6 +45,7 @@ impl fmt::Display for Role {
         f.write_str(match self {
             Role::ReadOnly => "read-only",
             Role::Admin => "admin",
+            Role::Join => "join",
         })
     }
 }
@@ -41,6 +56,7 @@ impl FromStr for Role {
         match s {
             "read-only" | "readonly" => Ok(Role::ReadOnly),
             "admin" => Ok(Role::Admin),
+            "join" => Ok(Role::Join),
             _ => Err(TokenError::BadRole(s.to_string())),
         }
     }
@@ -56,13 +72,93 @@ pub struct ApiToken {
     pub secret_sha256: String,
     /// What it is for, as its creator said.
     pub note: String,
+    /// When it stops opening anything, in seconds since the Unix epoch
+    /// (join tokens; API tokens last until revoked).
+    #[serde(default)]
+    pub expires_unix_s: Option<u64>,
+}
+
+impl ApiToken {
+    /// Whether it has expired at `now_unix_s`.
+    pub fn expired(&self, now_unix_s: u64) -> bool {
+        self.expires_unix_s.is_some_and(|e| now_unix_s >= e)
+    }
+}
+
+/// The cluster's certificate authority as the directory keeps it: every
+/// member can then sign a joining node's certificate. Never shown by the
+/// API; `Debug` hides the key.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CaRecord {
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+impl fmt::Debug for CaRecord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("CaRecord(..)")
+    }
+}
+
+/// A join token's text: the token, and the pin of the cluster it joins.
+#[derive(Clone, PartialEq, Eq)]
+pub struct JoinTokenText {
+    pub token: TokenText,
+    /// SHA-256 of the cluster CA's certificate (DER), 64 hex digits.
+    pub ca_sha256: String,
+}
+
+impl fmt::Debug for JoinTokenText {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "JoinTokenText({})", self.token.id)
+    }
+}
+
+impl JoinTokenText {
+    /// The full text to hand to the node's operator (once).
+    pub fn reveal(&self) -> String {
+        format!(
+            "shoal-join-{}-{}-{}",
+            self.token.id, self.token.secret, self.ca_sha256
+        )
+    }
+}
+
+impl FromStr for JoinTokenText {
+    type Err = TokenError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let rest = s
+            .trim()
+            .strip_prefix("shoal-join-")
+            .ok_or(TokenError::NotJoin)?;
+        let mut parts = rest.split('-');
+        let (Some(id), Some(secret), Some(ca), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err(TokenError::NotJoin);
+        };
+        if !is_hex(id, 16) || !is_hex(secret, 64) || !is_hex(ca, 64) {
+            return Err(TokenError::NotJoin);
+        }
+        Ok(JoinTokenText {
+            token: TokenText {
+                id: id.to_string(),
+                secret: secret.to_string(),
+            },
+            ca_sha256: ca.to_string(),
+        })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TokenError {
     #[error("not a Shoal token: expected shoal-<16 hex digits>-<64 hex digits>")]
     Malformed,
-    #[error("unknown role {0:?}: expected admin or read-only")]
+    #[error(
+        "not a join token: expected shoal-join-<16 hex digits>-<64 hex digits>-<64 hex digits>"
+    )]
+    NotJoin,
+    #[error("unknown role {0:?}: expected admin, read-only or join")]
     BadRole(String),
 }
 
@@ -146,6 +242,7 @@ mod tests {
             role: Role::Admin,
             secret_sha256: t.secret_sha256(),
             note: String::new(),
+            expires_unix_s: None,
         };
         let back: TokenText = t.reveal().parse().unwrap();
         assert!(back.proves(&rec));
@@ -156,9 +253,38 @@ mod tests {
         assert!(!Role::ReadOnly.allows(Role::Admin));
         assert_eq!("read-only".parse::<Role>(), Ok(Role::ReadOnly));
         assert!("root".parse::<Role>().is_err());
+        assert!(!Role::Join.allows(Role::ReadOnly) && !Role::Admin.allows(Role::Join));
+    }
+
+    #[test]
+    fn a_join_token_names_its_cluster_and_expires() {
+        let j = JoinTokenText {
+            token: TokenText::new([4; 8], [5; 32]),
+            ca_sha256: "ab".repeat(32),
+        };
+        let back: JoinTokenText = j.reveal().parse().unwrap();
+        assert_eq!(back, j);
+        assert!(j.token.reveal().parse::<JoinTokenText>().is_err());
+        assert!(j.reveal().parse::<TokenText>().is_err());
+        assert!(!format!("{j:?}").contains(&j.token.secret));
+        let t = ApiToken {
+            id: j.token.id.clone(),
+            role: Role::Join,
+            secret_sha256: j.token.secret_sha256(),
+            note: String::new(),
+            expires_unix_s: Some(100),
+        };
+        assert!(!t.expired(99) && t.expired(100));
     }
 
     proptest! {
+        #[test]
+        fn garbage_is_never_a_join_token(s in "shoal-join-[0-9a-f-]{0,200}") {
+            if let Ok(t) = s.parse::<JoinTokenText>() {
+                prop_assert_eq!(t.reveal(), s.trim());
+            }
+        }
+
         #[test]
         fn garbage_is_never_a_token(s in ".{0,120}") {
             if let Ok(t) = s.parse::<TokenText>() {

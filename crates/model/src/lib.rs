@@ -13,7 +13,7 @@ use std::fmt;
 
 mod auth;
 mod policy;
-pub use auth::{ApiToken, Role, TokenError, TokenText};
+pub use auth::{ApiToken, CaRecord, JoinTokenText, Role, TokenError, TokenText};
 pub use policy::{Layout, Policy, PolicyError};
 
 /// The unit of addressing, checksumming and allocation of a volume, in bytes.

@@ -1,11 +1,11 @@
-//! Who may call the node's REST API. Every route needs an API token
-//! (`Authorization: Bearer shoal-...`) that the directory knows, of a role
-//! that allows the call: reading (GET, `/metrics`) needs a read-only or
-//! admin token, anything that changes state an admin token. Open without
-//! a token: `/livez` (liveness probes, and a joining node learning the
-//! cluster's id), and the routes nodes call on each other (heartbeats,
-//! the directory's Raft and join routes), which are to be authenticated
-//! by the nodes' certificates (issue 21, mutual TLS) and are not yet.
+//! Who may call the node's REST API (plain HTTP on the API port). Every
+//! route needs an API token (`Authorization: Bearer shoal-...`) that the
+//! directory knows and that has not expired, of a role that allows the
+//! call: reading (GET, `/metrics`) needs a read-only or admin token,
+//! anything that changes state an admin token; a join token opens nothing
+//! here. Open without a token: `/livez` (liveness probes, and a joining
+//! node learning the cluster's id). The routes nodes call on each other
+//! are not on plain HTTP at all: see [`crate::api_server`].
 //! Owns the decision only; tokens are made and revoked through the
 //! directory.
 
@@ -25,7 +25,7 @@ pub enum Access {
 
 /// The access a call to `path` with `method` needs.
 pub fn needed(method: &Method, path: &str) -> Access {
-    if path == "/livez" || path == "/v1/heartbeat" {
+    if path == "/livez" {
         return Access::Open;
     }
     if method == Method::GET || method == Method::HEAD {
@@ -72,6 +72,12 @@ pub async fn require(State(h): State<Http>, req: Request, next: Next) -> Respons
             format!("token {} is not valid here (unknown or revoked)", t.id),
         );
     };
+    if known.expired(crate::membership::now_unix_s()) {
+        return refuse(
+            StatusCode::UNAUTHORIZED,
+            format!("token {} has expired", t.id),
+        );
+    }
     if !known.role.allows(role) {
         return refuse(
             StatusCode::FORBIDDEN,

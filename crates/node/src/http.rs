@@ -7,12 +7,12 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response as HttpResponse};
 use axum::routing::{get, post};
-use axum::Json;
+use axum::{Extension, Json};
 use shoal_api::{
     Connections, CopyDigest, CreateVolume, Digests, ErrorBody, Heartbeat, Owners, Resize,
     StatusReport, ThrottleReport, VolumeReport, VolumeSettings,
 };
-use shoal_directory::{ClusterState, Command, DirectoryError, StateError};
+use shoal_directory::{Caller, ClusterState, Command, DirectoryError, StateError};
 use shoal_model::{check_volume_name, check_volume_size, NodeState, Policy, Volume};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
@@ -98,8 +98,8 @@ async fn throttle_of(
     owners.throttles.into_iter().find(|t| t.volume == v.name)
 }
 
+/// The REST API of plain HTTP: every call with an API token.
 pub fn routes(h: Http) -> axum::Router {
-    let dir_routes = h.router.dir.router();
     axum::Router::new()
         .route("/v1/status", get(status))
         .route("/v1/volumes", get(list).post(create))
@@ -107,7 +107,6 @@ pub fn routes(h: Http) -> axum::Router {
         .route("/v1/volumes/{name}/resize", post(resize))
         .route("/v1/volumes/{name}/settings", post(settings))
         .route("/v1/volumes/{name}/digests", get(digests))
-        .route("/v1/heartbeat", post(heartbeat))
         .route("/v1/local/connections", get(connections))
         .route("/v1/local/owners", get(owners))
         .route("/v1/scrub", get(scrub_status).post(scrub_start))
@@ -121,7 +120,47 @@ pub fn routes(h: Http) -> axum::Router {
         ))
         .layer(axum::extract::DefaultBodyLimit::max(API_BODY_MAX_BYTES))
         .with_state(h)
-        .merge(dir_routes)
+}
+
+/// The routes nodes call on each other, served only to proven members
+/// (mutual TLS; each request carries its [`Caller`]).
+pub fn member_routes(h: Http) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/heartbeat", post(heartbeat))
+        .layer(axum::extract::DefaultBodyLimit::max(API_BODY_MAX_BYTES))
+        .with_state(h.clone())
+        .merge(h.router.dir.router())
+}
+
+/// The one route for a node that has no certificate yet.
+pub fn join_routes(h: Http) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/join", post(join_cert))
+        .layer(axum::extract::DefaultBodyLimit::max(JOIN_BODY_MAX_BYTES))
+        .with_state(h)
+}
+
+/// Largest body of a join request, in bytes: a token, a few addresses and
+/// a certificate request of a few hundred bytes.
+const JOIN_BODY_MAX_BYTES: usize = 16 << 10;
+
+async fn join_cert(
+    State(h): State<Http>,
+    Json(req): Json<shoal_api::JoinCertRequest>,
+) -> Result<Json<shoal_api::JoinCertAnswer>, ApiErr> {
+    use crate::membership::JoinRefused as R;
+    crate::membership::issue_for_join(&h.router.dir, &req)
+        .await
+        .map(Json)
+        .map_err(|e| {
+            let status = match &e {
+                R::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+                R::Conflict(_) => StatusCode::CONFLICT,
+                R::Bad(_) => StatusCode::BAD_REQUEST,
+                R::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            };
+            ApiErr(status, e.to_string())
+        })
 }
 
 async fn livez(State(h): State<Http>) -> Json<shoal_api::Livez> {
@@ -154,12 +193,36 @@ async fn create_token(
             "a token's note is at most {TOKEN_NOTE_MAX_BYTES} bytes"
         )));
     }
-    let (text, token) = crate::new_token(req.role, &req.note);
+    let (text, mut token) = crate::new_token(req.role, &req.note);
+    let ttl_s = match req.role {
+        shoal_model::Role::Join => Some(req.ttl_s.unwrap_or(shoal_api::JOIN_TOKEN_DEFAULT_TTL_S)),
+        _ => req.ttl_s,
+    };
+    token.expires_unix_s = ttl_s.map(|t| crate::membership::now_unix_s().saturating_add(t));
+    let shown = match req.role {
+        shoal_model::Role::Join => {
+            let state = h.router.dir.state();
+            let ca = state.ca.as_ref().ok_or_else(|| {
+                ApiErr(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the cluster CA is not recorded yet".into(),
+                )
+            })?;
+            let pin = shoal_tls::JoinPin::of_pem(&ca.cert_pem)
+                .map_err(|e| ApiErr(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+            shoal_model::JoinTokenText {
+                token: text.clone(),
+                ca_sha256: pin.0,
+            }
+            .reveal()
+        }
+        _ => text.reveal(),
+    };
     h.router.dir.propose(Command::CreateToken { token }).await?;
     Ok(Json(shoal_api::NewToken {
         id: text.id.clone(),
         role: req.role,
-        token: text.reveal(),
+        token: shown,
     }))
 }
 
@@ -391,7 +454,12 @@ async fn digests(State(h): State<Http>, Path(name): Path<String>) -> Result<Json
             .map(|n| n.peer_addr.clone())
             .unwrap_or_default();
         let r = async {
-            let p = shoal_rpc::Peer::connect(&addr, std::time::Duration::from_secs(1)).await?;
+            let p = shoal_rpc::Peer::connect(
+                &addr,
+                std::time::Duration::from_secs(1),
+                h.router.peer_auth(),
+            )
+            .await?;
             p.call(
                 &shoal_rpc::Request::Digest { component: c.id },
                 bytes::Bytes::new(),
@@ -423,9 +491,19 @@ async fn digests(State(h): State<Http>, Path(name): Path<String>) -> Result<Json
     }))
 }
 
-async fn heartbeat(State(h): State<Http>, Json(hb): Json<Heartbeat>) -> Json<serde_json::Value> {
+async fn heartbeat(
+    State(h): State<Http>,
+    Extension(caller): Extension<Caller>,
+    Json(hb): Json<Heartbeat>,
+) -> Result<Json<serde_json::Value>, ApiErr> {
+    if caller != Caller::Node(hb.node) {
+        return Err(ApiErr(
+            StatusCode::FORBIDDEN,
+            format!("{caller:?} may not send node {}'s heartbeat", hb.node),
+        ));
+    }
     h.liveness.heard(hb).await;
-    Json(serde_json::json!({}))
+    Ok(Json(serde_json::json!({})))
 }
 
 async fn connections(State(h): State<Http>) -> Json<Connections> {

@@ -7,11 +7,13 @@
 //! lifecycle and identity; must never hold cluster state of its own beyond
 //! what the directory says.
 
+pub mod api_server;
 pub mod auth;
 pub mod exports;
 pub mod flusher;
 pub mod http;
 pub mod liveness;
+pub mod membership;
 pub mod reader;
 pub mod replica;
 pub mod ring;
@@ -105,6 +107,15 @@ pub struct NodeConfig {
     pub api_addr: String,
     /// API address of any member, to join an existing cluster.
     pub join: Option<String>,
+    /// The join token a new node shows for its certificate (only the first
+    /// start of a joining node needs it).
+    #[serde(default, skip_serializing)]
+    pub join_token: Option<String>,
+    /// Keep connections between nodes encrypted (TLS) for their whole
+    /// life; otherwise they are authenticated by mutual TLS and then carry
+    /// the data path in the clear (docs/security.md says why).
+    #[serde(default)]
+    pub encrypt_in_transit: bool,
     /// Fault domain; defaults to `node-<id>`.
     pub fault_domain: Option<String>,
     /// Background scrubbing of the devices.
@@ -226,6 +237,7 @@ pub fn new_token(
         role,
         secret_sha256: text.secret_sha256(),
         note: note.to_string(),
+        expires_unix_s: None,
     };
     (text, token)
 }
@@ -386,13 +398,25 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
         },
     };
 
+    let creds = membership::obtain(&cfg, &cluster_id, fresh)
+        .await
+        .context("the node's certificate")?;
+    let transport = member_transport(&creds)?;
     let dir = Directory::open(DirectoryConfig {
         node_id: cfg.id,
         data_dir: cfg.data_dir.join("directory"),
         api_addr: cfg.api_addr.clone(),
+        transport: transport.clone(),
     })
     .await
     .context("opening the directory")?;
+    let admit = admit_unrevoked(&dir);
+    let peer_auth = shoal_rpc::PeerAuth::Members(shoal_tls::PeerSecurity {
+        server: creds.server_config(shoal_tls::ClientAuth::Required)?,
+        client: creds.client_config()?,
+        encrypt: cfg.encrypt_in_transit,
+        admit: admit.clone(),
+    });
 
     // Replica side first: it needs only the device ids we remember.
     let known: Vec<(String, DeviceId)> = identity
@@ -401,10 +425,11 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
         .unwrap_or_default();
     let owner_cfg = OwnerConfig {
         node: cfg.id,
+        peer_auth: peer_auth.clone(),
         ..OwnerConfig::default()
     };
     let router = Arc::new(router::Router::new(cfg.id, dir.clone(), owner_cfg));
-    let liveness = Arc::new(liveness::Liveness::new(cfg.id, dir.clone()));
+    let liveness = Arc::new(liveness::Liveness::new(cfg.id, dir.clone(), transport));
 
     // The HTTP API (with Raft) must run before bootstrap/join.
     let mut device_ids: Vec<(String, DeviceId)> = Vec::new();
@@ -428,20 +453,30 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
         shoal_rpc::register_local(&cfg.peer_addr, r.clone());
         let _ = replicas_cell.set(r.clone());
         if let Some(l) = peer_l.take() {
+            let auth = peer_auth.clone();
             essentials.spawn("the peer RPC server", async move {
-                Ok(shoal_rpc::serve(l, r).await?)
+                Ok(shoal_rpc::serve(l, r, auth).await?)
             });
         }
     }
     let scrubber_cell = Arc::new(std::sync::OnceLock::new());
-    let app = http::routes(http::Http {
+    let h = http::Http {
         router: router.clone(),
         liveness: liveness.clone(),
         replicas: replicas_cell.clone(),
         scrubber: scrubber_cell.clone(),
-    });
+    };
+    let routers = api_server::ApiRouters {
+        plain: http::routes(h.clone()),
+        members: http::member_routes(h.clone()),
+        joining: http::join_routes(h),
+    };
+    let api_tls = api_server::ApiTls {
+        server: creds.server_config(shoal_tls::ClientAuth::Optional)?,
+        admit,
+    };
     essentials.spawn("the HTTP API server", async move {
-        Ok(axum::serve(api_l, app).await?)
+        Ok(api_server::serve(api_l, routers, api_tls).await?)
     });
 
     if fresh && cfg.join.is_none() {
@@ -457,6 +492,8 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
             .await
             .with_context(|| format!("joining the cluster via {join}"))?;
     }
+
+    membership::record(&dir, &creds, &cfg.data_dir).await?;
 
     // Register the node and its devices.
     let me = NodeInfo {
@@ -515,7 +552,7 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
     if let Some(l) = peer_l.take() {
         let r = replicas.clone();
         essentials.spawn("the peer RPC server", async move {
-            Ok(shoal_rpc::serve(l, r).await?)
+            Ok(shoal_rpc::serve(l, r, peer_auth).await?)
         });
     }
 
@@ -611,6 +648,26 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
         None => Ok(()),
         Some(why) => bail!("{why}"),
     }
+}
+
+/// The client this node reaches other members' routes with: mutual TLS
+/// with its certificate.
+fn member_transport(creds: &shoal_tls::NodeCredentials) -> Result<shoal_directory::Transport> {
+    let client = reqwest::Client::builder()
+        .use_preconfigured_tls((*creds.client_config()?).clone())
+        .connect_timeout(shoal_directory::CONNECT_TIMEOUT)
+        .build()
+        .context("building the members' HTTPS client")?;
+    Ok(shoal_directory::Transport {
+        client,
+        scheme: "https",
+    })
+}
+
+/// Admits a proven member unless the directory revoked its certificate.
+fn admit_unrevoked(dir: &Directory) -> shoal_tls::Admit {
+    let state = dir.watch();
+    Arc::new(move |m: &shoal_tls::Member| !state.borrow().revoked_certs.contains(&m.cert_sha256))
 }
 
 /// Resolves when the sender of `rx` sends or is dropped: the stop signal

@@ -21,15 +21,18 @@ const USAGE_STEP: u64 = 16 << 20;
 pub struct Liveness {
     node: NodeId,
     dir: Directory,
+    /// Proves this node to the leader (mutual TLS).
+    transport: shoal_directory::Transport,
     seen: Mutex<HashMap<NodeId, Instant>>,
     leader_since: Mutex<Option<Instant>>,
 }
 
 impl Liveness {
-    pub fn new(node: NodeId, dir: Directory) -> Liveness {
+    pub fn new(node: NodeId, dir: Directory, transport: shoal_directory::Transport) -> Liveness {
         Liveness {
             node,
             dir,
+            transport,
             seen: Mutex::new(HashMap::new()),
             leader_since: Mutex::new(None),
         }
@@ -55,7 +58,8 @@ impl Liveness {
                 .await;
         }
         for u in hb.devices {
-            let Some(d) = state.devices.get(&u.device) else {
+            // A node reports its own devices only.
+            let Some(d) = state.devices.get(&u.device).filter(|d| d.node == hb.node) else {
                 continue;
             };
             if d.state != u.state || d.used.abs_diff(u.used) >= USAGE_STEP {
@@ -132,13 +136,17 @@ impl Liveness {
                     Some(l) => {
                         let addr = me.dir.state().nodes.get(&l).map(|n| n.api_addr.clone());
                         if let Some(addr) = addr {
-                            let c = shoal_api::Client::new(&addr);
-                            let r = tokio::time::timeout(
-                                Duration::from_secs(1),
-                                c.post::<_, serde_json::Value>("/v1/heartbeat", &hb),
-                            )
-                            .await;
-                            if let Ok(Err(e)) = r {
+                            let t = &me.transport;
+                            let url = format!("{}://{addr}/v1/heartbeat", t.scheme);
+                            let r = t
+                                .client
+                                .post(&url)
+                                .timeout(Duration::from_secs(1))
+                                .json(&hb)
+                                .send()
+                                .await
+                                .and_then(|r| r.error_for_status());
+                            if let Err(e) = r {
                                 tracing::debug!("heartbeat to {addr}: {e}");
                             }
                         }

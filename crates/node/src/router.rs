@@ -159,6 +159,11 @@ pub enum IoFailure {
 }
 
 impl Router {
+    /// How this node proves itself to peers.
+    pub fn peer_auth(&self) -> &shoal_rpc::PeerAuth {
+        &self.cfg.peer_auth
+    }
+
     pub fn new(node: NodeId, dir: Directory, cfg: OwnerConfig) -> Router {
         Router {
             node,
@@ -239,7 +244,8 @@ impl Router {
                 return Ok(p.clone());
             }
         }
-        let p = Arc::new(Peer::connect(addr, Duration::from_millis(1000)).await?);
+        let p =
+            Arc::new(Peer::connect(addr, Duration::from_millis(1000), &self.cfg.peer_auth).await?);
         m.insert(addr.to_string(), p.clone());
         Ok(p)
     }

@@ -42,6 +42,8 @@ pub struct OwnerConfig {
     pub io_timeout: Duration,
     /// Interval of barriers and witness pings.
     pub tick: Duration,
+    /// How connections to replicas are proven (a node: its certificate).
+    pub peer_auth: shoal_rpc::PeerAuth,
 }
 
 impl Default for OwnerConfig {
@@ -50,6 +52,8 @@ impl Default for OwnerConfig {
             node: 0,
             io_timeout: Duration::from_secs(3),
             tick: Duration::from_millis(200),
+            // Only tests run an owner against servers of their own.
+            peer_auth: shoal_rpc::PeerAuth::Unauthenticated,
         }
     }
 }

@@ -209,7 +209,11 @@ impl Control for Dir {
 async fn serve(mem: Arc<Mem>) -> String {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap().to_string();
-    tokio::spawn(shoal_rpc::serve(l, mem));
+    tokio::spawn(shoal_rpc::serve(
+        l,
+        mem,
+        shoal_rpc::PeerAuth::Unauthenticated,
+    ));
     addr
 }
 
@@ -270,6 +274,7 @@ fn cfg() -> OwnerConfig {
         node: 1,
         io_timeout: Duration::from_millis(500),
         tick: Duration::from_millis(50),
+        peer_auth: shoal_rpc::PeerAuth::Unauthenticated,
     }
 }
 

@@ -7,6 +7,8 @@
 //!
 //! Wire format (see `docs/rpc-format.md`): each frame is a fixed 32-byte
 //! little-endian header, a postcard-encoded body, then raw payload bytes.
+//! Every connection is proven before its first frame is read
+//! ([`PeerAuth`]).
 //! Frames on one connection are handled in the order they were sent; the
 //! replies may come back in any order, matched by request id.
 
@@ -19,6 +21,27 @@ pub use frame::{FrameError, Header, HEADER_LEN, MAGIC, MAX_BODY, MAX_PAYLOAD, VE
 pub use message::{RemoteError, Request, Response, VolumeOp};
 pub use peer::{register_local, Peer, PendingReply};
 pub use server::{serve, Handler, Reply};
+
+/// How connections between nodes are proven.
+#[derive(Clone)]
+pub enum PeerAuth {
+    /// Mutual TLS with the cluster's certificates, then TLS or the
+    /// authenticated bare stream (see `shoal_tls`). Every node serves and
+    /// connects this way.
+    Members(shoal_tls::PeerSecurity),
+    /// No proof at all: for tests of this crate and of the owner, against
+    /// servers they start themselves. A node never serves this way.
+    Unauthenticated,
+}
+
+impl std::fmt::Debug for PeerAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PeerAuth::Members(s) => write!(f, "Members(encrypt: {})", s.encrypt),
+            PeerAuth::Unauthenticated => f.write_str("Unauthenticated"),
+        }
+    }
+}
 
 use std::time::Duration;
 

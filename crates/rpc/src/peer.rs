@@ -5,13 +5,14 @@
 //! the same order gets the same apply order everywhere.
 
 use crate::frame::{Header, HEADER_LEN};
-use crate::{Handler, Request, Response, RpcError};
+use crate::{Handler, PeerAuth, Request, Response, RpcError};
 use bytes::Bytes;
+use shoal_tls::MemberStream;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
@@ -109,8 +110,8 @@ impl PendingReply {
 }
 
 impl Peer {
-    /// Connects within `timeout`.
-    pub async fn connect(addr: &str, timeout: Duration) -> Result<Peer, RpcError> {
+    /// Connects within `timeout` (TCP, then the member handshake).
+    pub async fn connect(addr: &str, timeout: Duration, auth: &PeerAuth) -> Result<Peer, RpcError> {
         if let Some(h) = local_handler(addr) {
             return Ok(Peer {
                 addr: addr.to_string(),
@@ -124,76 +125,28 @@ impl Peer {
             addr: addr.to_string(),
             reason,
         };
-        let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
+        let tcp = tokio::time::timeout(timeout, TcpStream::connect(addr))
             .await
             .map_err(|_| cerr("timed out".into()))?
             .map_err(|e| cerr(e.to_string()))?;
-        stream.set_nodelay(true).map_err(|e| cerr(e.to_string()))?;
-        let (rd, wr) = stream.into_split();
-        // Buffered: a small frame (header, body) arrives in one read call.
-        let mut rd = tokio::io::BufReader::with_capacity(crate::READ_BUFFER, rd);
-        let (tx, mut rx) = mpsc::unbounded_channel::<(Header, Vec<u8>, Bytes)>();
+        tcp.set_nodelay(true).map_err(|e| cerr(e.to_string()))?;
+        let stream = match auth {
+            PeerAuth::Members(sec) => sec.connect(tcp).await.map_err(|e| cerr(e.to_string()))?.0,
+            PeerAuth::Unauthenticated => MemberStream::Plain(tcp),
+        };
         let waiters: Waiters = Arc::new(Mutex::new(HashMap::new()));
         let closed = Arc::new(AtomicBool::new(false));
-
-        // Writer: drains the queue, batching frames into one flush.
-        let c2 = closed.clone();
-        tokio::spawn(async move {
-            let mut w = BufWriter::with_capacity(256 << 10, wr);
-            while let Some(first) = rx.recv().await {
-                let mut next = Some(first);
-                while let Some((h, body, payload)) = next.take() {
-                    let ok = w.write_all(&h.encode()).await.is_ok()
-                        && w.write_all(&body).await.is_ok()
-                        && w.write_all(&payload).await.is_ok();
-                    if !ok {
-                        c2.store(true, Ordering::SeqCst);
-                        return;
-                    }
-                    next = rx.try_recv().ok();
-                }
-                if w.flush().await.is_err() {
-                    c2.store(true, Ordering::SeqCst);
-                    return;
-                }
+        let (tx, rx) = mpsc::unbounded_channel::<(Header, Vec<u8>, Bytes)>();
+        match stream {
+            MemberStream::Plain(t) => {
+                let (rd, wr) = t.into_split();
+                spawn_io(rd, wr, rx, waiters.clone(), closed.clone());
             }
-        });
-
-        // Reader: matches replies to waiters; any framing error closes.
-        let w2 = waiters.clone();
-        let c3 = closed.clone();
-        tokio::spawn(async move {
-            let r: Result<(), RpcError> = async {
-                loop {
-                    let mut hb = [0u8; HEADER_LEN];
-                    rd.read_exact(&mut hb).await.map_err(|_| RpcError::Closed)?;
-                    let h = Header::decode(&hb).map_err(|e| RpcError::Protocol(e.to_string()))?;
-                    let mut body = vec![0u8; h.body_len as usize];
-                    rd.read_exact(&mut body)
-                        .await
-                        .map_err(|_| RpcError::Closed)?;
-                    let payload = crate::read_payload(&mut rd, h.payload_len as usize)
-                        .await
-                        .map_err(|_| RpcError::Closed)?;
-                    let resp: Response = postcard::from_bytes(&body)
-                        .map_err(|e| RpcError::Protocol(format!("bad reply body: {e}")))?;
-                    let waiter = w2.lock().ok().and_then(|mut w| w.remove(&h.id));
-                    if let Some(tx) = waiter {
-                        let _ = tx.send((resp, payload));
-                    }
-                }
+            MemberStream::Tls(t) => {
+                let (rd, wr) = tokio::io::split(t);
+                spawn_io(rd, wr, rx, waiters.clone(), closed.clone());
             }
-            .await;
-            if let Err(e) = r {
-                tracing::debug!("peer connection ended: {e}");
-            }
-            c3.store(true, Ordering::SeqCst);
-            // Dropping the senders wakes every waiter with Closed.
-            if let Ok(mut w) = w2.lock() {
-                w.clear();
-            }
-        });
-
+        }
         Ok(Peer {
             addr: addr.to_string(),
             link: Link::Tcp(tx),
@@ -262,5 +215,80 @@ impl Peer {
         timeout: Duration,
     ) -> Result<(Response, Bytes), RpcError> {
         self.send(req, payload)?.wait(timeout).await
+    }
+}
+
+/// Starts a connection's writer and reader tasks.
+fn spawn_io<R, W>(
+    rd: R,
+    wr: W,
+    rx: mpsc::UnboundedReceiver<(Header, Vec<u8>, Bytes)>,
+    waiters: Waiters,
+    closed: Arc<AtomicBool>,
+) where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    tokio::spawn(write_frames(wr, rx, closed.clone()));
+    tokio::spawn(read_replies(rd, waiters, closed));
+}
+
+/// Writer: drains the queue, batching frames into one flush.
+async fn write_frames<W: AsyncWrite + Unpin>(
+    wr: W,
+    mut rx: mpsc::UnboundedReceiver<(Header, Vec<u8>, Bytes)>,
+    closed: Arc<AtomicBool>,
+) {
+    let mut w = BufWriter::with_capacity(256 << 10, wr);
+    while let Some(first) = rx.recv().await {
+        let mut next = Some(first);
+        while let Some((h, body, payload)) = next.take() {
+            let ok = w.write_all(&h.encode()).await.is_ok()
+                && w.write_all(&body).await.is_ok()
+                && w.write_all(&payload).await.is_ok();
+            if !ok {
+                closed.store(true, Ordering::SeqCst);
+                return;
+            }
+            next = rx.try_recv().ok();
+        }
+        if w.flush().await.is_err() {
+            closed.store(true, Ordering::SeqCst);
+            return;
+        }
+    }
+}
+
+/// Reader: matches replies to waiters; any framing error closes.
+async fn read_replies<R: AsyncRead + Unpin>(rd: R, waiters: Waiters, closed: Arc<AtomicBool>) {
+    // Buffered: a small frame (header, body) arrives in one read call.
+    let mut rd = tokio::io::BufReader::with_capacity(crate::READ_BUFFER, rd);
+    let r: Result<(), RpcError> = async {
+        loop {
+            let mut hb = [0u8; HEADER_LEN];
+            rd.read_exact(&mut hb).await.map_err(|_| RpcError::Closed)?;
+            let h = Header::decode(&hb).map_err(|e| RpcError::Protocol(e.to_string()))?;
+            let body = crate::read_payload(&mut rd, h.body_len as usize)
+                .await
+                .map_err(|_| RpcError::Closed)?;
+            let payload = crate::read_payload(&mut rd, h.payload_len as usize)
+                .await
+                .map_err(|_| RpcError::Closed)?;
+            let resp: Response = postcard::from_bytes(&body)
+                .map_err(|e| RpcError::Protocol(format!("bad reply body: {e}")))?;
+            let waiter = waiters.lock().ok().and_then(|mut w| w.remove(&h.id));
+            if let Some(tx) = waiter {
+                let _ = tx.send((resp, payload));
+            }
+        }
+    }
+    .await;
+    if let Err(e) = r {
+        tracing::debug!("peer connection ended: {e}");
+    }
+    closed.store(true, Ordering::SeqCst);
+    // Dropping the senders wakes every waiter with Closed.
+    if let Ok(mut w) = waiters.lock() {
+        w.clear();
     }
 }

@@ -1,12 +1,13 @@
 //! Server side: accept peers and run their requests through a [`Handler`].
 
 use crate::frame::{Header, FLAG_REPLY, HEADER_LEN};
-use crate::{RemoteError, Request, Response};
+use crate::{PeerAuth, RemoteError, Request, Response};
 use bytes::Bytes;
+use shoal_tls::MemberStream;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Semaphore};
 
@@ -67,7 +68,11 @@ struct Budgets {
 /// its own task, and a bad frame closes only that connection. A failed
 /// `accept` (e.g. `EMFILE`) is logged and tried again: it never stops the
 /// server, which would leave the node alive with a dead peer port.
-pub async fn serve<H: Handler>(listener: TcpListener, handler: Arc<H>) -> std::io::Result<()> {
+pub async fn serve<H: Handler>(
+    listener: TcpListener,
+    handler: Arc<H>,
+    auth: PeerAuth,
+) -> std::io::Result<()> {
     let budgets = Budgets {
         connections: Arc::new(Semaphore::new(MAX_PEER_CONNECTIONS)),
         node_bytes: Arc::new(Semaphore::new(units(MAX_PEER_BYTES_IN_FLIGHT_MIB << 20))),
@@ -86,10 +91,17 @@ pub async fn serve<H: Handler>(listener: TcpListener, handler: Arc<H>) -> std::i
             drop(stream);
             continue;
         };
-        let (h, b) = (handler.clone(), budgets.clone());
+        let (h, b, a) = (handler.clone(), budgets.clone(), auth.clone());
         tokio::spawn(async move {
-            if let Err(e) = connection(stream, h, b).await {
-                tracing::debug!(%from, "peer connection closed: {e}");
+            // The handshake runs inside the connection's slot and within
+            // HANDSHAKE_TIMEOUT_MS: nothing is read before it proves a member.
+            match open(stream, &a).await {
+                Ok(s) => {
+                    if let Err(e) = run(s, h, b).await {
+                        tracing::debug!(%from, "peer connection closed: {e}");
+                    }
+                }
+                Err(e) => tracing::warn!(%from, "peer connection refused: {e}"),
             }
             drop(slot);
         });
@@ -114,13 +126,39 @@ fn reply_bytes(req: &Request) -> usize {
     }
 }
 
-async fn connection<H: Handler>(
-    stream: TcpStream,
-    handler: Arc<H>,
-    budgets: Budgets,
-) -> std::io::Result<()> {
-    stream.set_nodelay(true)?;
-    let (rd, wr) = stream.into_split();
+/// Proves the member on `tcp` (or, unauthenticated, takes it as it is).
+async fn open(tcp: TcpStream, auth: &PeerAuth) -> Result<MemberStream, String> {
+    tcp.set_nodelay(true).map_err(|e| e.to_string())?;
+    match auth {
+        PeerAuth::Members(sec) => {
+            let (s, m) = sec.accept(tcp).await.map_err(|e| e.to_string())?;
+            tracing::debug!(node = m.node, "peer connection proven");
+            Ok(s)
+        }
+        PeerAuth::Unauthenticated => Ok(MemberStream::Plain(tcp)),
+    }
+}
+
+/// Serves a proven connection: a bare TCP stream is split without a lock.
+async fn run<H: Handler>(stream: MemberStream, h: Arc<H>, b: Budgets) -> std::io::Result<()> {
+    match stream {
+        MemberStream::Plain(t) => {
+            let (rd, wr) = t.into_split();
+            connection(rd, wr, h, b).await
+        }
+        MemberStream::Tls(t) => {
+            let (rd, wr) = tokio::io::split(t);
+            connection(rd, wr, h, b).await
+        }
+    }
+}
+
+async fn connection<R, W, H>(rd: R, wr: W, handler: Arc<H>, budgets: Budgets) -> std::io::Result<()>
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+    H: Handler,
+{
     // Buffered: a small frame (header, body) arrives in one read call.
     let mut rd = tokio::io::BufReader::with_capacity(crate::READ_BUFFER, rd);
     let (tx, mut rx) =
@@ -246,8 +284,10 @@ mod tests {
     async fn call_round_trip_and_bad_frames_close_one_connection() {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap().to_string();
-        tokio::spawn(serve(l, Arc::new(Echo)));
-        let p = Peer::connect(&addr, Duration::from_secs(1)).await.unwrap();
+        tokio::spawn(serve(l, Arc::new(Echo), PeerAuth::Unauthenticated));
+        let p = Peer::connect(&addr, Duration::from_secs(1), &PeerAuth::Unauthenticated)
+            .await
+            .unwrap();
         let t = Duration::from_secs(2);
         assert_eq!(
             p.call(&Request::Ping, Bytes::new(), t).await.unwrap().0,
@@ -291,7 +331,7 @@ mod tests {
     async fn a_peer_that_does_not_read_replies_stops_being_read() {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
-        tokio::spawn(serve(l, Arc::new(Echo)));
+        tokio::spawn(serve(l, Arc::new(Echo), PeerAuth::Unauthenticated));
         let mut s = TcpStream::connect(addr).await.unwrap();
         let payload = vec![7u8; 1 << 20];
         let mut sent_mib = 0usize;
@@ -326,9 +366,13 @@ mod tests {
         );
         assert!(sent_mib >= 16, "{sent_mib} MiB accepted");
         // Another connection is still served.
-        let p = Peer::connect(&addr.to_string(), Duration::from_secs(1))
-            .await
-            .unwrap();
+        let p = Peer::connect(
+            &addr.to_string(),
+            Duration::from_secs(1),
+            &PeerAuth::Unauthenticated,
+        )
+        .await
+        .unwrap();
         let r = p
             .call(&Request::Ping, Bytes::new(), Duration::from_secs(2))
             .await;

@@ -11,15 +11,15 @@ use bytes::Bytes;
 use futures::future::join_all;
 use futures::stream::StreamExt;
 use shoal_model::{ComponentRole, ComponentState, Generation};
-use shoal_rpc::{Peer, Request, Response, RpcError};
+use shoal_rpc::{Peer, PeerAuth, Request, Response, RpcError};
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
 /// A connection to `addr`.
-pub(super) async fn connect(addr: &str) -> Result<Arc<Peer>, RpcError> {
-    Peer::connect(addr, Duration::from_millis(CONNECT_TIMEOUT_MS))
+pub(super) async fn connect(addr: &str, auth: &PeerAuth) -> Result<Arc<Peer>, RpcError> {
+    Peer::connect(addr, Duration::from_millis(CONNECT_TIMEOUT_MS), auth)
         .await
         .map(Arc::new)
 }
@@ -28,12 +28,13 @@ pub(super) async fn connect(addr: &str) -> Result<Arc<Peer>, RpcError> {
 /// returning its connection and the dirty regions it remembers.
 pub(super) async fn activate(
     r: &Replica,
+    auth: &PeerAuth,
     volume: u64,
     size: u64,
     generation: Generation,
     timeout: Duration,
 ) -> Result<(Arc<Peer>, Vec<(u64, u64)>), RpcError> {
-    let peer = connect(&r.addr).await?;
+    let peer = connect(&r.addr, auth).await?;
     let size = if r.is_data() { size } else { 0 };
     let create = Request::CreateComponent {
         component: r.component,
@@ -92,6 +93,7 @@ struct Activated {
 /// directory has active become in sync, witnesses that answer count.
 async fn activate_all(
     replicas: &mut [Replica],
+    auth: &PeerAuth,
     view: &View,
     generation: Generation,
     timeout: Duration,
@@ -99,7 +101,7 @@ async fn activate_all(
     let vol = &view.volume;
     let acts = join_all(replicas.iter().map(|r| async move {
         if r.node_up {
-            Some(activate(r, vol.id, vol.size, generation, timeout).await)
+            Some(activate(r, auth, vol.id, vol.size, generation, timeout).await)
         } else {
             None
         }
@@ -256,7 +258,14 @@ pub(crate) async fn start<C: Control>(
             ReplicaSet::CAPACITY
         )));
     }
-    let found = activate_all(&mut replicas, &view, generation, cfg.io_timeout).await;
+    let found = activate_all(
+        &mut replicas,
+        &cfg.peer_auth,
+        &view,
+        generation,
+        cfg.io_timeout,
+    )
+    .await;
     check_votes(&replicas)?;
     // Reconcile what an earlier owner left in flight.
     reconcile(

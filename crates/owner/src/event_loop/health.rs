@@ -9,7 +9,7 @@ use super::{report, Flow, Internal, Loop, CONTROL_RETRY_MS};
 use crate::{Control, ControlError, Event, OwnerError};
 use bytes::Bytes;
 use shoal_model::{ComponentRole, ComponentState, Generation};
-use shoal_rpc::{Peer, RemoteError, Request, RpcError};
+use shoal_rpc::{Peer, PeerAuth, RemoteError, Request, RpcError};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -75,6 +75,7 @@ async fn record_state<C: Control>(
 async fn ping_witness(
     peer: Option<Arc<Peer>>,
     addr: String,
+    auth: PeerAuth,
     create: Request,
     flush: Request,
     timeout: Duration,
@@ -82,7 +83,7 @@ async fn ping_witness(
     let peer = match peer {
         Some(p) if !p.is_closed() => p,
         _ => {
-            let p = connect(&addr).await?;
+            let p = connect(&addr, &auth).await?;
             let _ = p.call(&create, Bytes::new(), timeout).await;
             p
         }
@@ -239,6 +240,7 @@ impl<C: Control> Loop<C> {
         let ping = ping_witness(
             r.peer.clone(),
             r.addr.clone(),
+            self.cfg.peer_auth.clone(),
             create,
             flush,
             self.cfg.io_timeout,
@@ -280,8 +282,9 @@ impl<C: Control> Loop<C> {
             let tmp = r.detached();
             let (volume, size, generation, timeout) =
                 (self.volume, self.size, self.generation, self.cfg.io_timeout);
+            let auth = self.cfg.peer_auth.clone();
             self.spawn_report(async move {
-                let peer = activate(&tmp, volume, size, generation, timeout)
+                let peer = activate(&tmp, &auth, volume, size, generation, timeout)
                     .await
                     .map(|(p, _)| p);
                 Internal::Reconnected { idx, peer }

@@ -201,9 +201,10 @@ impl<C: Control> Loop<C> {
         let (volume, size, generation, timeout) =
             (self.volume, self.size, self.generation, self.cfg.io_timeout);
         let control = self.control.clone();
+        let auth = self.cfg.peer_auth.clone();
         self.spawn_report(async move {
             let peer = async {
-                let (peer, _) = activate(&tmp, volume, size, generation, timeout)
+                let (peer, _) = activate(&tmp, &auth, volume, size, generation, timeout)
                     .await
                     .map_err(ReviveError::Activate)?;
                 control

@@ -255,7 +255,13 @@ pub(super) async fn rig(specs: &[Spec]) -> Rig {
         shoal_rpc::register_local(&addr, fake.clone());
         let peer = if s.connected {
             Some(Arc::new(
-                Peer::connect(&addr, Duration::from_secs(1)).await.unwrap(),
+                Peer::connect(
+                    &addr,
+                    Duration::from_secs(1),
+                    &shoal_rpc::PeerAuth::Unauthenticated,
+                )
+                .await
+                .unwrap(),
             ))
         } else {
             None
@@ -281,6 +287,7 @@ pub(super) async fn rig(specs: &[Spec]) -> Rig {
         node: 1,
         io_timeout: Duration::from_millis(IO_TIMEOUT_MS),
         tick: Duration::from_millis(50),
+        peer_auth: shoal_rpc::PeerAuth::Unauthenticated,
     };
     let route = ReadRoute::default();
     let (mut lp, rx) = Loop::new(cfg, dir.clone(), route.clone(), 7, SIZE, 1, replicas);
