@@ -20,6 +20,10 @@
 #                                   raw files, so no target pays for block
 #                                   allocation in the file system; THICK=0 keeps
 #                                   them sparse
+#   ENCRYPT [0]                     1: `shoal up --encrypt-in-transit` (TLS for
+#                                   the whole life of the connections between
+#                                   nodes; default: mutual TLS, then the
+#                                   authenticated bare stream)
 #   NET [127.0.50]                  Shoal nodes are NET.1..NET.4
 #   NBD_PORT [10809]                Shoal's NBD port
 #   NBDKIT_ADDR [127.0.0.1] NBDKIT_PORT [10859]
@@ -349,6 +353,7 @@ RESULTS_ROOT="${RESULTS_ROOT:-$REPO/bench/results}"
 SIZE="${SIZE:-2G}"
 DEVICE_SIZE="${DEVICE_SIZE:-4G}"
 THICK="${THICK:-1}"
+ENCRYPT="${ENCRYPT:-0}"
 NET="${NET:-127.0.50}"
 NBD_PORT="${NBD_PORT:-10809}"
 NBDKIT_ADDR="${NBDKIT_ADDR:-127.0.0.1}"
@@ -618,7 +623,8 @@ if has_target shoal; then
   SHOAL_STARTED=1
   shoal_ready=0
   if ! "$SHOAL_BIN" up --data "$SHOAL_DATA" --nodes 4 --net "$NET" --nbd-port "$NBD_PORT" \
-        --device-size "$DEVICE_SIZE" $([ "$THICK" = 1 ] && echo --thick) --no-demo \
+        --device-size "$DEVICE_SIZE" $([ "$THICK" = 1 ] && echo --thick) \
+        $([ "$ENCRYPT" = 1 ] && echo --encrypt-in-transit) --no-demo \
         >"$OUT/shoal-up.log" 2>&1; then
     cat "$OUT/shoal-up.log" >&2
     note "shoal up failed; Shoal cells are empty"

@@ -363,6 +363,13 @@ impl Client {
         self.delete(&format!("/v1/tokens/{id}")).await
     }
 
+    /// Revokes every certificate of node `id`: members refuse it from then
+    /// on and close the connections it holds.
+    pub async fn revoke_node(&self, id: NodeId) -> Result<serde_json::Value, ApiError> {
+        self.post(&format!("/v1/nodes/{id}/revoke"), &serde_json::json!({}))
+            .await
+    }
+
     /// Liveness and the cluster's id, without a token.
     pub async fn livez(&self) -> Result<Livez, ApiError> {
         self.get("/livez").await

@@ -72,7 +72,47 @@ pub fn start(data_dir: &Path) -> std::io::Result<()> {
     RECORD_FD.store(f.into_raw_fd(), Ordering::SeqCst);
     install_panic_hook();
     install_fatal_handlers();
+    raise_descriptor_limit();
     Ok(())
+}
+
+/// Descriptors a node may need at once: every port's connection bound
+/// (API 1,024, peer 512, NBD 1,024), its own connections to peers, device
+/// files and threads' rings, with room to spare.
+pub const DESCRIPTORS_NEEDED: u64 = 4096;
+
+/// Raises the soft limit on open descriptors to the hard limit, so that
+/// the ports' connection bounds, not the default soft limit (often 1,024),
+/// decide when connections are refused; warns when even the hard limit is
+/// below [`DESCRIPTORS_NEEDED`].
+fn raise_descriptor_limit() {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain system calls with a valid, initialised struct.
+    let got = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) } == 0;
+    if !got {
+        return;
+    }
+    if l.rlim_cur < l.rlim_max {
+        let want = libc::rlimit {
+            rlim_cur: l.rlim_max,
+            rlim_max: l.rlim_max,
+        };
+        // SAFETY: as above.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } == 0 {
+            l.rlim_cur = l.rlim_max;
+        }
+    }
+    if (l.rlim_cur as u64) < DESCRIPTORS_NEEDED {
+        tracing::warn!(
+            limit = l.rlim_cur as u64,
+            needed = DESCRIPTORS_NEEDED,
+            "the descriptor limit is below what the ports' connection bounds need: \
+             connections will be refused before the bounds are reached"
+        );
+    }
 }
 
 pub fn record_path(data_dir: &Path) -> PathBuf {

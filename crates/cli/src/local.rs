@@ -60,6 +60,12 @@ pub struct UpArgs {
     /// path).
     #[arg(long)]
     thick: bool,
+    /// Keep a new cluster's connections between nodes encrypted (TLS) for
+    /// their whole life; without it they are proven by mutual TLS and
+    /// then carry the data path in the clear. Kept for the cluster's
+    /// restarts.
+    #[arg(long)]
+    encrypt_in_transit: bool,
 }
 
 impl UpArgs {
@@ -76,6 +82,7 @@ impl UpArgs {
             ("--demo-size", self.demo_size.is_some()),
             ("--node-device", !self.node_devices.is_empty()),
             ("--thick", self.thick),
+            ("--encrypt-in-transit", self.encrypt_in_transit),
         ];
         given.iter().filter(|(_, g)| *g).map(|(n, _)| *n).collect()
     }
@@ -113,6 +120,9 @@ pub struct LocalNode {
 #[derive(Serialize, Deserialize)]
 pub struct LocalCluster {
     pub nodes: Vec<LocalNode>,
+    /// Nodes start with `--encrypt-in-transit`.
+    #[serde(default)]
+    pub encrypt_in_transit: bool,
 }
 
 fn layout_path(data: &Path) -> PathBuf {
@@ -222,6 +232,7 @@ fn start_node(
     join: Option<&str>,
     join_token: Option<&str>,
     workers: usize,
+    encrypt_in_transit: bool,
 ) -> Result<i32> {
     std::fs::create_dir_all(&n.dir)?;
     let log = std::fs::OpenOptions::new()
@@ -247,6 +258,9 @@ fn start_node(
         .arg(workers.to_string());
     if let Some(j) = join {
         cmd.arg("--join").arg(j);
+    }
+    if encrypt_in_transit {
+        cmd.arg("--encrypt-in-transit");
     }
     match join_token {
         Some(t) => cmd.env("SHOAL_JOIN_TOKEN", t),
@@ -328,7 +342,10 @@ pub async fn up(a: UpArgs) -> Result<()> {
                     }
                 })
                 .collect();
-            let c = LocalCluster { nodes };
+            let c = LocalCluster {
+                nodes,
+                encrypt_in_transit: a.encrypt_in_transit,
+            };
             std::fs::write(layout_path(&data), serde_json::to_vec_pretty(&c)?)?;
             c
         }
@@ -362,6 +379,7 @@ pub async fn up(a: UpArgs) -> Result<()> {
             join,
             token,
             workers_per_node(cluster.nodes.len(), a.workers.map(usize::from)),
+            cluster.encrypt_in_transit,
         )?;
         println!(
             "started node {} (pid {pid}) api {} nbd {}",

@@ -71,6 +71,9 @@ enum Cmd {
     /// Make, list and revoke API tokens.
     #[command(subcommand)]
     Token(TokenCmd),
+    /// Cluster-wide actions.
+    #[command(subcommand)]
+    Cluster(ClusterCmd),
     /// Benchmark the cluster: workload profiles over NBD, latency
     /// percentiles, CPU per I/O, and baselines (raw file, nbdkit).
     Bench {
@@ -78,6 +81,18 @@ enum Cmd {
         target: Target,
         #[command(flatten)]
         args: shoal_bench::BenchArgs,
+    },
+}
+
+#[derive(Subcommand)]
+enum ClusterCmd {
+    /// Revoke every certificate of a node: members refuse its connections
+    /// from then on (those it holds close within a second). It comes back
+    /// only by joining anew, with a new data folder and a join token.
+    RevokeNode {
+        id: u64,
+        #[command(flatten)]
+        target: Target,
     },
 }
 
@@ -487,6 +502,11 @@ async fn run(cmd: Cmd) -> Result<()> {
         Cmd::Status { target, json } => status(&target, json).await,
         Cmd::Volume(v) => volume(v).await,
         Cmd::Token(t) => token(t).await,
+        Cmd::Cluster(ClusterCmd::RevokeNode { id, target }) => {
+            local::client(&target)?.revoke_node(id).await?;
+            println!("node {id}: certificates revoked");
+            Ok(())
+        }
         Cmd::Bench { target, args } => {
             let c = local::client(&target)?;
             // Node pids (for CPU time) are known for a local cluster only.

@@ -9,7 +9,8 @@
 //! - TLS without a certificate: only `POST /v1/join`, where a new node
 //!   shows its join token for a certificate.
 //!
-//! Bounded: [`MAX_API_CONNECTIONS`] at once; a connection must show its
+//! Bounded: [`MAX_API_CONNECTIONS`] at once, [`MAX_API_CONNECTIONS_PER_ADDRESS`]
+//! from one address; a connection must show its
 //! first byte and finish its handshake within `HANDSHAKE_TIMEOUT_MS`, and
 //! send each request's headers within [`API_HEADER_READ_TIMEOUT_S`].
 
@@ -28,6 +29,11 @@ use tokio::sync::Semaphore;
 /// node's few; past this, a new connection is closed at once, so a flood
 /// cannot use up the node's descriptors.
 pub const MAX_API_CONNECTIONS: usize = 1024;
+
+/// API connections from one address at once: a person, a tool or another
+/// node needs a few; a host that opens more is refused, so it cannot take
+/// every slot of the port.
+pub const MAX_API_CONNECTIONS_PER_ADDRESS: usize = 128;
 
 /// Time a connection has to send a request's headers once it is idle or
 /// open, in seconds: a client that opens and says nothing loses its slot.
@@ -56,6 +62,7 @@ pub struct ApiTls {
 pub async fn serve(listener: TcpListener, routers: ApiRouters, tls: ApiTls) -> std::io::Result<()> {
     let (routers, tls) = (Arc::new(routers), Arc::new(tls));
     let slots = Arc::new(Semaphore::new(MAX_API_CONNECTIONS));
+    let per_address = shoal_rpc::PerAddress::new(MAX_API_CONNECTIONS_PER_ADDRESS);
     loop {
         let (stream, from) = match listener.accept().await {
             Ok(a) => a,
@@ -69,12 +76,19 @@ pub async fn serve(listener: TcpListener, routers: ApiRouters, tls: ApiTls) -> s
             tracing::warn!(%from, "API connection refused: {MAX_API_CONNECTIONS} already open");
             continue;
         };
+        let Some(held) = per_address.take(from.ip()) else {
+            tracing::warn!(
+                %from,
+                "API connection refused: {MAX_API_CONNECTIONS_PER_ADDRESS} already open from its address"
+            );
+            continue;
+        };
         let (routers, tls) = (routers.clone(), tls.clone());
         tokio::spawn(async move {
             if let Err(e) = connection(stream, &routers, &tls).await {
                 tracing::debug!(%from, "API connection closed: {e}");
             }
-            drop(slot);
+            drop((slot, held));
         });
     }
 }
@@ -97,17 +111,20 @@ async fn connection(tcp: TcpStream, routers: &ApiRouters, tls: &ApiTls) -> Resul
         .await
         .map_err(|_| "no TLS handshake in time".to_string())?
         .map_err(|e| format!("TLS handshake: {e}"))?;
-    let router = match stream.get_ref().1.peer_certificates() {
-        None => routers.joining.clone(),
-        certs => {
-            let m = shoal_tls::admitted(certs, &tls.admit).map_err(|e| e.to_string())?;
-            routers
-                .members
-                .clone()
-                .layer(Extension(Caller::Node(m.node)))
-        }
-    };
-    http(stream, router).await
+    let certs = stream.get_ref().1.peer_certificates();
+    if certs.is_none() {
+        return http(stream, routers.joining.clone()).await;
+    }
+    let m = shoal_tls::admitted(certs, &tls.admit).map_err(|e| e.to_string())?;
+    let router = routers
+        .members
+        .clone()
+        .layer(Extension(Caller::Node(m.node)));
+    // Served until the member's certificate is revoked.
+    tokio::select! {
+        r = http(stream, router) => r,
+        () = shoal_tls::until_revoked(&tls.admit, &m) => Err("certificate revoked".into()),
+    }
 }
 
 /// Serves HTTP/1.1 on `io` with `router`.

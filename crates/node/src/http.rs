@@ -113,6 +113,7 @@ pub fn routes(h: Http) -> axum::Router {
         .route("/metrics", get(metrics))
         .route("/v1/tokens", get(tokens).post(create_token))
         .route("/v1/tokens/{id}", axum::routing::delete(revoke_token))
+        .route("/v1/nodes/{id}/revoke", post(revoke_node))
         .route("/livez", get(livez))
         .route_layer(axum::middleware::from_fn_with_state(
             h.clone(),
@@ -224,6 +225,20 @@ async fn create_token(
         role: req.role,
         token: shown,
     }))
+}
+
+async fn revoke_node(
+    State(h): State<Http>,
+    Path(id): Path<shoal_model::NodeId>,
+) -> Result<Json<serde_json::Value>, ApiErr> {
+    if id == h.router.node && h.router.dir.members().len() == 1 {
+        return Err(bad("the only member cannot revoke itself"));
+    }
+    h.router
+        .dir
+        .propose(Command::RevokeNodeCerts { node: id })
+        .await?;
+    Ok(Json(serde_json::json!({ "revoked_node": id })))
 }
 
 /// Longest note of a token, in bytes.

@@ -99,7 +99,7 @@ async fn join(cfg: &NodeConfig, dir: &Path, via: &str) -> Result<NodeCredentials
     )?;
     let token: JoinTokenText = text.parse()?;
     let pin = JoinPin(token.ca_sha256.clone());
-    let tls = shoal_tls::join_client_config(&pin)?;
+    let (tls, mismatch) = shoal_tls::join_client_config(&pin)?;
     let client = reqwest::Client::builder()
         .use_preconfigured_tls((*tls).clone())
         .connect_timeout(shoal_directory::CONNECT_TIMEOUT)
@@ -113,7 +113,7 @@ async fn join(cfg: &NodeConfig, dir: &Path, via: &str) -> Result<NodeCredentials
         addrs: node_ips(cfg),
         csr_pem: req.csr_pem.clone(),
     };
-    let answer = ask_for_cert(&client, via, &body).await?;
+    let answer = ask_for_cert(&client, via, &body, &mismatch).await?;
     ensure!(
         JoinPin::of_pem(&answer.ca_pem)? == pin,
         "{via} answered with a CA other than the one the join token names"
@@ -132,6 +132,7 @@ async fn ask_for_cert(
     client: &reqwest::Client,
     via: &str,
     body: &JoinCertRequest,
+    ca_mismatch: &std::sync::atomic::AtomicBool,
 ) -> Result<JoinCertAnswer> {
     let url = format!("https://{via}/v1/join");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(JOIN_CERT_RETRY_S);
@@ -148,6 +149,10 @@ async fn ask_for_cert(
                     .unwrap_or(text);
                 bail!("{url} refused the join ({status}): {msg}");
             }
+            Err(_) if ca_mismatch.load(std::sync::atomic::Ordering::SeqCst) => bail!(
+                "{via} is not a member of the cluster this join token names \
+                 (its CA differs from the token's): the join token was not sent"
+            ),
             Err(e) if tokio::time::Instant::now() < deadline => {
                 tracing::debug!("{url}: {e}; retrying");
                 tokio::time::sleep(Duration::from_millis(500)).await;

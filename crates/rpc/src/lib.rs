@@ -13,11 +13,13 @@
 //! replies may come back in any order, matched by request id.
 
 mod frame;
+mod limits;
 mod message;
 mod peer;
 mod server;
 
 pub use frame::{FrameError, Header, HEADER_LEN, MAGIC, MAX_BODY, MAX_PAYLOAD, VERSION};
+pub use limits::{AddressSlot, PerAddress};
 pub use message::{RemoteError, Request, Response, VolumeOp};
 pub use peer::{register_local, Peer, PendingReply};
 pub use server::{serve, Handler, Reply};

@@ -130,9 +130,12 @@ impl Peer {
             .map_err(|_| cerr("timed out".into()))?
             .map_err(|e| cerr(e.to_string()))?;
         tcp.set_nodelay(true).map_err(|e| cerr(e.to_string()))?;
-        let stream = match auth {
-            PeerAuth::Members(sec) => sec.connect(tcp).await.map_err(|e| cerr(e.to_string()))?.0,
-            PeerAuth::Unauthenticated => MemberStream::Plain(tcp),
+        let (stream, server) = match auth {
+            PeerAuth::Members(sec) => {
+                let (s, m) = sec.connect(tcp).await.map_err(|e| cerr(e.to_string()))?;
+                (s, Some((sec.admit.clone(), m)))
+            }
+            PeerAuth::Unauthenticated => (MemberStream::Plain(tcp), None),
         };
         let waiters: Waiters = Arc::new(Mutex::new(HashMap::new()));
         let closed = Arc::new(AtomicBool::new(false));
@@ -140,11 +143,11 @@ impl Peer {
         match stream {
             MemberStream::Plain(t) => {
                 let (rd, wr) = t.into_split();
-                spawn_io(rd, wr, rx, waiters.clone(), closed.clone());
+                spawn_io(rd, wr, rx, waiters.clone(), closed.clone(), server);
             }
             MemberStream::Tls(t) => {
                 let (rd, wr) = tokio::io::split(t);
-                spawn_io(rd, wr, rx, waiters.clone(), closed.clone());
+                spawn_io(rd, wr, rx, waiters.clone(), closed.clone(), server);
             }
         }
         Ok(Peer {
@@ -218,19 +221,40 @@ impl Peer {
     }
 }
 
-/// Starts a connection's writer and reader tasks.
+/// Starts a connection's writer and reader tasks. With a proven server,
+/// the reader also ends (and so the connection) once the server's
+/// certificate is revoked.
 fn spawn_io<R, W>(
     rd: R,
     wr: W,
     rx: mpsc::UnboundedReceiver<(Header, Vec<u8>, Bytes)>,
     waiters: Waiters,
     closed: Arc<AtomicBool>,
+    server: Option<(shoal_tls::Admit, shoal_tls::Member)>,
 ) where
     R: AsyncRead + Unpin + Send + 'static,
     W: AsyncWrite + Unpin + Send + 'static,
 {
     tokio::spawn(write_frames(wr, rx, closed.clone()));
-    tokio::spawn(read_replies(rd, waiters, closed));
+    let read = read_replies(rd, waiters.clone(), closed.clone());
+    match server {
+        None => {
+            tokio::spawn(read);
+        }
+        Some((admit, m)) => {
+            tokio::spawn(async move {
+                tokio::select! {
+                    () = read => {}
+                    () = shoal_tls::until_revoked(&admit, &m) => {
+                        closed.store(true, Ordering::SeqCst);
+                        if let Ok(mut w) = waiters.lock() {
+                            w.clear();
+                        }
+                    }
+                }
+            });
+        }
+    }
 }
 
 /// Writer: drains the queue, batching frames into one flush.

@@ -32,6 +32,12 @@ const ACCEPT_RETRY_MS: u64 = 50;
 /// once, so a flood of connections cannot use up the node's descriptors.
 pub const MAX_PEER_CONNECTIONS: usize = 512;
 
+/// Peer connections from one address at once: half the port, so one host
+/// cannot take every slot (a stranger's connections end at the handshake,
+/// within `HANDSHAKE_TIMEOUT_MS`). A node's owners open one connection per
+/// copy of each volume they own, so a host with many volumes needs many.
+pub const MAX_PEER_CONNECTIONS_PER_ADDRESS: usize = MAX_PEER_CONNECTIONS / 2;
+
 /// Requests of one peer connection being served at once: an owner keeps
 /// at most its clients' queue depths in flight; past this the node stops
 /// reading the connection until replies go out.
@@ -61,6 +67,7 @@ struct Held {
 #[derive(Clone)]
 struct Budgets {
     connections: Arc<Semaphore>,
+    per_address: crate::PerAddress,
     node_bytes: Arc<Semaphore>,
 }
 
@@ -75,6 +82,7 @@ pub async fn serve<H: Handler>(
 ) -> std::io::Result<()> {
     let budgets = Budgets {
         connections: Arc::new(Semaphore::new(MAX_PEER_CONNECTIONS)),
+        per_address: crate::PerAddress::new(MAX_PEER_CONNECTIONS_PER_ADDRESS),
         node_bytes: Arc::new(Semaphore::new(units(MAX_PEER_BYTES_IN_FLIGHT_MIB << 20))),
     };
     loop {
@@ -91,19 +99,37 @@ pub async fn serve<H: Handler>(
             drop(stream);
             continue;
         };
+        let Some(held) = budgets.per_address.take(from.ip()) else {
+            tracing::warn!(
+                %from,
+                "peer connection refused: {MAX_PEER_CONNECTIONS_PER_ADDRESS} already open from its address"
+            );
+            continue;
+        };
         let (h, b, a) = (handler.clone(), budgets.clone(), auth.clone());
         tokio::spawn(async move {
             // The handshake runs inside the connection's slot and within
             // HANDSHAKE_TIMEOUT_MS: nothing is read before it proves a member.
             match open(stream, &a).await {
-                Ok(s) => {
-                    if let Err(e) = run(s, h, b).await {
+                Ok((s, member)) => {
+                    let served = run(s, h, b);
+                    let r = match (&a, member) {
+                        // Served until the member's certificate is revoked.
+                        (PeerAuth::Members(sec), Some(m)) => tokio::select! {
+                            r = served => r,
+                            () = shoal_tls::until_revoked(&sec.admit, &m) => {
+                                Err(std::io::Error::other("certificate revoked"))
+                            }
+                        },
+                        _ => served.await,
+                    };
+                    if let Err(e) = r {
                         tracing::debug!(%from, "peer connection closed: {e}");
                     }
                 }
                 Err(e) => tracing::warn!(%from, "peer connection refused: {e}"),
             }
-            drop(slot);
+            drop((slot, held));
         });
     }
 }
@@ -127,15 +153,18 @@ fn reply_bytes(req: &Request) -> usize {
 }
 
 /// Proves the member on `tcp` (or, unauthenticated, takes it as it is).
-async fn open(tcp: TcpStream, auth: &PeerAuth) -> Result<MemberStream, String> {
+async fn open(
+    tcp: TcpStream,
+    auth: &PeerAuth,
+) -> Result<(MemberStream, Option<shoal_tls::Member>), String> {
     tcp.set_nodelay(true).map_err(|e| e.to_string())?;
     match auth {
         PeerAuth::Members(sec) => {
             let (s, m) = sec.accept(tcp).await.map_err(|e| e.to_string())?;
             tracing::debug!(node = m.node, "peer connection proven");
-            Ok(s)
+            Ok((s, Some(m)))
         }
-        PeerAuth::Unauthenticated => Ok(MemberStream::Plain(tcp)),
+        PeerAuth::Unauthenticated => Ok((MemberStream::Plain(tcp), None)),
     }
 }
 

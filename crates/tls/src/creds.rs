@@ -224,14 +224,19 @@ pub fn load_ca(dir: &Path) -> Result<Option<crate::CaMaterial>, TlsError> {
 }
 
 /// A client configuration for a node that is joining: it shows no
-/// certificate and accepts only a member of the pinned cluster.
-pub fn join_client_config(pin: &JoinPin) -> Result<Arc<ClientConfig>, TlsError> {
+/// certificate and accepts only a member of the pinned cluster. The flag
+/// it answers is set once a server showed another CA (the token is for
+/// another cluster, or someone impersonates this one): not worth a retry.
+pub fn join_client_config(
+    pin: &JoinPin,
+) -> Result<(Arc<ClientConfig>, Arc<std::sync::atomic::AtomicBool>), TlsError> {
+    let mismatch = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let c = ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .dangerous()
-        .with_custom_certificate_verifier(pin.verifier())
+        .with_custom_certificate_verifier(pin.verifier(mismatch.clone()))
         .with_no_client_auth();
-    Ok(Arc::new(c))
+    Ok((Arc::new(c), mismatch))
 }
 
 /// The files an NBD client needs, in `DIR/` as libnbd and qemu read them:

@@ -28,8 +28,8 @@ pub use creds::{
     NodeCredentials, CA_FILE, CA_KEY_FILE, CERT_FILE, KEY_FILE,
 };
 pub use member::{
-    admitted, fingerprint, member_of, Admit, Member, MemberStream, PeerSecurity,
-    HANDSHAKE_TIMEOUT_MS,
+    admitted, fingerprint, member_of, until_revoked, Admit, Member, MemberStream, PeerSecurity,
+    HANDSHAKE_TIMEOUT_MS, READMIT_CHECK_MS,
 };
 pub use verify::{JoinPin, MEMBER_NAME};
 

@@ -29,6 +29,28 @@ use tokio::net::TcpStream;
 /// and a few signatures; a connection that says nothing is closed.
 pub const HANDSHAKE_TIMEOUT_MS: u64 = 5_000;
 
+/// How often an open connection checks that its member is still
+/// admitted, in milliseconds: a revoked node loses the connections it
+/// holds within this.
+pub const READMIT_CHECK_MS: u64 = 1_000;
+
+/// Resolves once `member` is no longer admitted (checked every
+/// [`READMIT_CHECK_MS`]): serve a connection until this, then drop it.
+pub async fn until_revoked(admit: &Admit, member: &Member) {
+    let mut t = tokio::time::interval(Duration::from_millis(READMIT_CHECK_MS));
+    t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        t.tick().await;
+        if !admit(member) {
+            tracing::warn!(
+                node = member.node,
+                "closing a connection: its certificate is revoked"
+            );
+            return;
+        }
+    }
+}
+
 /// Version of the two-byte exchange after the handshake.
 const HELLO_VERSION: u8 = 1;
 

@@ -197,11 +197,13 @@ async fn a_joining_node_reaches_only_the_cluster_its_pin_names() {
                 .await
                 .map(|t| t.get_ref().1.peer_certificates().is_none())
         });
-        let connector = tokio_rustls::TlsConnector::from(join_client_config(&pin).unwrap());
+        let (config, mismatch) = join_client_config(&pin).unwrap();
+        let connector = tokio_rustls::TlsConnector::from(config);
         let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
         let tcp = TcpStream::connect(addr).await.unwrap();
         let c = connector.connect(name, tcp).await;
         assert_eq!(c.is_ok(), ok);
+        assert_eq!(mismatch.load(std::sync::atomic::Ordering::SeqCst), !ok);
         if ok {
             assert!(s.await.unwrap().unwrap(), "the joiner shows no certificate");
         }

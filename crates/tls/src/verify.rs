@@ -7,6 +7,7 @@ use rustls::client::WebPkiServerVerifier;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
 use sha2::{Digest, Sha256};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// The DNS name every node's certificate carries: a member is checked as
@@ -98,15 +99,19 @@ impl JoinPin {
 
     /// A verifier that accepts a member of the pinned cluster: the server
     /// sends its CA after its own certificate, and the CA must hash to the
-    /// pin.
-    pub(crate) fn verifier(&self) -> Arc<PinVerifier> {
-        Arc::new(PinVerifier { pin: self.clone() })
+    /// pin. `mismatch` is set when a server showed another CA.
+    pub(crate) fn verifier(&self, mismatch: Arc<AtomicBool>) -> Arc<PinVerifier> {
+        Arc::new(PinVerifier {
+            pin: self.clone(),
+            mismatch,
+        })
     }
 }
 
 #[derive(Debug)]
 pub(crate) struct PinVerifier {
     pin: JoinPin,
+    mismatch: Arc<AtomicBool>,
 }
 
 impl PinVerifier {
@@ -118,6 +123,7 @@ impl PinVerifier {
             .iter()
             .find(|c| hex(&Sha256::digest(c.as_ref())) == self.pin.0)
             .ok_or_else(|| {
+                self.mismatch.store(true, Ordering::SeqCst);
                 rustls::Error::General(
                     "this server's CA is not the one the join token names".into(),
                 )
