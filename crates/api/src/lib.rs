@@ -167,6 +167,16 @@ pub struct JoinCertRequest {
     pub csr_pem: String,
 }
 
+/// Body of `POST /v1/certs/client` (admin): a certificate for an NBD
+/// client named `name`, over the key of `csr_pem` (the key stays with
+/// the client).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientCertRequest {
+    pub name: String,
+    pub csr_pem: String,
+}
+
 /// Answer to `POST /v1/join`: the node's certificate and the cluster CA.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct JoinCertAnswer {
@@ -368,6 +378,11 @@ impl Client {
     pub async fn revoke_node(&self, id: NodeId) -> Result<serde_json::Value, ApiError> {
         self.post(&format!("/v1/nodes/{id}/revoke"), &serde_json::json!({}))
             .await
+    }
+
+    /// A certificate for an NBD client (answered with the cluster CA).
+    pub async fn client_cert(&self, req: &ClientCertRequest) -> Result<JoinCertAnswer, ApiError> {
+        self.post("/v1/certs/client", req).await
     }
 
     /// Liveness and the cluster's id, without a token.

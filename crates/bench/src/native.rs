@@ -511,7 +511,12 @@ mod tests {
         let disk = e.add("m", size);
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap().to_string();
-        tokio::spawn(shoal_nbd::serve(l, Arc::new(e), std::future::pending()));
+        tokio::spawn(shoal_nbd::serve(
+            l,
+            Arc::new(e),
+            std::future::pending(),
+            shoal_nbd::NbdTls::Off,
+        ));
         (addr, disk)
     }
 

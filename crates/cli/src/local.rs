@@ -66,6 +66,11 @@ pub struct UpArgs {
     /// restarts.
     #[arg(long)]
     encrypt_in_transit: bool,
+    /// NBD over TCP of a new cluster's nodes: require, allow or off TLS
+    /// [default: allow on loopback]. Client credentials are written to
+    /// DATA/tls/client/ either way.
+    #[arg(long)]
+    nbd_tls: Option<String>,
 }
 
 impl UpArgs {
@@ -83,6 +88,7 @@ impl UpArgs {
             ("--node-device", !self.node_devices.is_empty()),
             ("--thick", self.thick),
             ("--encrypt-in-transit", self.encrypt_in_transit),
+            ("--nbd-tls", self.nbd_tls.is_some()),
         ];
         given.iter().filter(|(_, g)| *g).map(|(n, _)| *n).collect()
     }
@@ -123,6 +129,9 @@ pub struct LocalCluster {
     /// Nodes start with `--encrypt-in-transit`.
     #[serde(default)]
     pub encrypt_in_transit: bool,
+    /// Nodes start with `--nbd-tls` this (none: the node's default).
+    #[serde(default)]
+    pub nbd_tls: Option<String>,
 }
 
 fn layout_path(data: &Path) -> PathBuf {
@@ -232,7 +241,7 @@ fn start_node(
     join: Option<&str>,
     join_token: Option<&str>,
     workers: usize,
-    encrypt_in_transit: bool,
+    cluster: &LocalCluster,
 ) -> Result<i32> {
     std::fs::create_dir_all(&n.dir)?;
     let log = std::fs::OpenOptions::new()
@@ -259,8 +268,11 @@ fn start_node(
     if let Some(j) = join {
         cmd.arg("--join").arg(j);
     }
-    if encrypt_in_transit {
+    if cluster.encrypt_in_transit {
         cmd.arg("--encrypt-in-transit");
+    }
+    if let Some(m) = &cluster.nbd_tls {
+        cmd.arg("--nbd-tls").arg(m);
     }
     match join_token {
         Some(t) => cmd.env("SHOAL_JOIN_TOKEN", t),
@@ -342,9 +354,13 @@ pub async fn up(a: UpArgs) -> Result<()> {
                     }
                 })
                 .collect();
+            if let Some(m) = &a.nbd_tls {
+                m.parse::<shoal_node::NbdTlsMode>()?;
+            }
             let c = LocalCluster {
                 nodes,
                 encrypt_in_transit: a.encrypt_in_transit,
+                nbd_tls: a.nbd_tls.clone(),
             };
             std::fs::write(layout_path(&data), serde_json::to_vec_pretty(&c)?)?;
             c
@@ -379,7 +395,7 @@ pub async fn up(a: UpArgs) -> Result<()> {
             join,
             token,
             workers_per_node(cluster.nodes.len(), a.workers.map(usize::from)),
-            cluster.encrypt_in_transit,
+            &cluster,
         )?;
         println!(
             "started node {} (pid {pid}) api {} nbd {}",
@@ -389,6 +405,10 @@ pub async fn up(a: UpArgs) -> Result<()> {
             // Let the first node found the cluster before the others join.
             wait_api(&n.api, Duration::from_secs(a.timeout)).await?;
             take_admin_token(n, &data, Duration::from_secs(a.timeout)).await?;
+            let admin = Client::with_token(&n.api, self::token(&a.target));
+            client_credentials(&admin, "shoal-up", &client_tls_dir(&data))
+                .await
+                .context("writing the NBD client credentials")?;
         }
     }
 
@@ -472,6 +492,11 @@ pub async fn up(a: UpArgs) -> Result<()> {
     let sock = std::path::absolute(&sock).unwrap_or(sock);
     println!("  nbd+unix:///demo?socket={}", sock.display());
     println!();
+    let creds = client_tls_dir(&data);
+    let creds = std::path::absolute(&creds).unwrap_or(creds);
+    println!("and over TLS with this cluster's client credentials:");
+    println!("  nbds://{nbd1}/demo?tls-certificates={}", creds.display());
+    println!();
     println!("Try:");
     println!("  nbdinfo nbd://{nbd1}/demo");
     println!("  qemu-img convert -n -O raw disk.img nbd://{nbd1}/demo");
@@ -541,6 +566,26 @@ fn token(t: &Target) -> Option<String> {
     }
     let text = std::fs::read_to_string(admin_token_path(&t.data)).ok()?;
     Some(text.trim().to_string())
+}
+
+/// Makes a key here, has the cluster sign a client certificate for it
+/// under `name`, and writes the three files to `dir`.
+pub async fn client_credentials(c: &Client, name: &str, dir: &Path) -> Result<()> {
+    let req = shoal_tls::KeyRequest::new()?;
+    let answer = c
+        .client_cert(&shoal_api::ClientCertRequest {
+            name: name.to_string(),
+            csr_pem: req.csr_pem.clone(),
+        })
+        .await
+        .context("asking the cluster for a client certificate")?;
+    shoal_tls::ClientCredentials::save(dir, &answer.ca_pem, &answer.cert_pem, &req.key_pem)?;
+    Ok(())
+}
+
+/// Where `shoal up` writes the NBD client credentials of its cluster.
+pub fn client_tls_dir(data: &Path) -> PathBuf {
+    data.join("tls").join("client")
 }
 
 /// Whether a local node has its certificate (it joined before).

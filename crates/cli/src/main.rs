@@ -74,6 +74,9 @@ enum Cmd {
     /// Cluster-wide actions.
     #[command(subcommand)]
     Cluster(ClusterCmd),
+    /// Certificates for NBD clients.
+    #[command(subcommand)]
+    Cert(CertCmd),
     /// Benchmark the cluster: workload profiles over NBD, latency
     /// percentiles, CPU per I/O, and baselines (raw file, nbdkit).
     Bench {
@@ -81,6 +84,24 @@ enum Cmd {
         target: Target,
         #[command(flatten)]
         args: shoal_bench::BenchArgs,
+    },
+}
+
+#[derive(Subcommand)]
+enum CertCmd {
+    /// Make a key and a certificate of the cluster for an NBD client and
+    /// write them to DIR (`ca-cert.pem`, `client-cert.pem`,
+    /// `client-key.pem`), as libnbd (`nbds://...?tls-certificates=DIR`)
+    /// and qemu (`tls-creds-x509,dir=DIR`) read them. The key is made
+    /// here and never sent.
+    Client {
+        /// The client's name (in its certificate).
+        name: String,
+        /// Folder to write (made 0700 if missing).
+        #[arg(long)]
+        out: PathBuf,
+        #[command(flatten)]
+        target: Target,
     },
 }
 
@@ -247,6 +268,15 @@ struct NodeArgs {
     /// data in the clear (docs/security.md).
     #[arg(long)]
     encrypt_in_transit: bool,
+    /// NBD over TCP: require, allow or off TLS (x509, a client
+    /// certificate of the cluster: `shoal cert client`). Default: require
+    /// on a non-loopback address, allow on loopback.
+    #[arg(long)]
+    nbd_tls: Option<String>,
+    /// Group of the NBD Unix socket (mode 0660): its members may use NBD
+    /// on this host.
+    #[arg(long)]
+    nbd_socket_group: Option<String>,
     /// Fault domain (default: the node is its own).
     #[arg(long)]
     fault_domain: Option<String>,
@@ -280,6 +310,8 @@ struct NodeFile {
     join: Option<String>,
     #[serde(default)]
     encrypt_in_transit: bool,
+    nbd_tls: Option<String>,
+    nbd_socket_group: Option<String>,
     fault_domain: Option<String>,
     scrub_mib_per_s: Option<u32>,
     scrub_interval_h: Option<u64>,
@@ -376,6 +408,8 @@ fn node_config(a: NodeArgs) -> Result<NodeConfig> {
         join: a.join.or(f.join),
         join_token: a.join_token,
         encrypt_in_transit: a.encrypt_in_transit || f.encrypt_in_transit,
+        nbd_tls: a.nbd_tls.or(f.nbd_tls).map(|m| m.parse()).transpose()?,
+        nbd_socket_group: a.nbd_socket_group.or(f.nbd_socket_group),
         fault_domain: a.fault_domain.or(f.fault_domain),
         data_dir: data,
         scrub: {
@@ -502,6 +536,14 @@ async fn run(cmd: Cmd) -> Result<()> {
         Cmd::Status { target, json } => status(&target, json).await,
         Cmd::Volume(v) => volume(v).await,
         Cmd::Token(t) => token(t).await,
+        Cmd::Cert(CertCmd::Client { name, out, target }) => {
+            local::client_credentials(&local::client(&target)?, &name, &out).await?;
+            println!(
+                "wrote {}: ca-cert.pem, client-cert.pem, client-key.pem",
+                out.display()
+            );
+            Ok(())
+        }
         Cmd::Cluster(ClusterCmd::RevokeNode { id, target }) => {
             local::client(&target)?.revoke_node(id).await?;
             println!("node {id}: certificates revoked");

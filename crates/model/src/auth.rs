@@ -31,12 +31,12 @@ impl Role {
     /// Whether this role may do what `needed` allows on the REST API. A
     /// join token allows nothing there.
     pub fn allows(self, needed: Role) -> bool {
-        match (self, needed) {
-            (Role::Admin, Role::Admin | Role::ReadOnly) => true,
-            (Role::ReadOnly, Role::ReadOnly) => true,
-            (Role::Join, Role::Join) => true,
-            _ => false,
-        }
+        matches!(
+            (self, needed),
+            (Role::Admin, Role::Admin | Role::ReadOnly)
+                | (Role::ReadOnly, Role::ReadOnly)
+                | (Role::Join, Role::Join)
+        )
     }
 }
 

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use shoal_nbd::mem::MemExports;
+use shoal_nbd::NbdTls;
 
 fn parse_size(s: &str) -> Option<usize> {
     let s = s.trim();
@@ -33,9 +34,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     exports.add("mem", size);
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     tracing::info!(addr = %listener.local_addr()?, size, "serving export \"mem\"");
-    shoal_nbd::serve(listener, Arc::new(exports), async {
+    let stopped = async {
         let _ = tokio::signal::ctrl_c().await;
-    })
-    .await?;
+    };
+    shoal_nbd::serve(listener, Arc::new(exports), stopped, NbdTls::Off).await?;
     Ok(())
 }

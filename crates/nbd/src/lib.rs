@@ -5,6 +5,7 @@
 //! * [`codec`]: constants and pure encode/decode functions (re-exported at the root).
 //! * [`serve`] / [`serve_connection`]: the server (fixed newstyle only, simple replies only),
 //!   over TCP or a Unix socket ([`Listener`], [`Conn`]).
+//! * [`NbdTls`]: TLS for a listener (NBD_OPT_STARTTLS; off, allowed or required).
 //! * [`mem`]: an in-memory [`Exports`] implementation for tests and examples.
 
 use std::future::Future;
@@ -13,9 +14,11 @@ use std::sync::Arc;
 pub mod codec;
 pub mod mem;
 mod server;
+mod tls;
 
 pub use codec::*;
 pub use server::{serve, serve_connection, Conn, Listener};
+pub use tls::NbdTls;
 
 /// Error an export reports for one request; mapped onto the NBD error field.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -183,4 +186,8 @@ pub enum NbdError {
     /// protocol has no way to report this but closing the connection).
     #[error("export {name:?} could not be opened: {message}")]
     ExportRejected { name: String, message: String },
+    /// The TLS handshake after NBD_OPT_STARTTLS failed (e.g. the client
+    /// showed no certificate, or one the configuration does not accept).
+    #[error("TLS handshake failed: {0}")]
+    Tls(String),
 }

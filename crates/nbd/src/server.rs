@@ -13,10 +13,12 @@ use futures::FutureExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{mpsc, Semaphore};
+use tokio_rustls::server::TlsStream;
 use tracing::{debug, warn};
 
 use crate::codec::*;
-use crate::{Export, Exports, IoError, NbdError};
+use crate::tls::{self, Phase};
+use crate::{Export, Exports, IoError, NbdError, NbdTls};
 
 /// Requests being handled concurrently per connection.
 pub(crate) const MAX_IN_FLIGHT: usize = 256;
@@ -36,8 +38,9 @@ pub const MAX_CONNECTIONS: usize = 1024;
 /// Connections one client address may hold at once on a TCP listener: a
 /// host runs a few clients per volume; one address cannot take them all.
 pub const MAX_CONNECTIONS_PER_ADDRESS: usize = 128;
-/// Seconds a client has from connecting to the end of option haggling: a
-/// real client takes milliseconds; one that says nothing is closed.
+/// Seconds a client has from connecting to the end of option haggling,
+/// a TLS handshake included: a real client takes milliseconds; one that
+/// says nothing is closed.
 pub const HANDSHAKE_TIMEOUT_S: u64 = 10;
 /// Replies coalesced into one vectored write.
 const MAX_BATCH_CHUNKS: usize = 64;
@@ -109,12 +112,15 @@ impl Listener for UnixListener {
 }
 
 /// Accept loop: one task per connection; returns when `shutdown` resolves.
-/// Errors of one connection are logged (tracing) and never stop the loop.
-/// Connections already accepted keep running after `serve` returns.
+/// Errors of one connection (a failed TLS handshake too) are logged
+/// (tracing) and never stop the loop. Connections already accepted keep
+/// running after `serve` returns. `tls`: whether clients may, or must,
+/// upgrade to TLS with NBD_OPT_STARTTLS.
 pub async fn serve<L: Listener, E: Exports>(
     listener: L,
     exports: Arc<E>,
     shutdown: impl Future<Output = ()> + Send,
+    tls: NbdTls,
 ) -> io::Result<()> {
     tokio::pin!(shutdown);
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
@@ -133,10 +139,10 @@ pub async fn serve<L: Listener, E: Exports>(
                             {MAX_CONNECTIONS_PER_ADDRESS} already open from its address");
                         continue;
                     };
-                    let exports = exports.clone();
+                    let (exports, tls) = (exports.clone(), tls.clone());
                     tokio::spawn(async move {
                         let _held = (slot, held);
-                        match serve_connection(stream, exports).await {
+                        match serve_peer(stream, exports, tls, &peer).await {
                             Ok(()) => debug!(%peer, "nbd connection closed"),
                             Err(NbdError::ClientAborted) => debug!(%peer, "nbd client went away"),
                             Err(e) => warn!(%peer, error = %e, "nbd connection failed"),
@@ -194,27 +200,92 @@ impl Drop for AddressSlot {
 }
 
 /// Serve one already-accepted connection (used by serve and tests). The
-/// handshake must end within [`HANDSHAKE_TIMEOUT_S`].
+/// handshake, a TLS handshake included, must end within
+/// [`HANDSHAKE_TIMEOUT_S`].
 pub async fn serve_connection<S: Conn, E: Exports>(
-    mut stream: S,
+    stream: S,
     exports: Arc<E>,
+    tls: NbdTls,
+) -> Result<(), NbdError> {
+    serve_peer(stream, exports, tls, "unnamed").await
+}
+
+/// [`serve_connection`] for a client `peer` names in the logs.
+async fn serve_peer<S: Conn, E: Exports>(
+    stream: S,
+    exports: Arc<E>,
+    tls: NbdTls,
+    peer: &str,
 ) -> Result<(), NbdError> {
     stream.prepare();
-    let haggle = handshake(&mut stream, &*exports);
-    let export = match tokio::time::timeout(Duration::from_secs(HANDSHAKE_TIMEOUT_S), haggle).await
-    {
-        Ok(r) => match r? {
-            Some(export) => export,
-            None => return Ok(()),
-        },
-        Err(_) => {
-            return Err(NbdError::Protocol(format!(
-                "no handshake within {HANDSHAKE_TIMEOUT_S} s"
-            )))
-        }
-    };
+    let haggle = negotiate(stream, &*exports, &tls, peer);
+    let negotiated = tokio::time::timeout(Duration::from_secs(HANDSHAKE_TIMEOUT_S), haggle)
+        .await
+        .map_err(|_| {
+            NbdError::Protocol(format!("no handshake within {HANDSHAKE_TIMEOUT_S} s"))
+        })??;
     drop(exports);
-    transmission(stream, Arc::new(export)).await
+    match negotiated {
+        Negotiated::Plain(stream, export) => transmission(stream, Arc::new(export)).await,
+        Negotiated::Tls(stream, export) => transmission(*stream, Arc::new(export)).await,
+        Negotiated::Aborted => Ok(()),
+    }
+}
+
+/// How option haggling ended on a connection.
+enum Negotiated<S, X> {
+    /// An export is open; transmission runs on the plain stream.
+    Plain(S, X),
+    /// An export is open; transmission runs inside TLS (boxed: a TLS
+    /// session is kilobytes, the other variants a few words).
+    Tls(Box<TlsStream<S>>, X),
+    /// The client sent NBD_OPT_ABORT.
+    Aborted,
+}
+
+/// How one stretch of option haggling (before or inside TLS) ended.
+enum Ended<X> {
+    Go(X),
+    Abort,
+    /// NBD_REP_ACK was sent to NBD_OPT_STARTTLS: the TLS handshake is next.
+    StartTls,
+}
+
+/// What option haggling knows of a connection, across the TLS upgrade.
+struct Haggling {
+    /// The client set NBD_FLAG_C_FIXED_NEWSTYLE.
+    fixed_newstyle: bool,
+    /// The client set NBD_FLAG_C_NO_ZEROES.
+    no_zeroes: bool,
+    /// Options the client may still send, before and inside TLS together.
+    options_left: usize,
+}
+
+/// Greeting and option haggling; when the client sends NBD_OPT_STARTTLS
+/// (and `tls` offers it), the TLS handshake, then haggling again inside
+/// TLS from a clean state (nothing agreed before the upgrade carries over).
+async fn negotiate<S: Conn, E: Exports>(
+    mut stream: S,
+    exports: &E,
+    tls: &NbdTls,
+    peer: &str,
+) -> Result<Negotiated<S, E::Export>, NbdError> {
+    let mut h = greet(&mut stream).await?;
+    let phase = Phase::start(tls, h.fixed_newstyle)?;
+    let config = match haggle(&mut stream, exports, phase, &mut h).await? {
+        Ended::Go(export) => return Ok(Negotiated::Plain(stream, export)),
+        Ended::Abort => return Ok(Negotiated::Aborted),
+        Ended::StartTls => tls.config().cloned().ok_or_else(|| {
+            NbdError::Protocol("NBD_OPT_STARTTLS accepted without TLS".to_string())
+        })?,
+    };
+    let mut stream = tls::accept(stream, config).await?;
+    debug!(%peer, session = %tls::describe(&stream), "nbd client upgraded to TLS");
+    match haggle(&mut stream, exports, Phase::Upgraded, &mut h).await? {
+        Ended::Go(export) => Ok(Negotiated::Tls(Box::new(stream), export)),
+        Ended::Abort => Ok(Negotiated::Aborted),
+        Ended::StartTls => Err(NbdError::Protocol("a second TLS upgrade".to_string())),
+    }
 }
 
 fn eof_to_abort(e: io::Error) -> NbdError {
@@ -238,8 +309,15 @@ fn transmission_flags<X: Export>(export: &X) -> u16 {
     flags
 }
 
+/// Writes `bytes` and flushes them: a TLS stream keeps what it could not
+/// send at once until it is written to again or flushed.
+async fn send<S: AsyncWrite + Unpin>(s: &mut S, bytes: &[u8]) -> io::Result<()> {
+    s.write_all(bytes).await?;
+    s.flush().await
+}
+
 async fn send_opt_reply<S: AsyncWrite + Unpin>(s: &mut S, reply: OptionReply) -> io::Result<()> {
-    s.write_all(&reply.encode()).await
+    send(s, &reply.encode()).await
 }
 
 /// Read and throw away `n` bytes without allocating `n` bytes.
@@ -251,14 +329,9 @@ async fn discard<R: AsyncRead + Unpin>(r: &mut R, n: u64) -> io::Result<()> {
     Ok(())
 }
 
-/// Fixed newstyle handshake and option haggling. `Ok(None)`: the client
-/// aborted cleanly (NBD_OPT_ABORT).
-async fn handshake<S: AsyncRead + AsyncWrite + Unpin, E: Exports>(
-    stream: &mut S,
-    exports: &E,
-) -> Result<Option<E::Export>, NbdError> {
-    stream
-        .write_all(&encode_greeting(HANDSHAKE_FLAGS))
+/// Fixed newstyle greeting; answers what the client's flags say.
+async fn greet<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S) -> Result<Haggling, NbdError> {
+    send(stream, &encode_greeting(HANDSHAKE_FLAGS))
         .await
         .map_err(eof_to_abort)?;
     let client_flags = stream.read_u32().await.map_err(eof_to_abort)?;
@@ -267,155 +340,237 @@ async fn handshake<S: AsyncRead + AsyncWrite + Unpin, E: Exports>(
             "unknown client flags {client_flags:#x}"
         )));
     }
-    if client_flags & NBD_FLAG_C_FIXED_NEWSTYLE == 0 {
+    let fixed_newstyle = client_flags & NBD_FLAG_C_FIXED_NEWSTYLE != 0;
+    if !fixed_newstyle {
         debug!("client did not set NBD_FLAG_C_FIXED_NEWSTYLE; continuing anyway");
     }
-    let no_zeroes = client_flags & NBD_FLAG_C_NO_ZEROES != 0;
+    Ok(Haggling {
+        fixed_newstyle,
+        no_zeroes: client_flags & NBD_FLAG_C_NO_ZEROES != 0,
+        options_left: MAX_OPTIONS,
+    })
+}
 
-    for _ in 0..MAX_OPTIONS {
-        let mut hdr = [0u8; OPTION_HEADER_LEN];
-        stream.read_exact(&mut hdr).await.map_err(eof_to_abort)?;
-        let OptionHeader { option, len } = OptionHeader::decode(&hdr)
-            .map_err(|e| NbdError::Protocol(format!("bad option header: {e}")))?;
-
-        if len > MAX_OPTION_LEN {
-            if option == NBD_OPT_EXPORT_NAME {
-                return Err(NbdError::Protocol(format!(
-                    "NBD_OPT_EXPORT_NAME with {len} bytes of data"
-                )));
-            }
-            let msg = format!("option data of {len} bytes is too large");
-            send_opt_reply(
-                stream,
-                OptionReply::error(option, NBD_REP_ERR_TOO_BIG, &msg),
-            )
-            .await?;
-            if len > MAX_DISCARD_OPTION_LEN {
-                return Err(NbdError::Protocol(msg));
-            }
-            discard(stream, len as u64).await.map_err(eof_to_abort)?;
+/// Option haggling in one `phase`, until an export is opened, the client
+/// aborts, or (before TLS) it asks for the TLS upgrade.
+async fn haggle<S: AsyncRead + AsyncWrite + Unpin, E: Exports>(
+    stream: &mut S,
+    exports: &E,
+    phase: Phase,
+    h: &mut Haggling,
+) -> Result<Ended<E::Export>, NbdError> {
+    while h.options_left > 0 {
+        h.options_left -= 1;
+        let Some((option, data)) = read_option(stream, phase).await? else {
             continue;
-        }
-        // Bounded by MAX_OPTION_LEN above.
-        let mut data = vec![0u8; len as usize];
-        stream.read_exact(&mut data).await.map_err(eof_to_abort)?;
-
-        match option {
-            NBD_OPT_EXPORT_NAME => {
-                let name = String::from_utf8(data).map_err(|_| {
-                    NbdError::Protocol("export name is not valid UTF-8".to_string())
-                })?;
-                match exports.open(&name).await {
-                    Ok(export) => {
-                        let reply = ExportNameReply {
-                            size: export.size(),
-                            flags: transmission_flags(&export),
-                        };
-                        stream.write_all(&reply.encode(no_zeroes)).await?;
-                        debug!(name = %name, "export opened via NBD_OPT_EXPORT_NAME");
-                        return Ok(Some(export));
-                    }
-                    Err(message) => return Err(NbdError::ExportRejected { name, message }),
-                }
-            }
-            NBD_OPT_ABORT => {
-                // The client may already have closed its end; ignore errors.
-                let _ = send_opt_reply(stream, OptionReply::new(option, NBD_REP_ACK, Bytes::new()))
-                    .await;
-                let _ = stream.shutdown().await;
-                return Ok(None);
-            }
-            NBD_OPT_LIST => {
-                if !data.is_empty() {
-                    send_opt_reply(
-                        stream,
-                        OptionReply::error(
-                            option,
-                            NBD_REP_ERR_INVALID,
-                            "NBD_OPT_LIST takes no data",
-                        ),
-                    )
-                    .await?;
-                    continue;
-                }
-                let mut out = Vec::new();
-                for name in exports.list().await {
-                    let entry = ServerEntry {
-                        name: clamp_string(&name).to_string(),
-                        details: String::new(),
-                    };
-                    out.extend_from_slice(
-                        &OptionReply::new(option, NBD_REP_SERVER, entry.encode()).encode(),
-                    );
-                }
-                out.extend_from_slice(
-                    &OptionReply::new(option, NBD_REP_ACK, Bytes::new()).encode(),
-                );
-                stream.write_all(&out).await?;
-            }
-            NBD_OPT_INFO | NBD_OPT_GO => {
-                let req = match InfoRequest::decode(&data) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        let msg = format!("malformed option data: {e}");
-                        send_opt_reply(
-                            stream,
-                            OptionReply::error(option, NBD_REP_ERR_INVALID, &msg),
-                        )
-                        .await?;
-                        continue;
-                    }
-                };
-                let export = match exports.open(&req.name).await {
-                    Ok(x) => x,
-                    Err(message) => {
-                        send_opt_reply(
-                            stream,
-                            OptionReply::error(option, NBD_REP_ERR_UNKNOWN, &message),
-                        )
-                        .await?;
-                        continue;
-                    }
-                };
-                let mut infos = vec![Info::Export {
-                    size: export.size(),
-                    flags: transmission_flags(&export),
-                }];
-                if req.requests.contains(&NBD_INFO_NAME) {
-                    infos.push(Info::Name(req.name.clone()));
-                }
-                infos.push(Info::BlockSize {
-                    min: MIN_BLOCK_SIZE,
-                    preferred: PREFERRED_BLOCK_SIZE,
-                    max: MAX_BLOCK_SIZE,
-                });
-                let mut out = Vec::new();
-                for i in infos {
-                    out.extend_from_slice(
-                        &OptionReply::new(option, NBD_REP_INFO, i.encode()).encode(),
-                    );
-                }
-                out.extend_from_slice(
-                    &OptionReply::new(option, NBD_REP_ACK, Bytes::new()).encode(),
-                );
-                stream.write_all(&out).await?;
-                if option == NBD_OPT_GO {
-                    debug!(name = %req.name, "export opened via NBD_OPT_GO");
-                    return Ok(Some(export));
-                }
-                // NBD_OPT_INFO: the export is dropped here.
-            }
-            _ => {
-                // Includes STARTTLS, STRUCTURED_REPLY, META_CONTEXT, EXTENDED_HEADERS.
-                send_opt_reply(
-                    stream,
-                    OptionReply::error(option, NBD_REP_ERR_UNSUP, "option not supported"),
-                )
-                .await?;
-            }
+        };
+        if let Some(ended) = one_option(stream, exports, phase, h, option, data).await? {
+            return Ok(ended);
         }
     }
     Err(NbdError::Protocol("too many options".to_string()))
+}
+
+/// The next option and its data; None when its data was too large, was
+/// skipped and refused.
+async fn read_option<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    phase: Phase,
+) -> Result<Option<(u32, Vec<u8>)>, NbdError> {
+    let mut hdr = [0u8; OPTION_HEADER_LEN];
+    stream.read_exact(&mut hdr).await.map_err(eof_to_abort)?;
+    let OptionHeader { option, len } = OptionHeader::decode(&hdr)
+        .map_err(|e| NbdError::Protocol(format!("bad option header: {e}")))?;
+    if len <= MAX_OPTION_LEN {
+        // Bounded by MAX_OPTION_LEN.
+        let mut data = vec![0u8; len as usize];
+        stream.read_exact(&mut data).await.map_err(eof_to_abort)?;
+        return Ok(Some((option, data)));
+    }
+    if option == NBD_OPT_EXPORT_NAME {
+        return Err(NbdError::Protocol(format!(
+            "NBD_OPT_EXPORT_NAME with {len} bytes of data"
+        )));
+    }
+    let msg = format!("option data of {len} bytes is too large");
+    let error = phase.refusal(option).unwrap_or(NBD_REP_ERR_TOO_BIG);
+    send_opt_reply(stream, OptionReply::error(option, error, &msg)).await?;
+    if len > MAX_DISCARD_OPTION_LEN {
+        return Err(NbdError::Protocol(msg));
+    }
+    discard(stream, len as u64).await.map_err(eof_to_abort)?;
+    Ok(None)
+}
+
+/// Answers one option; Some when haggling (in this phase) is over.
+async fn one_option<S: AsyncRead + AsyncWrite + Unpin, E: Exports>(
+    stream: &mut S,
+    exports: &E,
+    phase: Phase,
+    h: &Haggling,
+    option: u32,
+    data: Vec<u8>,
+) -> Result<Option<Ended<E::Export>>, NbdError> {
+    if let Some(error) = phase.refusal(option) {
+        if option == NBD_OPT_EXPORT_NAME {
+            // It cannot be answered with an error: the spec says hang up.
+            return Err(NbdError::Protocol(
+                "NBD_OPT_EXPORT_NAME before NBD_OPT_STARTTLS; TLS is required".to_string(),
+            ));
+        }
+        let msg = "TLS is required: send NBD_OPT_STARTTLS first";
+        send_opt_reply(stream, OptionReply::error(option, error, msg)).await?;
+        return Ok(None);
+    }
+    match option {
+        NBD_OPT_EXPORT_NAME => Ok(Some(Ended::Go(
+            export_name(stream, exports, data, h.no_zeroes).await?,
+        ))),
+        NBD_OPT_ABORT => {
+            // The client may already have closed its end; ignore errors.
+            let _ =
+                send_opt_reply(stream, OptionReply::new(option, NBD_REP_ACK, Bytes::new())).await;
+            let _ = stream.shutdown().await;
+            Ok(Some(Ended::Abort))
+        }
+        NBD_OPT_STARTTLS => starttls(stream, phase, &data).await,
+        NBD_OPT_LIST => list(stream, exports, &data).await.map(|()| None),
+        NBD_OPT_INFO | NBD_OPT_GO => Ok(info_or_go(stream, exports, option, &data)
+            .await?
+            .map(Ended::Go)),
+        _ => {
+            // Includes STRUCTURED_REPLY, META_CONTEXT, EXTENDED_HEADERS.
+            let reply = OptionReply::error(option, NBD_REP_ERR_UNSUP, "option not supported");
+            send_opt_reply(stream, reply).await?;
+            Ok(None)
+        }
+    }
+}
+
+/// NBD_OPT_STARTTLS: NBD_REP_ACK and the upgrade, or an error reply.
+async fn starttls<S: AsyncWrite + Unpin, X>(
+    stream: &mut S,
+    phase: Phase,
+    data: &[u8],
+) -> Result<Option<Ended<X>>, NbdError> {
+    match phase.starttls(data.len()) {
+        Ok(()) => {
+            let ack = OptionReply::new(NBD_OPT_STARTTLS, NBD_REP_ACK, Bytes::new());
+            send_opt_reply(stream, ack).await?;
+            Ok(Some(Ended::StartTls))
+        }
+        Err((error, msg)) => {
+            send_opt_reply(stream, OptionReply::error(NBD_OPT_STARTTLS, error, msg)).await?;
+            Ok(None)
+        }
+    }
+}
+
+/// NBD_OPT_EXPORT_NAME: the export, or an error that closes the connection
+/// (the option has no error reply).
+async fn export_name<S: AsyncWrite + Unpin, E: Exports>(
+    stream: &mut S,
+    exports: &E,
+    data: Vec<u8>,
+    no_zeroes: bool,
+) -> Result<E::Export, NbdError> {
+    let name = String::from_utf8(data)
+        .map_err(|_| NbdError::Protocol("export name is not valid UTF-8".to_string()))?;
+    match exports.open(&name).await {
+        Ok(export) => {
+            let reply = ExportNameReply {
+                size: export.size(),
+                flags: transmission_flags(&export),
+            };
+            send(stream, &reply.encode(no_zeroes)).await?;
+            debug!(name = %name, "export opened via NBD_OPT_EXPORT_NAME");
+            Ok(export)
+        }
+        Err(message) => Err(NbdError::ExportRejected { name, message }),
+    }
+}
+
+/// NBD_OPT_LIST: one NBD_REP_SERVER per export, then NBD_REP_ACK.
+async fn list<S: AsyncWrite + Unpin, E: Exports>(
+    stream: &mut S,
+    exports: &E,
+    data: &[u8],
+) -> Result<(), NbdError> {
+    if !data.is_empty() {
+        let msg = "NBD_OPT_LIST takes no data";
+        let reply = OptionReply::error(NBD_OPT_LIST, NBD_REP_ERR_INVALID, msg);
+        return Ok(send_opt_reply(stream, reply).await?);
+    }
+    let mut out = Vec::new();
+    for name in exports.list().await {
+        let entry = ServerEntry {
+            name: clamp_string(&name).to_string(),
+            details: String::new(),
+        };
+        out.extend_from_slice(
+            &OptionReply::new(NBD_OPT_LIST, NBD_REP_SERVER, entry.encode()).encode(),
+        );
+    }
+    out.extend_from_slice(&OptionReply::new(NBD_OPT_LIST, NBD_REP_ACK, Bytes::new()).encode());
+    Ok(send(stream, &out).await?)
+}
+
+/// NBD_OPT_INFO / NBD_OPT_GO: the export's information; Some(export)
+/// after a successful GO (an INFO's export is dropped here).
+async fn info_or_go<S: AsyncWrite + Unpin, E: Exports>(
+    stream: &mut S,
+    exports: &E,
+    option: u32,
+    data: &[u8],
+) -> Result<Option<E::Export>, NbdError> {
+    let req = match InfoRequest::decode(data) {
+        Ok(r) => r,
+        Err(e) => {
+            let msg = format!("malformed option data: {e}");
+            send_opt_reply(
+                stream,
+                OptionReply::error(option, NBD_REP_ERR_INVALID, &msg),
+            )
+            .await?;
+            return Ok(None);
+        }
+    };
+    let export = match exports.open(&req.name).await {
+        Ok(x) => x,
+        Err(message) => {
+            let reply = OptionReply::error(option, NBD_REP_ERR_UNKNOWN, &message);
+            send_opt_reply(stream, reply).await?;
+            return Ok(None);
+        }
+    };
+    send(stream, &info_replies(option, &req, &export)).await?;
+    if option == NBD_OPT_GO {
+        debug!(name = %req.name, "export opened via NBD_OPT_GO");
+        return Ok(Some(export));
+    }
+    Ok(None)
+}
+
+/// The NBD_REP_INFO replies to `req` and the closing NBD_REP_ACK.
+fn info_replies<X: Export>(option: u32, req: &InfoRequest, export: &X) -> Vec<u8> {
+    let mut infos = vec![Info::Export {
+        size: export.size(),
+        flags: transmission_flags(export),
+    }];
+    if req.requests.contains(&NBD_INFO_NAME) {
+        infos.push(Info::Name(req.name.clone()));
+    }
+    infos.push(Info::BlockSize {
+        min: MIN_BLOCK_SIZE,
+        preferred: PREFERRED_BLOCK_SIZE,
+        max: MAX_BLOCK_SIZE,
+    });
+    let mut out = Vec::new();
+    for i in infos {
+        out.extend_from_slice(&OptionReply::new(option, NBD_REP_INFO, i.encode()).encode());
+    }
+    out.extend_from_slice(&OptionReply::new(option, NBD_REP_ACK, Bytes::new()).encode());
+    out
 }
 
 /// A request's answer as the writer task receives it: the writer polls it
@@ -703,6 +858,8 @@ async fn writer_loop<W: AsyncWrite + Unpin>(
             }
         }
         write_all_vectored(&mut w, &chunks).await?;
+        // A no-op on a socket; a TLS stream may hold back the batch's end.
+        w.flush().await?;
         chunks.clear();
     }
     let _ = w.shutdown().await;
@@ -784,9 +941,10 @@ mod tests {
         let mut e = MemExports::new();
         e.add("d", 1 << 20);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(serve(l, Arc::new(e), async move {
+        let stopped = async move {
             let _ = stopped.await;
-        }));
+        };
+        tokio::spawn(serve(l, Arc::new(e), stopped, NbdTls::Off));
         (addr, stop)
     }
 

@@ -114,6 +114,7 @@ pub fn routes(h: Http) -> axum::Router {
         .route("/v1/tokens", get(tokens).post(create_token))
         .route("/v1/tokens/{id}", axum::routing::delete(revoke_token))
         .route("/v1/nodes/{id}/revoke", post(revoke_node))
+        .route("/v1/certs/client", post(client_cert))
         .route("/livez", get(livez))
         .route_layer(axum::middleware::from_fn_with_state(
             h.clone(),
@@ -224,6 +225,39 @@ async fn create_token(
         id: text.id.clone(),
         role: req.role,
         token: shown,
+    }))
+}
+
+/// Longest name of an NBD client's certificate.
+const CLIENT_NAME_MAX_BYTES: usize = 64;
+
+async fn client_cert(
+    State(h): State<Http>,
+    Json(req): Json<shoal_api::ClientCertRequest>,
+) -> Result<Json<shoal_api::JoinCertAnswer>, ApiErr> {
+    let ok = |c: char| c.is_ascii_alphanumeric() || "._-".contains(c);
+    if req.name.is_empty() || req.name.len() > CLIENT_NAME_MAX_BYTES || !req.name.chars().all(ok) {
+        return Err(bad(format!(
+            "a client's name is 1 to {CLIENT_NAME_MAX_BYTES} of A-Z a-z 0-9 . _ -"
+        )));
+    }
+    let state = h.router.dir.state();
+    let ca = state.ca.as_ref().ok_or_else(|| {
+        ApiErr(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the cluster CA is not recorded yet".into(),
+        )
+    })?;
+    let material = shoal_tls::CaMaterial {
+        cert_pem: ca.cert_pem.clone(),
+        key_pem: ca.key_pem.clone(),
+    };
+    let subject = shoal_tls::Subject::Client { name: req.name };
+    let cert_pem = shoal_tls::issue(&material, &state.cluster_id, &req.csr_pem, &subject)
+        .map_err(|e| bad(e.to_string()))?;
+    Ok(Json(shoal_api::JoinCertAnswer {
+        cert_pem,
+        ca_pem: material.cert_pem,
     }))
 }
 

@@ -111,6 +111,15 @@ pub struct NodeConfig {
     /// start of a joining node needs it).
     #[serde(default, skip_serializing)]
     pub join_token: Option<String>,
+    /// NBD over TCP: TLS required, allowed, or off; `None`: required on a
+    /// non-loopback address, allowed on loopback (so local commands keep
+    /// working with plain `nbd://`).
+    #[serde(default)]
+    pub nbd_tls: Option<NbdTlsMode>,
+    /// Group given the NBD Unix socket (mode 0660): its members may use
+    /// NBD on this host. None: the node's own group.
+    #[serde(default)]
+    pub nbd_socket_group: Option<String>,
     /// Keep connections between nodes encrypted (TLS) for their whole
     /// life; otherwise they are authenticated by mutual TLS and then carry
     /// the data path in the clear (docs/security.md says why).
@@ -124,6 +133,54 @@ pub struct NodeConfig {
     /// Threads and batching of the data path.
     #[serde(default)]
     pub tuning: NodeTuning,
+}
+
+/// Whether NBD over TCP needs TLS (STARTTLS, x509: a client certificate
+/// of the cluster's CA, as `shoal cert client` makes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NbdTlsMode {
+    /// Only TLS clients with a certificate of the cluster.
+    Require,
+    /// Plain clients, and TLS clients with a certificate of the cluster.
+    Allow,
+    /// Plain only.
+    Off,
+}
+
+impl std::str::FromStr for NbdTlsMode {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "require" => Ok(NbdTlsMode::Require),
+            "allow" => Ok(NbdTlsMode::Allow),
+            "off" => Ok(NbdTlsMode::Off),
+            _ => bail!("--nbd-tls {s:?}: expected require, allow or off"),
+        }
+    }
+}
+
+impl NbdTlsMode {
+    /// The mode for `addr` when none is set: required off loopback.
+    pub fn default_for(addr: &str) -> NbdTlsMode {
+        let loopback = addr
+            .parse::<std::net::SocketAddr>()
+            .is_ok_and(|a| a.ip().is_loopback());
+        if loopback {
+            NbdTlsMode::Allow
+        } else {
+            NbdTlsMode::Require
+        }
+    }
+
+    fn server(self, creds: &shoal_tls::NodeCredentials) -> Result<shoal_nbd::NbdTls> {
+        let config = || creds.server_config(shoal_tls::ClientAuth::Required);
+        Ok(match self {
+            NbdTlsMode::Require => shoal_nbd::NbdTls::Require(config()?),
+            NbdTlsMode::Allow => shoal_nbd::NbdTls::Allow(config()?),
+            NbdTlsMode::Off => shoal_nbd::NbdTls::Off,
+        })
+    }
 }
 
 /// Where the node serves NBD to clients on its own host.
@@ -155,6 +212,34 @@ fn bind_unix(path: &Path) -> Result<tokio::net::UnixListener> {
             .with_context(|| format!("removing the stale socket {}", path.display()))?;
     }
     tokio::net::UnixListener::bind(path).with_context(|| format!("listening on {}", path.display()))
+}
+
+/// Mode of the NBD socket: the node's user and its group (see
+/// `nbd_socket_group`) may connect; nobody else.
+const NBD_SOCKET_MODE: u32 = 0o660;
+
+/// Gives the NBD socket at `path` its mode and, if named, its group.
+fn socket_access(path: &Path, group: Option<&str>) -> Result<()> {
+    owner_only(path, NBD_SOCKET_MODE)?;
+    let Some(name) = group else {
+        return Ok(());
+    };
+    let gid = group_id(name)?;
+    std::os::unix::fs::chown(path, None, Some(gid))
+        .with_context(|| format!("giving {} to group {name}", path.display()))
+}
+
+/// The id of the group `name`.
+fn group_id(name: &str) -> Result<u32> {
+    let c = std::ffi::CString::new(name).context("a group name without NUL bytes")?;
+    // SAFETY: getgrnam reads a valid C string; the result is read at once,
+    // before another call could overwrite its static storage.
+    let g = unsafe { libc::getgrnam(c.as_ptr()) };
+    if g.is_null() {
+        bail!("no group named {name:?} (--nbd-socket-group)");
+    }
+    // SAFETY: non-null pointer to a group record, as checked.
+    Ok(unsafe { (*g).gr_gid })
 }
 
 /// Mode of a node's data folder: its identity, directory database and
@@ -397,6 +482,9 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
             }
         },
     };
+    if let Some((_, path)) = &nbd_unix {
+        socket_access(path, cfg.nbd_socket_group.as_deref())?;
+    }
 
     let creds = membership::obtain(&cfg, &cluster_id, fresh)
         .await
@@ -615,6 +703,11 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
         "shoal node {} ready: nbd://{} api http://{}",
         cfg.id, cfg.nbd_addr, cfg.api_addr
     );
+    let nbd_tls_mode = cfg
+        .nbd_tls
+        .unwrap_or_else(|| NbdTlsMode::default_for(&cfg.nbd_addr));
+    let nbd_tls = nbd_tls_mode.server(&creds)?;
+    tracing::info!(mode = ?nbd_tls_mode, "NBD over TCP: TLS");
     let (stop_nbd, nbd_stopped) = tokio::sync::watch::channel(());
     if let Some((l, path)) = nbd_unix {
         println!(
@@ -624,13 +717,15 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
         );
         let (exports, stopped) = (exports.clone(), nbd_stopped.clone());
         essentials.spawn("the NBD socket server", async move {
-            let r = shoal_nbd::serve(l, exports, stopped_signal(stopped)).await;
+            // Local clients are authorised by the socket's permissions.
+            let r =
+                shoal_nbd::serve(l, exports, stopped_signal(stopped), shoal_nbd::NbdTls::Off).await;
             let _ = std::fs::remove_file(&path);
             Ok(r?)
         });
     }
     essentials.spawn("the NBD server", async move {
-        Ok(shoal_nbd::serve(nbd_l, exports, stopped_signal(nbd_stopped)).await?)
+        Ok(shoal_nbd::serve(nbd_l, exports, stopped_signal(nbd_stopped), nbd_tls).await?)
     });
     let failure = tokio::select! {
         () = shutdown => None,

@@ -104,7 +104,12 @@ pub fn issue(
     let mut p = CertificateParams::default();
     let cn = common_name(subject);
     p.distinguished_name = name(&cn, cluster_id);
-    p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    // Key encipherment too: GnuTLS (qemu's tls-creds-x509) refuses a
+    // certificate whose key usage lacks it.
+    p.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
     p.use_authority_key_identifier_extension = true;
     match subject {
         Subject::Node { addrs, .. } => {

@@ -25,9 +25,10 @@ pub async fn start(exports: MemExports) -> Server {
     let addr = listener.local_addr().unwrap();
     let exports = Arc::new(exports);
     let (stop, rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(serve(listener, exports.clone(), async move {
+    let stopped = async move {
         let _ = rx.await;
-    }));
+    };
+    let task = tokio::spawn(serve(listener, exports.clone(), stopped, NbdTls::Off));
     Server {
         addr,
         exports,
