@@ -20,6 +20,7 @@
 #                                   raw files, so no target pays for block
 #                                   allocation in the file system; THICK=0 keeps
 #                                   them sparse
+#   POLICY ["raid1 ftt=1"]          the Shoal volume's policy (e.g. add encrypt=on)
 #   ENCRYPT [0]                     1: `shoal up --encrypt-in-transit` (TLS for
 #                                   the whole life of the connections between
 #                                   nodes; default: mutual TLS, then the
@@ -354,6 +355,7 @@ SIZE="${SIZE:-2G}"
 DEVICE_SIZE="${DEVICE_SIZE:-4G}"
 THICK="${THICK:-1}"
 ENCRYPT="${ENCRYPT:-0}"
+POLICY="${POLICY:-raid1 ftt=1}"
 NET="${NET:-127.0.50}"
 NBD_PORT="${NBD_PORT:-10809}"
 NBDKIT_ADDR="${NBDKIT_ADDR:-127.0.0.1}"
@@ -628,7 +630,7 @@ if has_target shoal; then
         >"$OUT/shoal-up.log" 2>&1; then
     cat "$OUT/shoal-up.log" >&2
     note "shoal up failed; Shoal cells are empty"
-  elif ! "$SHOAL_BIN" volume create bench --size "$SIZE" --policy "raid1 ftt=1" \
+  elif ! "$SHOAL_BIN" volume create bench --size "$SIZE" --policy "$POLICY" \
         --data "$SHOAL_DATA" >"$OUT/shoal-volume.log" 2>&1; then
     cat "$OUT/shoal-volume.log" >&2
     note "shoal volume create failed; Shoal cells are empty"

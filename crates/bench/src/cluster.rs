@@ -486,6 +486,8 @@ mod tests {
             ],
             owner: Some(1),
             generation: 3,
+            problem: None,
+            wrapped_key: None,
         };
         let health = if states.iter().all(|s| *s == ComponentState::Active) {
             VolumeHealth::Healthy

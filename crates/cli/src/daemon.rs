@@ -105,9 +105,9 @@ fn raise_descriptor_limit() {
             l.rlim_cur = l.rlim_max;
         }
     }
-    if (l.rlim_cur as u64) < DESCRIPTORS_NEEDED {
+    if l.rlim_cur < DESCRIPTORS_NEEDED {
         tracing::warn!(
-            limit = l.rlim_cur as u64,
+            limit = l.rlim_cur,
             needed = DESCRIPTORS_NEEDED,
             "the descriptor limit is below what the ports' connection bounds need: \
              connections will be refused before the bounds are reached"

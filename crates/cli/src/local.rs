@@ -132,6 +132,10 @@ pub struct LocalCluster {
     /// Nodes start with `--nbd-tls` this (none: the node's default).
     #[serde(default)]
     pub nbd_tls: Option<String>,
+    /// The cluster key every node is started with (`--key-file`), made
+    /// with the cluster: `encrypt=on` volumes need it.
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
 }
 
 fn layout_path(data: &Path) -> PathBuf {
@@ -274,6 +278,9 @@ fn start_node(
     if let Some(m) = &cluster.nbd_tls {
         cmd.arg("--nbd-tls").arg(m);
     }
+    if let Some(k) = &cluster.key_file {
+        cmd.arg("--key-file").arg(k);
+    }
     match join_token {
         Some(t) => cmd.env("SHOAL_JOIN_TOKEN", t),
         None => cmd.env_remove("SHOAL_JOIN_TOKEN"),
@@ -357,10 +364,17 @@ pub async fn up(a: UpArgs) -> Result<()> {
             if let Some(m) = &a.nbd_tls {
                 m.parse::<shoal_node::NbdTlsMode>()?;
             }
+            let key_file = data.join(CLUSTER_KEY_FILE);
+            if !key_file.exists() {
+                shoal_crypt::ClusterKey::generate_file(&key_file)
+                    .with_context(|| format!("making the cluster key {}", key_file.display()))?;
+            }
+            let key_file = std::path::absolute(&key_file).unwrap_or(key_file);
             let c = LocalCluster {
                 nodes,
                 encrypt_in_transit: a.encrypt_in_transit,
                 nbd_tls: a.nbd_tls.clone(),
+                key_file: Some(key_file),
             };
             std::fs::write(layout_path(&data), serde_json::to_vec_pretty(&c)?)?;
             c
@@ -582,6 +596,10 @@ pub async fn client_credentials(c: &Client, name: &str, dir: &Path) -> Result<()
     shoal_tls::ClientCredentials::save(dir, &answer.ca_pem, &answer.cert_pem, &req.key_pem)?;
     Ok(())
 }
+
+/// The cluster key of a local cluster, in its folder (mode 0600): it wraps
+/// the data keys of `encrypt=on` volumes.
+pub const CLUSTER_KEY_FILE: &str = "cluster.key";
 
 /// Where `shoal up` writes the NBD client credentials of its cluster.
 pub fn client_tls_dir(data: &Path) -> PathBuf {

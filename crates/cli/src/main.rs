@@ -277,6 +277,10 @@ struct NodeArgs {
     /// on this host.
     #[arg(long)]
     nbd_socket_group: Option<String>,
+    /// The cluster key file (64 hex digits, mode 0600; the same file on
+    /// every node): it wraps the data keys of `encrypt=on` volumes.
+    #[arg(long)]
+    key_file: Option<PathBuf>,
     /// Fault domain (default: the node is its own).
     #[arg(long)]
     fault_domain: Option<String>,
@@ -312,6 +316,7 @@ struct NodeFile {
     encrypt_in_transit: bool,
     nbd_tls: Option<String>,
     nbd_socket_group: Option<String>,
+    key_file: Option<PathBuf>,
     fault_domain: Option<String>,
     scrub_mib_per_s: Option<u32>,
     scrub_interval_h: Option<u64>,
@@ -410,6 +415,7 @@ fn node_config(a: NodeArgs) -> Result<NodeConfig> {
         encrypt_in_transit: a.encrypt_in_transit || f.encrypt_in_transit,
         nbd_tls: a.nbd_tls.or(f.nbd_tls).map(|m| m.parse()).transpose()?,
         nbd_socket_group: a.nbd_socket_group.or(f.nbd_socket_group),
+        key_file: a.key_file.or(f.key_file),
         fault_domain: a.fault_domain.or(f.fault_domain),
         data_dir: data,
         scrub: {

@@ -375,3 +375,80 @@ fn a_node_joins_only_with_a_valid_join_token_and_a_revoked_node_is_cut_off() {
     });
     drop(n2);
 }
+
+/// What an insider (a member's certificate) can still do: fence a copy by
+/// activating it under a huge generation. The cluster must say so, not
+/// report healthy, and not re-claim the volume in a storm.
+#[test]
+fn a_copy_fenced_by_an_insider_turns_health_away_from_healthy() {
+    common::require("qemu-io");
+    let c = Cluster::start(3);
+    c.create_volume("v", "64M", "raid1 ftt=1");
+    let uri = c.uri(1, "v");
+    let out = run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x21 0 64k", &uri]));
+    assert!(out.status.success());
+    let st = c.json(&["status"]);
+    let v = &st["volumes"][0]["volume"];
+    let owner = v["owner"].as_u64().expect("an owner after a write");
+    let copy = v["components"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["role"] == "Data" && x["node"].as_u64() != Some(owner))
+        .expect("a copy on another node")
+        .clone();
+    let (component, node) = (
+        copy["id"].as_u64().unwrap(),
+        copy["node"].as_u64().unwrap() as u32,
+    );
+    let insider = if node == 3 { 2 } else { 3 };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let auth = member_auth(&tls_dir(&c, insider));
+        let t = Duration::from_secs(3);
+        let p = shoal_rpc::Peer::connect(&c.peer_addr(node), t, &auth)
+            .await
+            .unwrap();
+        let fence = shoal_rpc::Request::Activate {
+            component,
+            generation: 1 << 40,
+        };
+        p.call(&fence, bytes::Bytes::new(), t).await.unwrap();
+    });
+    let claims_before = c.metric(&[1, 2, 3], "shoal_owner_claims_total");
+    // A client keeps writing (it may well fail: the volume is fenced).
+    let mut writer = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 0x22 0 64k", &uri])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let health = wait_for("health away from healthy", Duration::from_secs(30), || {
+        let h = c.health("v");
+        if h == "healthy" {
+            Err(h)
+        } else {
+            Ok(h)
+        }
+    });
+    if health == "inaccessible" {
+        let st = c.json(&["status"]);
+        let problem = st["volumes"][0]["volume"]["problem"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        assert!(problem.contains("activation"), "no reason given: {st}");
+    }
+    // Claims stay rare while the client retries: one per node per
+    // START_RETRY_PAUSE (2 s) at most, not one per retry.
+    common::holds_for("no claim storm", Duration::from_secs(6), || {
+        let claims = c.metric(&[1, 2, 3], "shoal_owner_claims_total") - claims_before;
+        if claims <= 16 {
+            Ok(())
+        } else {
+            Err(format!("{claims} claims since the fence ({health})"))
+        }
+    });
+    let _ = writer.kill();
+    let _ = writer.wait();
+}

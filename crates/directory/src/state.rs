@@ -66,6 +66,11 @@ pub enum Command {
         size: u64,
         policy: Policy,
         components: Vec<PlannedComponent>,
+        /// The volume's data key wrapped by the cluster key (text form of
+        /// `shoal_crypt::WrappedKey`): present exactly when the policy
+        /// says `encrypt=on`.
+        #[serde(default)]
+        wrapped_key: Option<String>,
     },
     /// Deletes a volume and releases its reservations.
     DeleteVolume { name: String },
@@ -82,6 +87,12 @@ pub enum Command {
     /// Revokes every certificate issued to a node: members refuse its
     /// connections from then on, and a new certificate needs a new join.
     RevokeNodeCerts { node: NodeId },
+    /// Records why a volume cannot be served (its copies refused the
+    /// claimer's activation), or clears it once an owner started.
+    SetVolumeProblem {
+        volume: VolumeId,
+        problem: Option<String>,
+    },
     /// Adds an API token (its id must be new).
     CreateToken { token: ApiToken },
     /// Removes an API token: it opens nothing from then on.
@@ -290,6 +301,28 @@ impl ClusterState {
         }
     }
 
+    fn set_problem(
+        &mut self,
+        volume: VolumeId,
+        problem: &Option<String>,
+    ) -> Result<Response, StateError> {
+        if problem
+            .as_ref()
+            .is_some_and(|p| p.len() > shoal_model::MAX_PROBLEM_BYTES)
+        {
+            return Err(input(format!(
+                "a volume's problem is at most {} bytes",
+                shoal_model::MAX_PROBLEM_BYTES
+            )));
+        }
+        let v = self
+            .volumes
+            .get_mut(&volume)
+            .ok_or(StateError::NoSuchVolumeId(volume))?;
+        v.problem = problem.clone();
+        Ok(Response::Ok)
+    }
+
     fn set_ca(&mut self, ca: &CaRecord) -> Result<Response, StateError> {
         match &self.ca {
             Some(have) if have != ca => Err(input("the cluster already has another CA")),
@@ -408,8 +441,14 @@ impl ClusterState {
                 size,
                 policy,
                 components,
+                wrapped_key,
             } => {
                 check_volume_name(name).map_err(input)?;
+                if policy.encrypt != wrapped_key.is_some() {
+                    return Err(input(
+                        "an encrypted volume needs its wrapped key, and only it has one",
+                    ));
+                }
                 check_volume_size(*size).map_err(input)?;
                 if self.volume_by_name(name).is_some() {
                     return Err(StateError::NameTaken(name.clone()));
@@ -466,6 +505,8 @@ impl ClusterState {
                         components: comps,
                         owner: None,
                         generation: 0,
+                        problem: None,
+                        wrapped_key: wrapped_key.clone(),
                     },
                 );
                 Ok(Response::Id(id))
@@ -497,6 +538,7 @@ impl ClusterState {
                 Some(_) => Ok(Response::Ok),
                 None => Err(StateError::NoSuchToken(id.clone())),
             },
+            Command::SetVolumeProblem { volume, problem } => self.set_problem(*volume, problem),
             Command::SetIopsLimit { name, iops_limit } => {
                 let id = self.volume_id_by_name(name)?;
                 if let Some(v) = self.volumes.get_mut(&id) {
@@ -663,6 +705,7 @@ mod tests {
                 name: name.into(),
                 size: 1 << 20,
                 policy: policy.parse().unwrap(),
+                wrapped_key: None,
                 components: planned(devs),
             })
             .unwrap()
@@ -736,6 +779,7 @@ mod tests {
                 name: "vol".into(),
                 size: 4096,
                 policy: Policy::default(),
+                wrapped_key: None,
                 components: planned(&devs),
             })
             .unwrap_err();
@@ -794,6 +838,7 @@ mod tests {
                 name: "big".into(),
                 size: cap + (1 << 20),
                 policy: "raid1 ftt=1 reserve=100".parse().unwrap(),
+                wrapped_key: None,
                 components: planned(&devs),
             })
             .unwrap_err();
@@ -803,6 +848,7 @@ mod tests {
             name: "thin".into(),
             size: cap + (1 << 20),
             policy: "raid1 ftt=1".parse().unwrap(),
+            wrapped_key: None,
             components: planned(&devs),
         })
         .unwrap();
@@ -813,6 +859,7 @@ mod tests {
             name: "r1".into(),
             size,
             policy: "raid1 ftt=1 reserve=100".parse().unwrap(),
+            wrapped_key: None,
             components: planned(&devs),
         })
         .unwrap();
@@ -822,6 +869,7 @@ mod tests {
                 name: "r2".into(),
                 size,
                 policy: "raid1 ftt=1 reserve=100".parse().unwrap(),
+                wrapped_key: None,
                 components: planned(&devs),
             })
             .unwrap_err();
@@ -867,6 +915,7 @@ mod tests {
             name: name.into(),
             size,
             policy: Policy::default(),
+            wrapped_key: None,
             components: comps,
         };
         assert!(matches!(
@@ -1030,6 +1079,7 @@ mod tests {
                         reserve_pct: r,
                         ..Policy::default()
                     },
+                    wrapped_key: None,
                     components: comps
                 }),
             names

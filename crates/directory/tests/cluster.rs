@@ -189,6 +189,7 @@ async fn populate(via: &Directory) -> u64 {
             name: "vol1".into(),
             size: 1 << 20,
             policy: "raid1 ftt=1 reserve=100".parse::<Policy>().unwrap(),
+            wrapped_key: None,
             components: comps,
         })
         .await
@@ -263,6 +264,7 @@ async fn three_members_replicate_fail_over_and_persist() {
             name: "vol1".into(),
             size: 4096,
             policy: Policy::default(),
+            wrapped_key: None,
             components: vec![],
         })
         .await

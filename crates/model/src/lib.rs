@@ -170,7 +170,20 @@ pub struct Volume {
     pub owner: Option<NodeId>,
     /// Raised each time ownership is claimed; fences older owners.
     pub generation: Generation,
+    /// Why the volume cannot be served, as the last node that claimed it
+    /// found (its copies refused activation); cleared when an owner starts.
+    /// While set, the volume is inaccessible whatever its components say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub problem: Option<String>,
+    /// The data key of an encrypted volume (`encrypt=on`), wrapped by the
+    /// cluster key (text form of `shoal_crypt::WrappedKey`); the cluster
+    /// key itself is never in the directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wrapped_key: Option<String>,
 }
+
+/// Longest reason a volume's `problem` keeps, in bytes.
+pub const MAX_PROBLEM_BYTES: usize = 512;
 
 /// Availability of a volume, as vSAN reports object health.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -232,7 +245,7 @@ impl Volume {
             nodes.get(&c.node).map(|n| n.state) == Some(NodeState::Up)
                 && matches!(c.state, ComponentState::Active | ComponentState::Resyncing)
         };
-        if !self.quorum(up, |c| c.state == ComponentState::Active) {
+        if self.problem.is_some() || !self.quorum(up, |c| c.state == ComponentState::Active) {
             VolumeHealth::Inaccessible
         } else if self
             .components
@@ -346,6 +359,8 @@ mod tests {
 
     fn vol(states: &[(ComponentRole, ComponentState)]) -> Volume {
         Volume {
+            problem: None,
+            wrapped_key: None,
             id: 1,
             name: "v".into(),
             size: 4096,

@@ -4,7 +4,7 @@
 //! `raid1 ftt=1`, `ftt=0`, `raid1 ftt=2 reserve=100 iops=5000`. Every word
 //! either works or is refused: `checksum=off` is refused (every block is
 //! checksummed), `raid5`/`raid6` are refused until they exist, a word given
-//! twice is refused.
+//! twice is refused. `encrypt=on` encrypts the volume's data at rest.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -32,6 +32,11 @@ pub struct Policy {
     /// IOPS limit of the whole volume, reads and writes together, each
     /// I/O counted in 32 KiB units (a 64 KiB I/O counts 2); 0 = none.
     pub iops_limit: u32,
+    /// Data encrypted at rest and between nodes (XTS-AES-256 per 512-byte
+    /// sector, at the node the client reaches): only ciphertext crosses
+    /// the network and reaches the devices.
+    #[serde(default)]
+    pub encrypt: bool,
 }
 
 impl Default for Policy {
@@ -42,6 +47,7 @@ impl Default for Policy {
             reserve_pct: 0,
             checksum: true,
             iops_limit: 0,
+            encrypt: false,
         }
     }
 }
@@ -50,7 +56,7 @@ impl Default for Policy {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
     #[error(
-        "unknown policy word {0:?}: expected raid1, ftt=N, reserve=PCT, thin, checksum=on, iops=N"
+        "unknown policy word {0:?}: expected raid1, ftt=N, reserve=PCT, thin, checksum=on, iops=N, encrypt=on|off"
     )]
     UnknownWord(String),
     #[error("ftt={0} is out of range: failures to tolerate must be 0 to 3")]
@@ -142,6 +148,11 @@ impl FromStr for Policy {
                     "off" | "false" | "0" => return Err(PolicyError::ChecksumOff),
                     _ => return Err(PolicyError::BadValue(w.into())),
                 },
+                ("encrypt", Some(v)) => match v.as_str() {
+                    "on" | "true" | "1" => p.encrypt = true,
+                    "off" | "false" | "0" => p.encrypt = false,
+                    _ => return Err(PolicyError::BadValue(w.into())),
+                },
                 ("iops", Some(v)) => {
                     p.iops_limit = v.parse().map_err(|_| PolicyError::BadValue(w.into()))?
                 }
@@ -166,6 +177,9 @@ impl fmt::Display for Policy {
         }
         if self.iops_limit > 0 {
             write!(f, " iops={}", self.iops_limit)?;
+        }
+        if self.encrypt {
+            write!(f, " encrypt=on")?;
         }
         Ok(())
     }
@@ -232,8 +246,8 @@ mod tests {
 
     proptest! {
         #[test]
-        fn display_round_trips(ftt in 0u8..=3, reserve in 0u8..=100, iops in 0u32..100000) {
-            let p = Policy { layout: Layout::Raid1, ftt, reserve_pct: reserve, checksum: true, iops_limit: iops };
+        fn display_round_trips(ftt in 0u8..=3, reserve in 0u8..=100, iops in 0u32..100000, encrypt: bool) {
+            let p = Policy { layout: Layout::Raid1, ftt, reserve_pct: reserve, checksum: true, iops_limit: iops, encrypt };
             let q: Policy = p.to_string().parse().unwrap();
             prop_assert_eq!(p, q);
         }

@@ -73,6 +73,12 @@ impl IoError {
 /// awaits the futures on tasks of their own.
 pub trait Export: Send + Sync + 'static {
     fn size(&self) -> u64;
+    /// Smallest unit of I/O the export takes, in bytes (a power of two):
+    /// advertised in NBD_INFO_BLOCK_SIZE; requests not aligned to it may be
+    /// refused with EINVAL.
+    fn min_block_size(&self) -> u32 {
+        MIN_BLOCK_SIZE
+    }
     /// Advertise NBD_FLAG_CAN_MULTI_CONN.
     fn multi_conn(&self) -> bool;
     /// Must return exactly `len` bytes on success.

@@ -561,7 +561,7 @@ fn info_replies<X: Export>(option: u32, req: &InfoRequest, export: &X) -> Vec<u8
         infos.push(Info::Name(req.name.clone()));
     }
     infos.push(Info::BlockSize {
-        min: MIN_BLOCK_SIZE,
+        min: export.min_block_size(),
         preferred: PREFERRED_BLOCK_SIZE,
         max: MAX_BLOCK_SIZE,
     });

@@ -1,8 +1,12 @@
-//! Every volume of the cluster as an NBD export of this node, by name.
+//! Every volume of the cluster as an NBD export of this node, by name. An
+//! encrypted volume's data is encrypted here, before it leaves for the
+//! owner, and decrypted here (see [`crate::encryption`]).
 
 use crate::router::{Counters, IoFailure, Router};
 use bytes::Bytes;
+use futures::future::{ready, Either};
 use futures::FutureExt;
+use shoal_crypt::SectorCipher;
 use shoal_model::VolumeId;
 use shoal_nbd::{Export, Exports, IoError};
 use shoal_rpc::VolumeOp;
@@ -22,6 +26,8 @@ pub struct VolumeExport {
     volume: VolumeId,
     name: String,
     size: u64,
+    /// The volume's cipher when it is encrypted.
+    cipher: Option<Arc<SectorCipher>>,
 }
 
 impl Drop for VolumeExport {
@@ -73,9 +79,32 @@ impl VolumeExport {
     }
 }
 
+/// `data` of an encrypted volume at `offset`, as the client sees it.
+fn decrypted(c: &SectorCipher, offset: u64, data: Bytes) -> Result<Bytes, IoError> {
+    let mut out = Vec::with_capacity(data.len());
+    c.decrypt_into(offset, &data, &mut out)
+        .map_err(|_| IoError::Invalid)?;
+    Ok(Bytes::from(out))
+}
+
+impl VolumeExport {
+    /// Whether `(offset, len)` may go to the volume: an encrypted volume
+    /// takes whole sectors only (it advertises them as its minimum block).
+    fn takes(&self, offset: u64, len: u64) -> bool {
+        self.cipher.is_none() || crate::encryption::aligned(offset, len)
+    }
+}
+
 impl Export for VolumeExport {
     fn size(&self) -> u64 {
         self.size
+    }
+
+    fn min_block_size(&self) -> u32 {
+        match self.cipher {
+            Some(_) => crate::encryption::ENCRYPTED_MIN_BLOCK_BYTES,
+            None => shoal_nbd::MIN_BLOCK_SIZE,
+        }
     }
 
     /// Every write is durable on its replicas before it is acknowledged, so
@@ -92,11 +121,19 @@ impl Export for VolumeExport {
         let c = &self.router.counters;
         c.reads.fetch_add(1, Relaxed);
         c.read_bytes.fetch_add(len as u64, Relaxed);
-        self.run(
+        if !self.takes(offset, len as u64) {
+            return Either::Left(ready(Err(IoError::Invalid)));
+        }
+        let cipher = self.cipher.clone();
+        let read = self.run(
             VolumeOp::Read { offset, len },
             Bytes::new(),
             Some(|c| &c.read_micros),
-        )
+        );
+        Either::Right(read.map(move |r| match (r, cipher) {
+            (Ok(data), Some(c)) => decrypted(&c, offset, data),
+            (r, _) => r,
+        }))
     }
 
     fn write(
@@ -108,12 +145,25 @@ impl Export for VolumeExport {
         let c = &self.router.counters;
         c.writes.fetch_add(1, Relaxed);
         c.write_bytes.fetch_add(data.len() as u64, Relaxed);
-        self.run(
+        if !self.takes(offset, data.len() as u64) {
+            return Either::Left(ready(Err(IoError::Invalid)));
+        }
+        let data = match &self.cipher {
+            None => data,
+            Some(c) => {
+                let mut out = Vec::with_capacity(data.len());
+                if c.encrypt_into(offset, &data, &mut out).is_err() {
+                    return Either::Left(ready(Err(IoError::Invalid)));
+                }
+                Bytes::from(out)
+            }
+        };
+        let write = self.run(
             VolumeOp::Write { offset, fua },
             data,
             Some(|c| &c.write_micros),
-        )
-        .map(|r| r.map(|_| ()))
+        );
+        Either::Right(write.map(|r| r.map(|_| ())))
     }
 
     fn flush(&self) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
@@ -127,8 +177,15 @@ impl Export for VolumeExport {
         len: u32,
         _fua: bool,
     ) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
-        self.run(VolumeOp::Trim { offset, len }, Bytes::new(), None)
-            .map(|r| r.map(|_| ()))
+        // A trimmed sector reads as zeros, encrypted volume or not (a
+        // sector of zero ciphertext is a hole).
+        if !self.takes(offset, len as u64) {
+            return Either::Left(ready(Err(IoError::Invalid)));
+        }
+        Either::Right(
+            self.run(VolumeOp::Trim { offset, len }, Bytes::new(), None)
+                .map(|r| r.map(|_| ())),
+        )
     }
 
     fn write_zeroes(
@@ -138,8 +195,13 @@ impl Export for VolumeExport {
         _fua: bool,
         _may_trim: bool,
     ) -> impl Future<Output = Result<(), IoError>> + Send + 'static {
-        self.run(VolumeOp::WriteZeroes { offset, len }, Bytes::new(), None)
-            .map(|r| r.map(|_| ()))
+        if !self.takes(offset, len as u64) {
+            return Either::Left(ready(Err(IoError::Invalid)));
+        }
+        Either::Right(
+            self.run(VolumeOp::WriteZeroes { offset, len }, Bytes::new(), None)
+                .map(|r| r.map(|_| ())),
+        )
     }
 
     fn request_started(&self) {
@@ -170,6 +232,14 @@ impl Exports for VolumeExports {
             // The other volumes' names are not the asker's business.
             return Err(format!("no volume named {name:?}"));
         };
+        let cipher = match &v.wrapped_key {
+            None => None,
+            Some(w) => Some(crate::encryption::cipher(
+                self.router.cluster_key.as_deref(),
+                name,
+                w,
+            )?),
+        };
         if let Ok(mut m) = self.router.connections.lock() {
             *m.entry(name.to_string()).or_default() += 1;
         }
@@ -178,6 +248,7 @@ impl Exports for VolumeExports {
             volume: v.id,
             name: name.to_string(),
             size: v.size,
+            cipher,
         })
     }
 }

@@ -371,6 +371,16 @@ async fn create(
             format!("a volume named {:?} already exists", req.name),
         ));
     }
+    let wrapped_key = match (policy.encrypt, &h.router.cluster_key) {
+        (false, _) => None,
+        (true, Some(k)) => Some(crate::encryption::new_wrapped_key(k, &req.name)),
+        (true, None) => {
+            return Err(bad(
+                "encrypt=on needs the cluster key: start the nodes with --key-file \
+                 (shoal up makes one)",
+            ))
+        }
+    };
     let nodes: Vec<_> = s.nodes.values().cloned().collect();
     let devices: Vec<_> = s.devices.values().cloned().collect();
     let planned = shoal_placement::place(&policy, req.size, &nodes, &devices)
@@ -391,6 +401,7 @@ async fn create(
             size: req.size,
             policy,
             components,
+            wrapped_key,
         })
         .await?;
     wait_for(&h, |s| s.volume_by_name(&req.name).is_some()).await;

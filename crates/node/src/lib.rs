@@ -9,6 +9,7 @@
 
 pub mod api_server;
 pub mod auth;
+pub mod encryption;
 pub mod exports;
 pub mod flusher;
 pub mod http;
@@ -111,6 +112,11 @@ pub struct NodeConfig {
     /// start of a joining node needs it).
     #[serde(default, skip_serializing)]
     pub join_token: Option<String>,
+    /// The cluster key file (`encrypt=on` volumes' data keys are wrapped by
+    /// it): the same file on every node, mode 0600. None: this node
+    /// creates and serves no encrypted volume.
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
     /// NBD over TCP: TLS required, allowed, or off; `None`: required on a
     /// non-loopback address, allowed on loopback (so local commands keep
     /// working with plain `nbd://`).
@@ -516,7 +522,19 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
         peer_auth: peer_auth.clone(),
         ..OwnerConfig::default()
     };
-    let router = Arc::new(router::Router::new(cfg.id, dir.clone(), owner_cfg));
+    let cluster_key = match &cfg.key_file {
+        Some(p) => Some(Arc::new(
+            shoal_crypt::ClusterKey::load(p)
+                .with_context(|| format!("the cluster key {}", p.display()))?,
+        )),
+        None => None,
+    };
+    let router = Arc::new(router::Router::new(
+        cfg.id,
+        dir.clone(),
+        owner_cfg,
+        cluster_key,
+    ));
     let liveness = Arc::new(liveness::Liveness::new(cfg.id, dir.clone(), transport));
 
     // The HTTP API (with Raft) must run before bootstrap/join.

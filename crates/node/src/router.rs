@@ -21,6 +21,11 @@ use std::time::{Duration, Instant};
 pub const IO_PATIENCE: Duration = Duration::from_secs(60);
 /// Pause between attempts while a volume is unavailable.
 const RETRY_PAUSE: Duration = Duration::from_millis(200);
+/// After an owner failed to start here (its copies refused activation),
+/// how long this node waits before claiming the volume again: each claim
+/// is a directory write, and a volume whose copies keep refusing must not
+/// cost one per client retry.
+const START_RETRY_PAUSE: Duration = Duration::from_secs(2);
 /// Timeout of a forwarded request: covers the owner's own replica timeout.
 const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -47,6 +52,10 @@ pub struct Router {
     owners: Mutex<HashMap<VolumeId, Owner>>,
     claim_locks: Mutex<HashMap<VolumeId, Arc<tokio::sync::Mutex<()>>>>,
     peers: tokio::sync::Mutex<HashMap<String, Arc<Peer>>>,
+    /// The key that wraps encrypted volumes' data keys (`--key-file`).
+    pub cluster_key: Option<Arc<shoal_crypt::ClusterKey>>,
+    /// Volumes whose owner failed to start here: when, and why.
+    failed_starts: Mutex<HashMap<VolumeId, (Instant, String)>>,
     /// Open NBD connections per volume name.
     pub connections: Mutex<BTreeMap<String, u64>>,
     pub counters: Counters,
@@ -164,14 +173,21 @@ impl Router {
         &self.cfg.peer_auth
     }
 
-    pub fn new(node: NodeId, dir: Directory, cfg: OwnerConfig) -> Router {
+    pub fn new(
+        node: NodeId,
+        dir: Directory,
+        cfg: OwnerConfig,
+        cluster_key: Option<Arc<shoal_crypt::ClusterKey>>,
+    ) -> Router {
         Router {
             node,
             dir,
             cfg,
+            cluster_key,
             owners: Mutex::new(HashMap::new()),
             claim_locks: Mutex::new(HashMap::new()),
             peers: tokio::sync::Mutex::new(HashMap::new()),
+            failed_starts: Mutex::new(HashMap::new()),
             connections: Mutex::new(BTreeMap::new()),
             counters: Counters::default(),
             client_requests: AtomicUsize::new(0),
@@ -261,6 +277,9 @@ impl Router {
         if self.local_owner(volume).is_some() {
             return Ok(());
         }
+        if let Some(why) = self.recently_failed(volume) {
+            return Err(why);
+        }
         // Others may have claimed while we waited: only claim from the
         // generation we saw if nobody moved it since.
         let state = self.dir.state();
@@ -296,13 +315,81 @@ impl Router {
             dir: self.dir.clone(),
             node: self.node,
         });
-        let owner = Owner::start(self.cfg.clone(), view, gen, control)
-            .await
-            .map_err(|e| e.to_string())?;
+        let owner = match Owner::start(self.cfg.clone(), view, gen, control).await {
+            Ok(o) => o,
+            Err(e) => {
+                let why = format!("its copies refused activation: {e}");
+                self.start_failed(volume, &why).await;
+                return Err(why);
+            }
+        };
         if let Ok(mut m) = self.owners.lock() {
             m.insert(volume, owner);
         }
+        self.start_succeeded(volume).await;
         Ok(())
+    }
+
+    /// An owner could not start: remember when (this node waits
+    /// [`START_RETRY_PAUSE`] before claiming again) and say why in the
+    /// directory, where health shows it.
+    async fn start_failed(&self, volume: VolumeId, why: &str) {
+        if let Ok(mut m) = self.failed_starts.lock() {
+            m.insert(volume, (Instant::now(), why.to_string()));
+        }
+        let mut why = why.to_string();
+        if why.len() > shoal_model::MAX_PROBLEM_BYTES {
+            let mut end = shoal_model::MAX_PROBLEM_BYTES;
+            while !why.is_char_boundary(end) {
+                end -= 1;
+            }
+            why.truncate(end);
+        }
+        let known = self
+            .dir
+            .state()
+            .volumes
+            .get(&volume)
+            .map(|v| v.problem.clone());
+        if known.is_some_and(|p| p.as_deref() != Some(why.as_str())) {
+            let cmd = Command::SetVolumeProblem {
+                volume,
+                problem: Some(why),
+            };
+            if let Err(e) = self.dir.propose(cmd).await {
+                tracing::warn!(volume, "cannot record the volume's problem: {e}");
+            }
+        }
+    }
+
+    /// An owner started: the volume's problem, if one was recorded, is over.
+    async fn start_succeeded(&self, volume: VolumeId) {
+        if let Ok(mut m) = self.failed_starts.lock() {
+            m.remove(&volume);
+        }
+        let had = self
+            .dir
+            .state()
+            .volumes
+            .get(&volume)
+            .is_some_and(|v| v.problem.is_some());
+        if had {
+            let cmd = Command::SetVolumeProblem {
+                volume,
+                problem: None,
+            };
+            if let Err(e) = self.dir.propose(cmd).await {
+                tracing::warn!(volume, "cannot clear the volume's problem: {e}");
+            }
+        }
+    }
+
+    /// Why this node should not claim `volume` yet: its last owner here
+    /// failed to start less than [`START_RETRY_PAUSE`] ago.
+    fn recently_failed(&self, volume: VolumeId) -> Option<String> {
+        let m = self.failed_starts.lock().ok()?;
+        let (at, why) = m.get(&volume)?;
+        (at.elapsed() < START_RETRY_PAUSE).then(|| why.clone())
     }
 
     /// Serves one client operation like [`io`](Self::io), but hands it to

@@ -255,6 +255,8 @@ fn view(addrs: &[String], up: [bool; 3], gen: Generation) -> View {
             components: comps.to_vec(),
             owner: Some(1),
             generation: gen,
+            problem: None,
+            wrapped_key: None,
         },
         targets: comps
             .iter()

@@ -167,6 +167,8 @@ fn volume_from(plan: &[Planned], policy: Policy, size: u64) -> Volume {
             .collect(),
         owner: None,
         generation: 1,
+        problem: None,
+        wrapped_key: None,
     }
 }
 

@@ -452,6 +452,8 @@ async fn a_newer_owner_in_the_view_stops_the_loop() {
         components: Vec::<Component>::new(),
         owner: Some(9),
         generation: 1,
+        problem: None,
+        wrapped_key: None,
     };
     assert_eq!(
         rig.lp.apply(Event::View(View {
