@@ -4,20 +4,9 @@
 
 mod common;
 
-use common::Cluster;
+use common::{curl, Cluster};
 use std::process::Command;
 
-/// HTTP status and body of `curl` with `extra` arguments.
-fn curl(url: &str, extra: &[&str]) -> (u16, String) {
-    let out = Command::new("curl")
-        .args(["-s", "-o", "-", "-w", "\n%{http_code}", url])
-        .args(extra)
-        .output()
-        .expect("curl");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
-    (code.trim().parse().unwrap_or(0), body.to_string())
-}
 
 fn bearer(token: &str) -> String {
     format!("Authorization: Bearer {token}")

@@ -6,31 +6,10 @@
 
 mod common;
 
-use common::{run, shoal_bin, wait_for, Cluster};
+use common::{curl, run, shoal_bin, wait_for, Cluster};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::Duration;
-
-/// HTTP status (0: no answer, e.g. a refused handshake) and body.
-fn curl(url: &str, extra: &[&str]) -> (u16, String) {
-    let out = Command::new("curl")
-        .args([
-            "-s",
-            "--max-time",
-            "10",
-            "-o",
-            "-",
-            "-w",
-            "\n%{http_code}",
-            url,
-        ])
-        .args(extra)
-        .output()
-        .expect("curl");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
-    (code.trim().parse().unwrap_or(0), body.to_string())
-}
 
 fn tls_dir(c: &Cluster, node: u32) -> PathBuf {
     c.node_dir(node).join("tls")

@@ -203,13 +203,7 @@ async fn create_token(
     token.expires_unix_s = ttl_s.map(|t| crate::membership::now_unix_s().saturating_add(t));
     let shown = match req.role {
         shoal_model::Role::Join => {
-            let state = h.router.dir.state();
-            let ca = state.ca.as_ref().ok_or_else(|| {
-                ApiErr(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "the cluster CA is not recorded yet".into(),
-                )
-            })?;
+            let ca = cluster_ca(&h)?;
             let pin = shoal_tls::JoinPin::of_pem(&ca.cert_pem)
                 .map_err(|e| ApiErr(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
             shoal_model::JoinTokenText {
@@ -228,6 +222,22 @@ async fn create_token(
     }))
 }
 
+/// The cluster CA as the directory keeps it, or 503 while it is not
+/// recorded yet (a cluster being founded).
+fn cluster_ca(h: &Http) -> Result<shoal_tls::CaMaterial, ApiErr> {
+    let state = h.router.dir.state();
+    let ca = state.ca.as_ref().ok_or_else(|| {
+        ApiErr(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the cluster CA is not recorded yet".into(),
+        )
+    })?;
+    Ok(shoal_tls::CaMaterial {
+        cert_pem: ca.cert_pem.clone(),
+        key_pem: ca.key_pem.clone(),
+    })
+}
+
 /// Longest name of an NBD client's certificate.
 const CLIENT_NAME_MAX_BYTES: usize = 64;
 
@@ -241,19 +251,10 @@ async fn client_cert(
             "a client's name is 1 to {CLIENT_NAME_MAX_BYTES} of A-Z a-z 0-9 . _ -"
         )));
     }
-    let state = h.router.dir.state();
-    let ca = state.ca.as_ref().ok_or_else(|| {
-        ApiErr(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the cluster CA is not recorded yet".into(),
-        )
-    })?;
-    let material = shoal_tls::CaMaterial {
-        cert_pem: ca.cert_pem.clone(),
-        key_pem: ca.key_pem.clone(),
-    };
+    let material = cluster_ca(&h)?;
+    let cluster_id = h.router.dir.state().cluster_id.clone();
     let subject = shoal_tls::Subject::Client { name: req.name };
-    let cert_pem = shoal_tls::issue(&material, &state.cluster_id, &req.csr_pem, &subject)
+    let cert_pem = shoal_tls::issue(&material, &cluster_id, &req.csr_pem, &subject)
         .map_err(|e| bad(e.to_string()))?;
     Ok(Json(shoal_api::JoinCertAnswer {
         cert_pem,

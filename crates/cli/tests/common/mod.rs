@@ -87,6 +87,20 @@ pub fn pid_alive(pid: i32) -> bool {
     matches!(state, Some(s) if s != "Z" && s != "X")
 }
 
+/// HTTP status (0: no answer, e.g. a refused handshake) and body of
+/// `curl URL` with `extra` arguments, within 10 s.
+#[allow(dead_code)]
+pub fn curl(url: &str, extra: &[&str]) -> (u16, String) {
+    let out = Command::new("curl")
+        .args(["-s", "--max-time", "10", "-o", "-", "-w", "\n%{http_code}", url])
+        .args(extra)
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
 pub fn run(cmd: &mut Command) -> Output {
     cmd.output()
         .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
