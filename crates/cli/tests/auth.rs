@@ -5,8 +5,6 @@
 mod common;
 
 use common::{curl, Cluster};
-use std::process::Command;
-
 
 fn bearer(token: &str) -> String {
     format!("Authorization: Bearer {token}")

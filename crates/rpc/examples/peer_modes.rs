@@ -114,6 +114,9 @@ fn main() {
     println!("\nmedians over {ROUNDS} rounds of {secs} s, 4 KiB writes at QD{DEPTH}:");
     for (i, (name, _)) in modes.iter().enumerate() {
         let m = median(results[i].clone());
-        println!("{name:<30} {m:>10.0} writes/s  {:.2} of unauthenticated", m / base);
+        println!(
+            "{name:<30} {m:>10.0} writes/s  {:.2} of unauthenticated",
+            m / base
+        );
     }
 }

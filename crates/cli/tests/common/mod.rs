@@ -92,7 +92,16 @@ pub fn pid_alive(pid: i32) -> bool {
 #[allow(dead_code)]
 pub fn curl(url: &str, extra: &[&str]) -> (u16, String) {
     let out = Command::new("curl")
-        .args(["-s", "--max-time", "10", "-o", "-", "-w", "\n%{http_code}", url])
+        .args([
+            "-s",
+            "--max-time",
+            "10",
+            "-o",
+            "-",
+            "-w",
+            "\n%{http_code}",
+            url,
+        ])
         .args(extra)
         .output()
         .expect("curl");
