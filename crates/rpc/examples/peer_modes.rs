@@ -86,6 +86,9 @@ async fn run(auth: PeerAuth, secs: u64) -> f64 {
     total as f64 / secs as f64
 }
 
+/// A mode by name, and how to make its proof.
+type Mode = (&'static str, fn() -> PeerAuth);
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -97,7 +100,7 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(3);
     let rt = tokio::runtime::Runtime::new().expect("runtime");
-    let modes: [(&str, fn() -> PeerAuth); 3] = [
+    let modes: [Mode; 3] = [
         ("unauthenticated", || PeerAuth::Unauthenticated),
         ("mutual TLS, then bare stream", || security(false)),
         ("mutual TLS, encrypted", || security(true)),
