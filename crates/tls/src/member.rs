@@ -146,6 +146,20 @@ fn nothing_buffered(reader: &mut rustls::Reader<'_>) -> Result<(), TlsError> {
     }
 }
 
+/// Reads the other end's two bytes of the exchange (`what` names them in
+/// errors) and checks their version.
+async fn read_hello<S: AsyncRead + Unpin>(s: &mut S, what: &str) -> Result<[u8; 2], TlsError> {
+    let mut b = [0u8; 2];
+    s.read_exact(&mut b).await.map_err(handshake_err)?;
+    if b[0] != HELLO_VERSION {
+        return Err(TlsError::Handshake(format!(
+            "{what} version {} (this node speaks {HELLO_VERSION})",
+            b[0]
+        )));
+    }
+    Ok(b)
+}
+
 impl PeerSecurity {
     /// Proves the member that connected on `tcp`, within
     /// [`HANDSHAKE_TIMEOUT_MS`].
@@ -160,14 +174,7 @@ impl PeerSecurity {
         let acceptor = tokio_rustls::TlsAcceptor::from(self.server.clone());
         let mut tls = acceptor.accept(tcp).await.map_err(handshake_err)?;
         let member = admitted(tls.get_ref().1.peer_certificates(), &self.admit)?;
-        let mut hello = [0u8; 2];
-        tls.read_exact(&mut hello).await.map_err(handshake_err)?;
-        if hello[0] != HELLO_VERSION {
-            return Err(TlsError::Handshake(format!(
-                "hello version {} (this node speaks {HELLO_VERSION})",
-                hello[0]
-            )));
-        }
+        let hello = read_hello(&mut tls, "hello").await?;
         let encrypted = self.encrypt || hello[1] != 0;
         tls.write_all(&[HELLO_VERSION, encrypted as u8])
             .await
@@ -200,14 +207,7 @@ impl PeerSecurity {
             .await
             .map_err(handshake_err)?;
         tls.flush().await.map_err(handshake_err)?;
-        let mut answer = [0u8; 2];
-        tls.read_exact(&mut answer).await.map_err(handshake_err)?;
-        if answer[0] != HELLO_VERSION {
-            return Err(TlsError::Handshake(format!(
-                "answer version {} (this node speaks {HELLO_VERSION})",
-                answer[0]
-            )));
-        }
+        let answer = read_hello(&mut tls, "answer").await?;
         if answer[1] != 0 {
             return Ok((MemberStream::Tls(Box::new(tls)), member));
         }
