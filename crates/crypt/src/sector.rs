@@ -83,9 +83,7 @@ impl SectorCipher {
         src: &[u8],
         dst: &mut Vec<u8>,
     ) -> Result<(), CryptError> {
-        first_sector(offset, src.len())?;
-        dst.clear();
-        dst.extend_from_slice(src);
+        Self::copied(offset, src, dst)?;
         self.encrypt(offset, dst)
     }
 
@@ -98,10 +96,17 @@ impl SectorCipher {
         src: &[u8],
         dst: &mut Vec<u8>,
     ) -> Result<(), CryptError> {
+        Self::copied(offset, src, dst)?;
+        self.decrypt(offset, dst)
+    }
+
+    /// `src` copied into `dst` (replacing it), once its extent is known to
+    /// be whole sectors: `dst` is left unchanged otherwise.
+    fn copied(offset: u64, src: &[u8], dst: &mut Vec<u8>) -> Result<(), CryptError> {
         first_sector(offset, src.len())?;
         dst.clear();
         dst.extend_from_slice(src);
-        self.decrypt(offset, dst)
+        Ok(())
     }
 
     /// XTS-AES (IEEE 1619-2007 sections 5.3 and 5.4, no ciphertext stealing

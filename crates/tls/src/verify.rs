@@ -31,6 +31,32 @@ pub(crate) fn roots(ca: &CertificateDer<'static>) -> Result<Arc<RootCertStore>, 
     Ok(Arc::new(r))
 }
 
+/// The handshake signature checks of both verifiers: the provider's
+/// algorithms, whatever the chain was checked against.
+fn tls12_signature(
+    message: &[u8],
+    cert: &CertificateDer<'_>,
+    dss: &DigitallySignedStruct,
+) -> Result<HandshakeSignatureValid, rustls::Error> {
+    let algs = provider().signature_verification_algorithms;
+    rustls::crypto::verify_tls12_signature(message, cert, dss, &algs)
+}
+
+fn tls13_signature(
+    message: &[u8],
+    cert: &CertificateDer<'_>,
+    dss: &DigitallySignedStruct,
+) -> Result<HandshakeSignatureValid, rustls::Error> {
+    let algs = provider().signature_verification_algorithms;
+    rustls::crypto::verify_tls13_signature(message, cert, dss, &algs)
+}
+
+fn schemes() -> Vec<SignatureScheme> {
+    provider()
+        .signature_verification_algorithms
+        .supported_schemes()
+}
+
 /// Checks that a server is a member: its chain leads to the cluster CA and
 /// its certificate names [`MEMBER_NAME`] (the name dialled is ignored).
 #[derive(Debug)]
@@ -66,7 +92,7 @@ impl ServerCertVerifier for MemberVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls12_signature(message, cert, dss)
+        tls12_signature(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -75,11 +101,11 @@ impl ServerCertVerifier for MemberVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls13_signature(message, cert, dss)
+        tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.inner.supported_verify_schemes()
+        schemes()
     }
 }
 
@@ -152,12 +178,7 @@ impl ServerCertVerifier for PinVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &provider().signature_verification_algorithms,
-        )
+        tls12_signature(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -166,17 +187,10 @@ impl ServerCertVerifier for PinVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &provider().signature_verification_algorithms,
-        )
+        tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        provider()
-            .signature_verification_algorithms
-            .supported_schemes()
+        schemes()
     }
 }
