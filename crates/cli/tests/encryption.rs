@@ -1,4 +1,5 @@
-//! Encryption at rest (`encrypt=on`) through a real cluster: what clients
+//! Encryption at rest (`encrypt=on`), on a cluster whose nodes also keep
+//! their connections encrypted (`--encrypt-in-transit`): what clients
 //! write reads back through every node, unaligned I/O works through
 //! qemu's block layer (the volume advertises 512-byte sectors), trimmed
 //! space reads as zeros, and no device file holds the plaintext, while
@@ -52,7 +53,18 @@ fn devices_holding(c: &Cluster, needle: &[u8]) -> usize {
 fn an_encrypted_volume_serves_plaintext_and_stores_only_ciphertext() {
     common::require("qemu-io");
     common::require("qemu-img");
-    let c = Cluster::start_sized(3, "512M", &[]);
+    // With the connections between nodes encrypted too: the data path
+    // through other nodes runs over TLS for the whole connection.
+    let c = Cluster::start_sized(3, "512M", &["--encrypt-in-transit"]);
+    let layout = std::fs::read_to_string(c.data.join("cluster.json")).unwrap();
+    assert!(layout.contains("\"encrypt_in_transit\": true"), "{layout}");
+    for n in 1..=3 {
+        let args = std::fs::read(format!("/proc/{}/cmdline", c.pid(n))).unwrap();
+        assert!(
+            String::from_utf8_lossy(&args).contains("--encrypt-in-transit"),
+            "node {n} runs without --encrypt-in-transit"
+        );
+    }
     c.create_volume("secret", "32M", "raid1 ftt=1 encrypt=on");
     c.create_volume("open", "32M", "raid1 ftt=1");
     let show = c.json(&["volume", "show", "secret"]);

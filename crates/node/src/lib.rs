@@ -845,6 +845,32 @@ mod tests {
     use super::*;
 
     #[tokio::test]
+    async fn the_nbd_socket_is_for_its_user_and_its_group_only() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nbd.sock");
+        let _l = bind_unix(&path).unwrap();
+        // The group of gid 0 by its name, whatever the system calls it.
+        // SAFETY: getgrgid with a valid id; the record is read at once.
+        let name = unsafe {
+            let g = libc::getgrgid(0);
+            assert!(!g.is_null(), "no group 0 on this system");
+            std::ffi::CStr::from_ptr((*g).gr_name)
+                .to_string_lossy()
+                .into_owned()
+        };
+        socket_access(&path, Some(&name)).unwrap();
+        let m = std::fs::metadata(&path).unwrap();
+        assert_eq!(m.permissions().mode() & 0o777, NBD_SOCKET_MODE);
+        assert_eq!(m.gid(), 0);
+        let err = format!(
+            "{:#}",
+            socket_access(&path, Some("no-such-group-here")).unwrap_err()
+        );
+        assert!(err.contains("no group named"), "{err}");
+    }
+
+    #[tokio::test]
     async fn nbd_socket_replaces_a_stale_file_and_never_a_live_one() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nbd.sock");
