@@ -11,6 +11,7 @@ use crate::reader::Reader;
 use crate::router::Router;
 use bytes::Bytes;
 use shoal_model::{ComponentId, DeviceId, Generation};
+use shoal_owner::lease::Grants;
 use shoal_rpc::{Handler, RemoteError, Reply, Request, Response};
 use shoal_store::StoreError;
 
@@ -228,6 +229,8 @@ pub struct Replicas {
     /// Requests being served now (all devices): a write alone in flight
     /// syncs on its own thread ([`Flusher::commit_or_sync`]).
     in_flight: Arc<AtomicUsize>,
+    /// The read leases granted to owners, per component (in memory).
+    leases: Grants,
 }
 
 /// Counts a request in [`Replicas::in_flight`] until dropped.
@@ -285,6 +288,7 @@ impl Replicas {
             dirty: Mutex::new(dirty),
             router: OnceLock::new(),
             in_flight: Arc::default(),
+            leases: Grants::new(std::time::Instant::now()),
         }
     }
 
@@ -560,6 +564,7 @@ impl Replicas {
                     m.writes.remove(&component);
                     m.marked.remove(&component);
                 }
+                self.leases.forget(component);
                 Self::durable(d, Response::Ok)
             }
             Request::ResizeComponent { component, size } => {
@@ -582,7 +587,9 @@ impl Replicas {
                     .keys()
                     .map(|r| (r * REGION, REGION))
                     .collect();
-                Self::durable(d, Response::Activated { dirty })
+                let now = std::time::Instant::now();
+                let lease_ms = self.leases.activate(component, generation, now);
+                Self::durable(d, Response::Activated { dirty, lease_ms })
             }
             Request::Write {
                 component,
@@ -741,6 +748,30 @@ impl Replicas {
                     }
                 })
             }
+            Request::Renew {
+                component,
+                generation,
+                lease_ms,
+            } => {
+                let d = self.device_of(component)?;
+                if lease_ms > shoal_rpc::MAX_LEASE_MS {
+                    return Err(RemoteError::BadRequest(format!(
+                        "lease of {lease_ms} ms: at most {} ms",
+                        shoal_rpc::MAX_LEASE_MS
+                    )));
+                }
+                // Only the owner that activated this copy gets a lease; a
+                // renewal changes no generation.
+                self.check_read(&d, component, generation)?;
+                let now = std::time::Instant::now();
+                self.leases
+                    .grant(component, generation, lease_ms, now)
+                    .map_err(|have| RemoteError::StaleGeneration {
+                        have,
+                        got: generation,
+                    })?;
+                done(Ok(Response::Ok))
+            }
             Request::VolumeIo { volume, op } => {
                 let router = self
                     .router
@@ -865,7 +896,7 @@ mod tests {
             generation: 2,
         };
         match call(&r, req, Bytes::new()).await {
-            Response::Activated { dirty } => assert_eq!(dirty, vec![(0, REGION)]),
+            Response::Activated { dirty, .. } => assert_eq!(dirty, vec![(0, REGION)]),
             other => panic!("{other:?}"),
         }
         // The old owner's barrier is fenced off; the new owner's, sent once
@@ -925,6 +956,58 @@ mod tests {
             Response::Activated { .. }
         ));
         let resp = call(&r, read(1), Bytes::new()).await;
+        assert!(
+            matches!(resp, Response::Err(RemoteError::StaleGeneration { .. })),
+            "{resp:?}"
+        );
+    }
+
+    /// The lease protocol's replica half: a renewal is granted only to the
+    /// copy's own generation and changes no generation; the activation of
+    /// a newer owner reports what is left of the lease, after which the
+    /// older owner's renewals are stale.
+    #[tokio::test]
+    async fn renewals_are_granted_to_the_current_owner_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dev.img");
+        let s = Store::create(&path, 64 * MIB, "t").unwrap();
+        s.create_component(1, 1, 8 * MIB).unwrap();
+        s.close().unwrap();
+        let r = replicas(&path);
+        let activate = |generation| Request::Activate {
+            component: 1,
+            generation,
+        };
+        let renew = |generation, lease_ms| Request::Renew {
+            component: 1,
+            generation,
+            lease_ms,
+        };
+        call(&r, activate(2), Bytes::new()).await;
+        let resp = call(&r, renew(2, 2_000), Bytes::new()).await;
+        assert_eq!(resp, Response::Ok);
+        let resp = call(&r, renew(5, 2_000), Bytes::new()).await;
+        assert!(
+            matches!(resp, Response::Err(RemoteError::Unavailable(_))),
+            "{resp:?}"
+        );
+        let d = r.devices().next().unwrap().clone();
+        assert_eq!(d.store.generation(1), Some(2), "a renewal changed nothing");
+        let resp = call(&r, renew(2, shoal_rpc::MAX_LEASE_MS + 1), Bytes::new()).await;
+        assert!(
+            matches!(resp, Response::Err(RemoteError::BadRequest(_))),
+            "{resp:?}"
+        );
+        // Generation 3 takes over: the lease just granted may still run
+        // about two seconds (and the drift margin), never more.
+        match call(&r, activate(3), Bytes::new()).await {
+            Response::Activated { lease_ms, .. } => {
+                let most = shoal_owner::lease::with_drift_margin(2_000);
+                assert!(lease_ms > 1_500 && lease_ms <= most, "{lease_ms}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let resp = call(&r, renew(2, 2_000), Bytes::new()).await;
         assert!(
             matches!(resp, Response::Err(RemoteError::StaleGeneration { .. })),
             "{resp:?}"

@@ -15,10 +15,6 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// How long a client request may wait for a volume to become available
-/// (owner failover, quorum loss) before it fails with EIO, in seconds.
-/// Longer than node-down detection plus Raft election plus activation.
-pub const IO_PATIENCE: Duration = Duration::from_secs(60);
 /// Pause between attempts while a volume is unavailable.
 const RETRY_PAUSE: Duration = Duration::from_millis(200);
 /// After an owner failed to start here (its copies refused activation),
@@ -402,6 +398,7 @@ impl Router {
         op: VolumeOp,
         payload: Bytes,
     ) -> impl std::future::Future<Output = Result<Bytes, IoFailure>> + Send + 'static {
+        let started = Instant::now();
         let first = self
             .local_owner(volume)
             .map(|o| o.submit(to_owner_op(op, payload.clone())));
@@ -419,7 +416,7 @@ impl Router {
                     }
                 }
             }
-            me.io_boxed(volume, op, payload).await
+            me.io_boxed(volume, op, payload, started).await
         }
     }
 
@@ -432,8 +429,9 @@ impl Router {
         volume: VolumeId,
         op: VolumeOp,
         payload: Bytes,
+        started: Instant,
     ) -> Pin<Box<dyn Future<Output = Result<Bytes, IoFailure>> + Send>> {
-        Box::pin(async move { self.io(volume, op, payload).await })
+        Box::pin(async move { self.io_since(volume, op, payload, started).await })
     }
 
     /// The client's answer for an owner error that retrying cannot change
@@ -451,20 +449,52 @@ impl Router {
         }
     }
 
-    /// Serves one client operation, waiting through ownership changes.
+    /// Serves one client operation, waiting through ownership changes
+    /// for at most the I/O wait bound, after which it fails.
     pub async fn io(
         &self,
         volume: VolumeId,
         op: VolumeOp,
         payload: Bytes,
     ) -> Result<Bytes, IoFailure> {
-        let deadline = Instant::now() + IO_PATIENCE;
-        let mut last = String::new();
+        self.io_since(volume, op, payload, Instant::now()).await
+    }
+
+    /// [`Router::io`] of an operation the client sent at `started`.
+    async fn io_since(
+        &self,
+        volume: VolumeId,
+        op: VolumeOp,
+        payload: Bytes,
+        started: Instant,
+    ) -> Result<Bytes, IoFailure> {
+        let deadline = started + self.cfg.io_wait;
+        let mut last = String::from("no owner yet");
+        let out = tokio::time::timeout_at(deadline.into(), async {
+            self.io_until(volume, op, payload, deadline, &mut last)
+                .await
+        })
+        .await;
+        out.unwrap_or_else(|_| {
+            self.counters.errors.fetch_add(1, Ordering::Relaxed);
+            Err(IoFailure::Io(format!(
+                "volume unavailable for {:?} (the I/O wait bound): {last}",
+                self.cfg.io_wait
+            )))
+        })
+    }
+
+    /// [`Router::io`] until `deadline`, noting in `last` why the volume
+    /// did not serve yet.
+    async fn io_until(
+        &self,
+        volume: VolumeId,
+        op: VolumeOp,
+        payload: Bytes,
+        deadline: Instant,
+        last: &mut String,
+    ) -> Result<Bytes, IoFailure> {
         loop {
-            if Instant::now() > deadline {
-                self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                return Err(IoFailure::Io(last));
-            }
             let state = self.dir.state();
             let Some(v) = state.volumes.get(&volume) else {
                 return Err(IoFailure::Gone);
@@ -480,9 +510,9 @@ impl Router {
                             if let Ok(mut m) = self.owners.lock() {
                                 m.remove(&volume);
                             }
-                            last = "owner deposed".into();
+                            *last = "owner deposed".into();
                         } else {
-                            last = e.to_string();
+                            *last = e.to_string();
                             tokio::time::sleep(RETRY_PAUSE).await;
                         }
                         continue;
@@ -495,10 +525,12 @@ impl Router {
                     self.counters.forwarded.fetch_add(1, Ordering::Relaxed);
                     let r = async {
                         let p = self.peer(&n.peer_addr).await?;
+                        // Never past the client's bound.
+                        let left = deadline.saturating_duration_since(Instant::now());
                         p.call(
                             &Request::VolumeIo { volume, op },
                             payload.clone(),
-                            FORWARD_TIMEOUT,
+                            FORWARD_TIMEOUT.min(left),
                         )
                         .await
                     }
@@ -518,20 +550,20 @@ impl Router {
                         Err(RpcError::Remote(RemoteError::NotOwner { .. })) => {
                             // It does not own it (restarted, or deposed): take over.
                             if let Err(e) = self.claim(volume, v.generation).await {
-                                last = e;
+                                *last = e;
                                 tokio::time::sleep(RETRY_PAUSE).await;
                             }
                         }
                         Err(e) => {
                             // Wait for the directory to notice a dead owner.
-                            last = e.to_string();
+                            *last = e.to_string();
                             tokio::time::sleep(RETRY_PAUSE).await;
                         }
                     }
                 }
                 _ => {
                     if let Err(e) = self.claim(volume, v.generation).await {
-                        last = e;
+                        *last = e;
                         tokio::time::sleep(RETRY_PAUSE).await;
                     }
                 }
@@ -562,9 +594,14 @@ impl Router {
         let Some(o) = owner else {
             return Err(RemoteError::NotOwner { volume });
         };
-        o.execute(to_owner_op(op, payload))
-            .await
-            .map_err(|e| match e {
+        let bounded = tokio::time::timeout(self.cfg.io_wait, o.execute(to_owner_op(op, payload)));
+        let Ok(answer) = bounded.await else {
+            return Err(RemoteError::Unavailable(format!(
+                "the owner could not serve within {:?}",
+                self.cfg.io_wait
+            )));
+        };
+        answer.map_err(|e| match e {
                 OwnerError::OutOfRange => RemoteError::OutOfRange,
                 OwnerError::NoSpace => RemoteError::NoSpace,
                 OwnerError::Io(e) => RemoteError::Io(e),

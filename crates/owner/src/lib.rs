@@ -15,6 +15,7 @@
 //! decides cluster state itself: it asks the directory through [`Control`].
 
 mod event_loop;
+pub mod lease;
 pub mod throttle;
 
 use bytes::Bytes;
@@ -40,8 +41,15 @@ pub struct OwnerConfig {
     /// healthy fdatasync; short enough that a hung host pauses clients only
     /// briefly.
     pub io_timeout: Duration,
-    /// Interval of barriers and witness pings.
+    /// Interval of barriers, witness pings and lease renewals.
     pub tick: Duration,
+    /// How long a client request may wait for its volume to serve it
+    /// (owner failover, no quorum, no read lease) before it fails with an
+    /// I/O error the client sees, like vSAN's all-paths-down timeout:
+    /// retried meanwhile, never left hanging. 30 s by default, the SCSI
+    /// command timeout guests are used to; longer than a failover (under
+    /// 5 s) by a wide margin.
+    pub io_wait: Duration,
     /// How connections to replicas are proven (a node: its certificate).
     pub peer_auth: shoal_rpc::PeerAuth,
 }
@@ -52,6 +60,7 @@ impl Default for OwnerConfig {
             node: 0,
             io_timeout: Duration::from_secs(3),
             tick: Duration::from_millis(200),
+            io_wait: Duration::from_secs(30),
             // Only tests run an owner against servers of their own.
             peer_auth: shoal_rpc::PeerAuth::Unauthenticated,
         }
@@ -261,6 +270,8 @@ pub struct Owner {
     tx: mpsc::UnboundedSender<Event>,
     volume: VolumeId,
     route: ReadRoute,
+    /// The read lease: reads around the loop are sent only while it holds.
+    lease: Arc<lease::Lease>,
     /// The volume's IOPS limit, kept here, before the loop: every I/O of
     /// the volume passes through `submit`.
     throttle: Arc<throttle::Throttle>,
@@ -278,12 +289,15 @@ impl Owner {
     ) -> Result<Owner, OwnerError> {
         let volume = view.volume.id;
         let route = ReadRoute::default();
+        let lease = Arc::new(lease::Lease::default());
         let throttle = Arc::new(throttle::Throttle::new(view.volume.policy.iops_limit));
-        let tx = event_loop::start(cfg, view, generation, control, route.clone()).await?;
+        let shared = (route.clone(), lease.clone());
+        let tx = event_loop::start(cfg, view, generation, control, shared).await?;
         Ok(Owner {
             tx,
             volume,
             route,
+            lease,
             throttle,
         })
     }
@@ -367,6 +381,10 @@ impl Owner {
     /// A read sent to the local in-sync copy, or None to go through the
     /// loop.
     fn read_local(&self, offset: u64, len: u32) -> Option<(shoal_rpc::PendingReply, Duration)> {
+        // Without a lease the loop holds the read until one is renewed.
+        if !self.lease.holds() {
+            return None;
+        }
         let route = self.route.read().ok()?;
         let r = route.as_ref()?;
         if offset.checked_add(len as u64)? > r.size {

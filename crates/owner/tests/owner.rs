@@ -4,12 +4,13 @@
 
 use bytes::Bytes;
 use shoal_model::{Component, ComponentRole, ComponentState, Generation, Policy, Volume, VolumeId};
+use shoal_owner::lease::{Grants, LEASE_MS};
 use shoal_owner::{Control, ControlError, Owner, OwnerConfig, OwnerError, Target, View};
 use shoal_rpc::{Handler, RemoteError, Reply, Request, Response};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const SIZE: u64 = 4 << 20;
 
@@ -25,9 +26,18 @@ struct Mem {
     crc_mismatches: AtomicU64,
     /// Repairs applied.
     repairs: AtomicU64,
+    /// Requests under this generation are never answered (0: none): the
+    /// owner of that generation is cut off from this replica.
+    deaf_to: AtomicU64,
+    /// The read leases granted, as a node's replicas keep them.
+    grants: Option<Grants>,
 }
 
 impl Mem {
+    fn grants(&self) -> &Grants {
+        self.grants.as_ref().expect("made by setup")
+    }
+
     fn data(&self, c: u64) -> Vec<u8> {
         self.comps.lock().unwrap()[&c].1.clone()
     }
@@ -57,7 +67,43 @@ impl Mem {
                 generation,
             } => {
                 fenced(component, generation)?;
-                (Response::Activated { dirty: vec![] }, Bytes::new())
+                let lease_ms = self
+                    .grants()
+                    .activate(component, generation, Instant::now());
+                (
+                    Response::Activated {
+                        dirty: vec![],
+                        lease_ms,
+                    },
+                    Bytes::new(),
+                )
+            }
+            Request::Renew {
+                component,
+                generation,
+                lease_ms,
+            } => {
+                let have = m
+                    .get(&component)
+                    .ok_or(RemoteError::NoSuchComponent(component))?
+                    .0;
+                // As a node's replica: older is stale, newer not activated.
+                if generation < have {
+                    return Err(RemoteError::StaleGeneration {
+                        have,
+                        got: generation,
+                    });
+                }
+                if generation > have {
+                    return Err(RemoteError::Unavailable("not activated".into()));
+                }
+                self.grants()
+                    .grant(component, generation, lease_ms, Instant::now())
+                    .map_err(|have| RemoteError::StaleGeneration {
+                        have,
+                        got: generation,
+                    })?;
+                (Response::Ok, Bytes::new())
             }
             Request::Flush {
                 component,
@@ -160,8 +206,28 @@ impl Mem {
     }
 }
 
+/// The generation a request carries, if any.
+fn generation_of(req: &Request) -> Option<Generation> {
+    match req {
+        Request::Activate { generation, .. }
+        | Request::Write { generation, .. }
+        | Request::WriteChecked { generation, .. }
+        | Request::WriteZeroes { generation, .. }
+        | Request::Read { generation, .. }
+        | Request::Flush { generation, .. }
+        | Request::Barrier { generation, .. }
+        | Request::Repair { generation, .. }
+        | Request::Renew { generation, .. } => Some(*generation),
+        _ => None,
+    }
+}
+
 impl Handler for Mem {
     fn handle(&self, req: Request, payload: Bytes) -> Reply {
+        let deaf = self.deaf_to.load(Ordering::SeqCst);
+        if deaf != 0 && generation_of(&req) == Some(deaf) {
+            return Box::pin(std::future::pending());
+        }
         let r = self.run(req, payload);
         Box::pin(async move {
             match r {
@@ -177,6 +243,8 @@ impl Handler for Mem {
 struct Dir {
     generation: AtomicU64,
     states: Mutex<Vec<(u64, ComponentState)>>,
+    /// Answer nothing but "unavailable": the owner is cut off from it.
+    unreachable: AtomicBool,
 }
 
 impl Control for Dir {
@@ -187,6 +255,9 @@ impl Control for Dir {
         s: ComponentState,
         g: Generation,
     ) -> Result<(), ControlError> {
+        if self.unreachable.load(Ordering::SeqCst) {
+            return Err(ControlError::Unavailable("cut off".into()));
+        }
         if g != self.generation.load(Ordering::SeqCst) {
             return Err(ControlError::Conflict);
         }
@@ -219,7 +290,15 @@ async fn serve(mem: Arc<Mem>) -> String {
 
 /// Three nodes' replicas served over RPC, and a directory at generation 1.
 async fn setup() -> (Vec<Arc<Mem>>, Vec<String>, Arc<Dir>) {
-    let mems: Vec<Arc<Mem>> = (0..3).map(|_| Arc::new(Mem::default())).collect();
+    let mems: Vec<Arc<Mem>> = (0..3)
+        .map(|_| {
+            Arc::new(Mem {
+                // Started long ago: no lease from before a restart.
+                grants: Some(Grants::new(Instant::now() - Duration::from_secs(60))),
+                ..Mem::default()
+            })
+        })
+        .collect();
     let mut addrs = Vec::new();
     for m in &mems {
         addrs.push(serve(m.clone()).await);
@@ -276,6 +355,7 @@ fn cfg() -> OwnerConfig {
         node: 1,
         io_timeout: Duration::from_millis(500),
         tick: Duration::from_millis(50),
+        io_wait: Duration::from_secs(2),
         peer_auth: shoal_rpc::PeerAuth::Unauthenticated,
     }
 }
@@ -447,4 +527,81 @@ async fn reads_leave_the_local_copy_once_it_misses_a_write() {
     for _ in 0..50 {
         assert_eq!(&o.read(0, 2).await.unwrap()[..], &[2, 2]);
     }
+}
+
+/// The split-brain case: the owner on node 1 is cut off from copy 2 and
+/// the witness (they never answer its generation), a newer owner takes
+/// over on the other side and writes. The newer owner serves nothing
+/// before the old lease must have ended, and from then on the old owner
+/// returns no read: never the old data after the new write. Its own write
+/// fails within the I/O wait bound instead of hanging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_owner_stops_reading_before_a_newer_one_serves() {
+    let (mems, addrs, dir) = setup().await;
+    let old = Owner::start(cfg(), view(&addrs, [true; 3], 1), 1, dir.clone())
+        .await
+        .unwrap();
+    old.write(0, Bytes::from(vec![1u8; 4096])).await.unwrap();
+    assert_eq!(&old.read(0, 1).await.unwrap()[..], &[1], "OLD is served");
+    // Node 1's host is cut off: copy 2 and the witness never answer it,
+    // nor can it reach the directory.
+    let cut = Instant::now();
+    mems[1].deaf_to.store(1, Ordering::SeqCst);
+    mems[2].deaf_to.store(1, Ordering::SeqCst);
+    dir.unreachable.store(true, Ordering::SeqCst);
+
+    // The other side claims generation 2 and starts an owner there
+    // (copy 1's node is down as far as the directory knows).
+    dir.generation.store(2, Ordering::SeqCst);
+    let mut cfg2 = cfg();
+    cfg2.node = 2;
+    let new = Owner::start(cfg2, view(&addrs, [false, true, true], 2), 2, dir.clone());
+    let reader = {
+        let old = old.clone();
+        tokio::spawn(async move {
+            // Reads on the cut-off side, as fast as they come.
+            let mut answers = Vec::new();
+            while cut.elapsed() < Duration::from_millis(u64::from(LEASE_MS) + 1_500) {
+                answers.push((old.read(0, 1).await.map(|b| b[0]), Instant::now()));
+            }
+            answers
+        })
+    };
+    dir.unreachable.store(false, Ordering::SeqCst);
+    let new = new.await.unwrap();
+    let started = cut.elapsed();
+    assert!(
+        started >= Duration::from_millis(u64::from(LEASE_MS) - 300),
+        "the new owner served after {started:?}, before the old lease could have ended"
+    );
+    new.write(0, Bytes::from(vec![2u8; 4096])).await.unwrap();
+    let acked = Instant::now();
+    dir.unreachable.store(true, Ordering::SeqCst);
+    let answers = reader.await.unwrap();
+    let stale: Vec<_> = answers
+        .iter()
+        .filter(|(r, at)| *at > acked && matches!(r, Ok(1)))
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "OLD read after NEW was acknowledged: {stale:?}"
+    );
+    assert!(
+        answers.iter().any(|(r, _)| r.is_err()),
+        "the cut-off owner kept serving reads: {} answers",
+        answers.len()
+    );
+
+    // A write on the cut-off side fails within the bound (copy 2 times
+    // out, the directory cannot record it), it does not hang.
+    let t = Instant::now();
+    let r = tokio::time::timeout(
+        Duration::from_secs(10),
+        old.write(0, Bytes::from(vec![3u8; 4096])),
+    )
+    .await
+    .expect("the cut-off write hung");
+    assert!(matches!(r, Err(OwnerError::Unavailable(_))), "{r:?}");
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+    assert_eq!(mems[1].data(2)[0], 2, "the new side keeps NEW");
 }

@@ -94,7 +94,24 @@ pub enum Request {
         seq: u64,
         crcs: Vec<u32>,
     },
+    /// The owner of `generation` renews its read lease for `lease_ms`
+    /// milliseconds (at most [`MAX_LEASE_MS`]): the replica answers `Ok`
+    /// only at exactly its own generation (a newer one has not activated
+    /// it) and remembers when it granted the lease, so that the activation
+    /// of a newer owner reports how long the lease may still run
+    /// ([`Response::Activated`]'s `lease_ms`). Changes no data and no
+    /// generation.
+    Renew {
+        component: ComponentId,
+        generation: Generation,
+        lease_ms: u32,
+    },
 }
+
+/// The longest read lease an owner may ask for, in milliseconds; also the
+/// lease a replica assumes it may have granted just before it started (it
+/// keeps its grants in memory only).
+pub const MAX_LEASE_MS: u32 = 10_000;
 
 /// Client operations on a whole volume.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -131,9 +148,14 @@ pub enum Response {
     /// The payload holds the data read.
     Data,
     /// Activation done; `dirty` lists the regions (offset, len) written
-    /// by earlier owners and not known complete on every replica.
+    /// by earlier owners and not known complete on every replica;
+    /// `lease_ms`: how long, from this answer, a read lease this replica
+    /// granted to an older generation may still be in force anywhere
+    /// (clock drift margin included): the new owner serves nothing before
+    /// it has passed.
     Activated {
         dirty: Vec<(u64, u64)>,
+        lease_ms: u32,
     },
     Ranges(Vec<(u64, u64)>),
     Err(RemoteError),
@@ -225,6 +247,11 @@ mod tests {
             (any::<u64>(), any::<u64>()).prop_map(|(c, g)| Request::Activate {
                 component: c,
                 generation: g
+            }),
+            (any::<u64>(), any::<u64>(), any::<u32>()).prop_map(|(c, g, l)| Request::Renew {
+                component: c,
+                generation: g,
+                lease_ms: l,
             }),
         ]
     }

@@ -6,6 +6,7 @@
 
 use super::replica::{Mode, Replica, ReplicaSet};
 use super::{Flow, Internal, Loop, CONNECT_TIMEOUT_MS, RECONCILE_REGIONS_IN_FLIGHT};
+use crate::lease::Lease;
 use crate::{Control, Event, OwnerConfig, OwnerError, ReadRoute, View, REGION};
 use bytes::Bytes;
 use futures::future::join_all;
@@ -14,7 +15,7 @@ use shoal_model::{ComponentRole, ComponentState, Generation};
 use shoal_rpc::{Peer, PeerAuth, Request, Response, RpcError};
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 /// A connection to `addr`.
@@ -24,8 +25,19 @@ pub(super) async fn connect(addr: &str, auth: &PeerAuth) -> Result<Arc<Peer>, Rp
         .map(Arc::new)
 }
 
+/// What activating one component answered.
+pub(super) struct ActivatedCopy {
+    pub(super) peer: Arc<Peer>,
+    /// Regions (offset, len) it remembers as possibly half-written.
+    pub(super) dirty: Vec<(u64, u64)>,
+    /// How long a lease it granted to an older owner may still run, in
+    /// milliseconds.
+    pub(super) lease_ms: u32,
+}
+
 /// Creates (idempotently) and activates one component under `generation`,
-/// returning its connection and the dirty regions it remembers.
+/// returning its connection, the dirty regions it remembers, and what is
+/// left of an older owner's lease there.
 pub(super) async fn activate(
     r: &Replica,
     auth: &PeerAuth,
@@ -33,7 +45,7 @@ pub(super) async fn activate(
     size: u64,
     generation: Generation,
     timeout: Duration,
-) -> Result<(Arc<Peer>, Vec<(u64, u64)>), RpcError> {
+) -> Result<ActivatedCopy, RpcError> {
     let peer = connect(&r.addr, auth).await?;
     let size = if r.is_data() { size } else { 0 };
     let create = Request::CreateComponent {
@@ -48,7 +60,11 @@ pub(super) async fn activate(
         generation,
     };
     match peer.call(&activate, Bytes::new(), timeout).await? {
-        (Response::Activated { dirty }, _) => Ok((peer, dirty)),
+        (Response::Activated { dirty, lease_ms }, _) => Ok(ActivatedCopy {
+            peer,
+            dirty,
+            lease_ms,
+        }),
         (other, _) => Err(RpcError::Protocol(format!(
             "unexpected reply to activate: {other:?}"
         ))),
@@ -87,6 +103,9 @@ struct Activated {
     /// Copies the directory has active that could not be activated: to be
     /// recorded absent.
     unreachable: ReplicaSet,
+    /// The longest any activated component says an older owner's lease
+    /// may still run, in milliseconds: nothing is served before.
+    lease_ms: u32,
 }
 
 /// Activates every copy whose node is up, in parallel: copies the
@@ -110,11 +129,17 @@ async fn activate_all(
     let mut found = Activated {
         dirty: BTreeSet::new(),
         unreachable: ReplicaSet::EMPTY,
+        lease_ms: 0,
     };
     for (i, (r, act)) in replicas.iter_mut().zip(acts).enumerate() {
         let was_active = view.targets[i].component.state == ComponentState::Active;
         match act {
-            Some(Ok((peer, dirty))) => {
+            Some(Ok(ActivatedCopy {
+                peer,
+                dirty,
+                lease_ms,
+            })) => {
+                found.lease_ms = found.lease_ms.max(lease_ms);
                 r.peer = Some(peer);
                 match r.role {
                     ComponentRole::Witness => r.witness_ok = true,
@@ -246,7 +271,7 @@ pub(crate) async fn start<C: Control>(
     view: View,
     generation: Generation,
     control: Arc<C>,
-    route: ReadRoute,
+    (route, lease): (ReadRoute, Arc<Lease>),
 ) -> Result<mpsc::UnboundedSender<Event>, OwnerError> {
     let vol = &view.volume;
     let mut replicas: Vec<Replica> = view.targets.iter().map(Replica::from_target).collect();
@@ -258,6 +283,9 @@ pub(crate) async fn start<C: Control>(
             ReplicaSet::CAPACITY
         )));
     }
+    // The activation is this owner's first lease renewal: every copy
+    // that answers records it as a lease granted from its arrival.
+    let sent = Instant::now();
     let found = activate_all(
         &mut replicas,
         &cfg.peer_auth,
@@ -267,22 +295,35 @@ pub(crate) async fn start<C: Control>(
     )
     .await;
     check_votes(&replicas)?;
-    // Reconcile what an earlier owner left in flight.
-    reconcile(
-        &replicas,
-        &found.dirty,
-        (vol.id, vol.size),
-        generation,
-        cfg.io_timeout,
-    )
-    .await?;
+    // Nothing is served while an older owner's lease may still run; the
+    // reconciliation of what it left in flight meanwhile changes nothing
+    // a client could have seen acknowledged.
+    let older_lease = Duration::from_millis(u64::from(found.lease_ms));
+    if !older_lease.is_zero() {
+        tracing::info!(
+            volume = vol.id,
+            "waiting {older_lease:?} for an older owner's read lease to end"
+        );
+    }
+    let (reconciled, ()) = tokio::join!(
+        reconcile(
+            &replicas,
+            &found.dirty,
+            (vol.id, vol.size),
+            generation,
+            cfg.io_timeout,
+        ),
+        tokio::time::sleep(older_lease),
+    );
+    reconciled?;
+    lease.renewed(sent);
     // Everything before this generation is now consistent.
     barrier_all(&replicas, generation);
 
     let (mut lp, rx) = Loop::new(
         cfg.clone(),
         control,
-        route,
+        (route, lease),
         vol.id,
         vol.size,
         generation,
@@ -295,6 +336,7 @@ pub(crate) async fn start<C: Control>(
     }
     let tx = lp.tx.clone();
     spawn_ticker(tx.clone(), cfg.tick);
+    lp.renew();
     lp.publish_route();
     lp.check_invariants(Flow::Continue);
     tokio::spawn(lp.run(rx));

@@ -175,6 +175,9 @@ impl<C: Control> Loop<C> {
 
     pub(super) fn tick(&mut self) -> Flow {
         self.send_barrier();
+        self.renew();
+        self.expire_waiting_reads();
+        self.expire_parked();
         self.ping_witnesses();
         self.reconnect_lost();
         self.consider_resync();
@@ -286,7 +289,7 @@ impl<C: Control> Loop<C> {
             self.spawn_report(async move {
                 let peer = activate(&tmp, &auth, volume, size, generation, timeout)
                     .await
-                    .map(|(p, _)| p);
+                    .map(|a| a.peer);
                 Internal::Reconnected { idx, peer }
             });
         }

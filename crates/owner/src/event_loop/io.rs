@@ -39,6 +39,9 @@ pub(super) struct Parked {
     /// Copies that took the write.
     pub(super) ok: ReplicaSet,
     pub(super) reply: Reply,
+    /// When it was parked: after the I/O wait bound its client is told it
+    /// failed (the directory cannot be reached to record the copies).
+    pub(super) since: std::time::Instant,
 }
 
 pub(super) fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
@@ -163,7 +166,7 @@ impl<C: Control> Loop<C> {
             }
         }
         match op {
-            Op::Read { offset, len } => self.read((offset, len), ReplicaSet::EMPTY, reply),
+            Op::Read { offset, len } => self.read_leased(offset, len, reply),
             // Every acknowledged write is already durable on its replicas.
             Op::Flush => {
                 let _ = reply.send(Ok(Bytes::new()));
@@ -280,7 +283,12 @@ impl<C: Control> Loop<C> {
         if waiting.is_empty() {
             let _ = reply.send(self.ack(ok));
         } else {
-            self.parked.push(Parked { waiting, ok, reply });
+            self.parked.push(Parked {
+                waiting,
+                ok,
+                reply,
+                since: std::time::Instant::now(),
+            });
         }
         Flow::Continue
     }
@@ -340,6 +348,26 @@ impl<C: Control> Loop<C> {
         }
     }
 
+    /// Fails the writes parked longer than the I/O wait bound: the copies
+    /// that missed them cannot be recorded (the directory is out of
+    /// reach), so their clients learn it instead of waiting forever. What
+    /// such a write left on the copies that took it is settled like any
+    /// write in flight: by the next owner's reconciliation, or by the
+    /// resync of the copies that missed it.
+    pub(super) fn expire_parked(&mut self) {
+        let bound = self.cfg.io_wait;
+        let (expired, kept): (Vec<Parked>, Vec<Parked>) = std::mem::take(&mut self.parked)
+            .into_iter()
+            .partition(|p| p.since.elapsed() >= bound);
+        self.parked = kept;
+        for p in expired {
+            let _ = p.reply.send(Err(OwnerError::Unavailable(format!(
+                "the copies that missed the write could not be recorded out of service \
+                 within {bound:?} (is the directory reachable?)"
+            ))));
+        }
+    }
+
     /// In-sync copies with a connection, but those in `tried`.
     pub(super) fn read_candidates(&self, tried: ReplicaSet) -> ReplicaSet {
         (0..self.replicas.len())
@@ -352,7 +380,7 @@ impl<C: Control> Loop<C> {
 
     /// Reads `(offset, len)` from one in-sync copy not yet `tried`: the
     /// one on this node if there is one, else the next in turn.
-    fn read(&mut self, (offset, len): (u64, u32), tried: ReplicaSet, reply: Reply) {
+    pub(super) fn read(&mut self, (offset, len): (u64, u32), tried: ReplicaSet, reply: Reply) {
         let candidates = self.read_candidates(tried);
         let local = candidates
             .iter()

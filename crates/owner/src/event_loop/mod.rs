@@ -9,6 +9,7 @@
 //! - `activation`: taking over the volume, reconciling a dead owner's writes;
 //! - `io`: client reads and writes, acknowledgements, parked writes;
 //! - `route`: the local in-sync copy published for reads around the loop;
+//! - `lease`: renewing the read lease, reads waiting for it;
 //! - `health`: failed copies, the directory's marks, barriers, witness
 //!   pings, reconnection (the tick);
 //! - `resync`: bringing a returning copy up to date;
@@ -19,6 +20,7 @@ mod activation;
 mod health;
 mod invariants;
 mod io;
+mod lease;
 mod repair;
 mod replica;
 mod resync;
@@ -28,11 +30,13 @@ mod tests;
 
 pub(crate) use activation::start;
 
+use crate::lease::Lease;
 use crate::{Control, ControlError, Event, OwnerConfig, OwnerError, ReadRoute, View};
 use bytes::Bytes;
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use io::{Parked, WriteOp};
+use lease::{Renewal, WaitingRead};
 use repair::RepairError;
 use replica::{Replica, ReplicaSet};
 use resync::{Abandoned, Resync, ReviveError};
@@ -43,6 +47,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 
 type Reply = oneshot::Sender<Result<Bytes, OwnerError>>;
@@ -91,6 +96,12 @@ pub(crate) enum Internal {
     },
     /// The directory refused a change: another owner holds a newer generation.
     Deposed,
+    /// A lease renewal round sent at `sent` under `generation` ended.
+    Renewed {
+        sent: Instant,
+        generation: Generation,
+        outcome: Renewal,
+    },
     Tick,
     /// A ping of witness `idx` ended: the connection it used (maybe one it
     /// made), or why it failed.
@@ -185,6 +196,12 @@ pub(super) struct Loop<C: Control> {
     route: ReadRoute,
     /// What `route` holds now.
     routed: Option<Routed>,
+    /// The read lease, shared with the [`crate::Owner`] handles.
+    lease: Arc<Lease>,
+    /// A renewal round is in flight.
+    renewing: bool,
+    /// Reads waiting for the lease to be renewed, oldest first.
+    lease_waiting: VecDeque<WaitingRead>,
     /// The writes waiting for their copies' answers, polled by the loop
     /// itself: no task per write, and no event to carry its outcome.
     writes: FuturesUnordered<Pin<Box<dyn Future<Output = Internal> + Send>>>,
@@ -201,7 +218,7 @@ impl<C: Control> Loop<C> {
     fn new(
         cfg: OwnerConfig,
         control: Arc<C>,
-        route: ReadRoute,
+        (route, lease): (ReadRoute, Arc<Lease>),
         volume: u64,
         size: u64,
         generation: Generation,
@@ -236,6 +253,9 @@ impl<C: Control> Loop<C> {
             read_rr: 0,
             route,
             routed: None,
+            lease,
+            renewing: false,
+            lease_waiting: VecDeque::new(),
             writes: FuturesUnordered::new(),
         };
         (lp, rx)
@@ -260,6 +280,7 @@ impl<C: Control> Loop<C> {
             }
         }
         self.withdraw_route();
+        self.lease.end();
         self.shutdown();
         tracing::info!(volume = self.volume, "owner stopped");
     }
@@ -308,6 +329,11 @@ impl<C: Control> Loop<C> {
             } => self.read_failed(idx, (offset, len), tried, error, reply),
             Internal::Marked { idx } => self.marked(idx),
             Internal::Deposed => Flow::Stop,
+            Internal::Renewed {
+                sent,
+                generation,
+                outcome,
+            } => self.renewed(sent, generation, outcome),
             Internal::Tick => self.tick(),
             Internal::WitnessPing { idx, result } => self.witness_pinged(idx, result),
             Internal::Reconnected { idx, peer } => self.reconnected(idx, peer),
@@ -391,6 +417,9 @@ impl<C: Control> Loop<C> {
         }
         for (_, r) in self.blocked.drain(..) {
             let _ = r.send(Err(OwnerError::Deposed));
+        }
+        for w in self.lease_waiting.drain(..) {
+            let _ = w.reply.send(Err(OwnerError::Deposed));
         }
     }
 }

@@ -204,9 +204,10 @@ impl<C: Control> Loop<C> {
         let auth = self.cfg.peer_auth.clone();
         self.spawn_report(async move {
             let peer = async {
-                let (peer, _) = activate(&tmp, &auth, volume, size, generation, timeout)
+                let peer = activate(&tmp, &auth, volume, size, generation, timeout)
                     .await
-                    .map_err(ReviveError::Activate)?;
+                    .map_err(ReviveError::Activate)?
+                    .peer;
                 control
                     .set_component_state(
                         volume,

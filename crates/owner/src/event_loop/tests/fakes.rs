@@ -83,7 +83,13 @@ impl FakeReplica {
             Request::Read { len, .. } => {
                 (Response::Data, Bytes::from(vec![self.fill; *len as usize]))
             }
-            Request::Activate { .. } => (Response::Activated { dirty: vec![] }, Bytes::new()),
+            Request::Activate { .. } => (
+                Response::Activated {
+                    dirty: vec![],
+                    lease_ms: 0,
+                },
+                Bytes::new(),
+            ),
             Request::AllocatedRanges { .. } => (
                 Response::Ranges(self.ranges.lock().unwrap().clone()),
                 Bytes::new(),
@@ -287,10 +293,15 @@ pub(super) async fn rig(specs: &[Spec]) -> Rig {
         node: 1,
         io_timeout: Duration::from_millis(IO_TIMEOUT_MS),
         tick: Duration::from_millis(50),
+        io_wait: Duration::from_secs(5),
         peer_auth: shoal_rpc::PeerAuth::Unauthenticated,
     };
     let route = ReadRoute::default();
-    let (mut lp, rx) = Loop::new(cfg, dir.clone(), route.clone(), 7, SIZE, 1, replicas);
+    // The loop holds a lease, as after its activation.
+    let lease = Arc::new(crate::lease::Lease::default());
+    lease.renewed(std::time::Instant::now());
+    let shared = (route.clone(), lease);
+    let (mut lp, rx) = Loop::new(cfg, dir.clone(), shared, 7, SIZE, 1, replicas);
     lp.publish_route();
     lp.check_invariants(Flow::Continue);
     Rig {
@@ -336,12 +347,21 @@ impl Rig {
     }
 
     /// The next event the loop's tasks report, not yet applied.
+    /// The next event the loop's tasks report; lease renewals (which
+    /// every tick starts) are applied on the way, not returned.
     pub(super) async fn next_event(&mut self) -> Event {
         let wait = Duration::from_millis(EVENT_WAIT_MS);
-        tokio::time::timeout(wait, self.rx.recv())
-            .await
-            .expect("an event comes")
-            .expect("the loop's channel is open")
+        loop {
+            let ev = tokio::time::timeout(wait, self.rx.recv())
+                .await
+                .expect("an event comes")
+                .expect("the loop's channel is open");
+            if matches!(ev, Event::Internal(Internal::Renewed { .. })) {
+                assert_eq!(self.lp.apply(ev), Flow::Continue);
+                continue;
+            }
+            return ev;
+        }
     }
 
     /// Lets the tasks the loop spawned run (without applying what they

@@ -824,6 +824,7 @@ async fn a_write_parked_on_no_failing_copy_is_caught() {
         waiting: ReplicaSet::one(1),
         ok: ReplicaSet::one(0),
         reply,
+        since: std::time::Instant::now(),
     });
     rig.lp.check_invariants(Flow::Continue);
 }
