@@ -13,6 +13,16 @@ command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
 command -v fusermount3 >/dev/null || need+=(fuse3)
 command -v losetup >/dev/null || need+=(mount)
 command -v python3 >/dev/null || need+=(python3)
+# The partition tests: network namespaces, bridges, and packet drops.
+command -v ip >/dev/null || need+=(iproute2)
+command -v iptables >/dev/null || need+=(iptables)
+# NBD TLS-PSK: the system's OpenSSL 3 to build against (rustls has no
+# pre-shared keys), and GnuTLS's psktool (key files) and gnutls-cli for
+# its tests.
+dpkg -s libssl-dev >/dev/null 2>&1 || need+=(libssl-dev)
+command -v pkg-config >/dev/null || need+=(pkg-config)
+command -v psktool >/dev/null || need+=(gnutls-bin)
+command -v gnutls-cli >/dev/null || need+=(gnutls-bin)
 if [ ${#need[@]} -gt 0 ]; then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo=sudo

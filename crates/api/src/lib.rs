@@ -76,6 +76,10 @@ pub struct StatusReport {
 pub struct Heartbeat {
     pub node: NodeId,
     pub devices: Vec<DeviceUsage>,
+    /// The sender's monotonic clock in milliseconds (from an origin of its
+    /// own): the leader checks clock rates with it (`shoal_node::clock`).
+    #[serde(default)]
+    pub mono_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

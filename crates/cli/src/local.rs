@@ -71,6 +71,11 @@ pub struct UpArgs {
     /// DATA/tls/client/ either way.
     #[arg(long)]
     nbd_tls: Option<String>,
+    /// NBD over TCP of a new cluster's nodes proves clients by the
+    /// pre-shared keys of FILE (TLS-PSK; `identity:hexkey` lines as
+    /// GnuTLS's psktool writes, mode 0600) instead of certificates.
+    #[arg(long, value_name = "FILE")]
+    nbd_tls_psk: Option<PathBuf>,
 }
 
 impl UpArgs {
@@ -89,6 +94,7 @@ impl UpArgs {
             ("--thick", self.thick),
             ("--encrypt-in-transit", self.encrypt_in_transit),
             ("--nbd-tls", self.nbd_tls.is_some()),
+            ("--nbd-tls-psk", self.nbd_tls_psk.is_some()),
         ];
         given.iter().filter(|(_, g)| *g).map(|(n, _)| *n).collect()
     }
@@ -132,6 +138,9 @@ pub struct LocalCluster {
     /// Nodes start with `--nbd-tls` this (none: the node's default).
     #[serde(default)]
     pub nbd_tls: Option<String>,
+    /// Nodes start with `--nbd-tls-psk` this key file (absolute).
+    #[serde(default)]
+    pub nbd_tls_psk: Option<PathBuf>,
     /// The cluster key every node is started with (`--key-file`), made
     /// with the cluster: `encrypt=on` volumes need it.
     #[serde(default)]
@@ -278,6 +287,9 @@ fn start_node(
     if let Some(m) = &cluster.nbd_tls {
         cmd.arg("--nbd-tls").arg(m);
     }
+    if let Some(k) = &cluster.nbd_tls_psk {
+        cmd.arg("--nbd-tls-psk").arg(k);
+    }
     if let Some(k) = &cluster.key_file {
         cmd.arg("--key-file").arg(k);
     }
@@ -361,9 +373,18 @@ pub async fn up(a: UpArgs) -> Result<()> {
                     }
                 })
                 .collect();
-            if let Some(m) = &a.nbd_tls {
-                m.parse::<shoal_node::NbdTlsMode>()?;
-            }
+            let nbd_tls = a
+                .nbd_tls
+                .as_deref()
+                .map(str::parse::<shoal_node::NbdTlsMode>)
+                .transpose()?;
+            let nbd_tls_psk = match &a.nbd_tls_psk {
+                Some(k) => {
+                    shoal_node::NbdTlsMode::psk(nbd_tls, k)?;
+                    Some(std::path::absolute(k).unwrap_or_else(|_| k.clone()))
+                }
+                None => None,
+            };
             let key_file = data.join(CLUSTER_KEY_FILE);
             if !key_file.exists() {
                 shoal_crypt::ClusterKey::generate_file(&key_file)
@@ -374,6 +395,7 @@ pub async fn up(a: UpArgs) -> Result<()> {
                 nodes,
                 encrypt_in_transit: a.encrypt_in_transit,
                 nbd_tls: a.nbd_tls.clone(),
+                nbd_tls_psk,
                 key_file: Some(key_file),
             };
             std::fs::write(layout_path(&data), serde_json::to_vec_pretty(&c)?)?;
@@ -506,10 +528,27 @@ pub async fn up(a: UpArgs) -> Result<()> {
     let sock = std::path::absolute(&sock).unwrap_or(sock);
     println!("  nbd+unix:///demo?socket={}", sock.display());
     println!();
-    let creds = client_tls_dir(&data);
-    let creds = std::path::absolute(&creds).unwrap_or(creds);
-    println!("and over TLS with this cluster's client credentials:");
-    println!("  nbds://{nbd1}/demo?tls-certificates={}", creds.display());
+    match &cluster.nbd_tls_psk {
+        Some(psk) => {
+            // An identity of the key file for the example (the nodes
+            // read the file themselves; IDENTITY if it cannot be read).
+            let identity = shoal_node::NbdTlsMode::psk(None, psk)
+                .ok()
+                .and_then(|(_, ids)| ids.into_iter().next())
+                .unwrap_or_else(|| "IDENTITY".into());
+            println!("and over TLS with a pre-shared key of {}:", psk.display());
+            println!(
+                "  nbds://{identity}@{nbd1}/demo?tls-psk-file={}",
+                psk.display()
+            );
+        }
+        None => {
+            let creds = client_tls_dir(&data);
+            let creds = std::path::absolute(&creds).unwrap_or(creds);
+            println!("and over TLS with this cluster's client credentials:");
+            println!("  nbds://{nbd1}/demo?tls-certificates={}", creds.display());
+        }
+    }
     println!();
     println!("Try:");
     println!("  nbdinfo nbd://{nbd1}/demo");

@@ -269,10 +269,17 @@ struct NodeArgs {
     #[arg(long)]
     encrypt_in_transit: bool,
     /// NBD over TCP: require, allow or off TLS (x509, a client
-    /// certificate of the cluster: `shoal cert client`). Default: require
-    /// on a non-loopback address, allow on loopback.
+    /// certificate of the cluster: `shoal cert client`; or TLS-PSK with
+    /// --nbd-tls-psk). Default: require on a non-loopback address, allow
+    /// on loopback.
     #[arg(long)]
     nbd_tls: Option<String>,
+    /// NBD over TCP proves clients by pre-shared keys (TLS-PSK, as qemu's
+    /// tls-creds-psk and libnbd's tls-psk-file) instead of certificates:
+    /// the key file, `identity:hexkey` lines as GnuTLS's psktool writes,
+    /// mode 0600.
+    #[arg(long, value_name = "FILE")]
+    nbd_tls_psk: Option<PathBuf>,
     /// Group of the NBD Unix socket (mode 0660): its members may use NBD
     /// on this host.
     #[arg(long)]
@@ -284,6 +291,10 @@ struct NodeArgs {
     /// Fault domain (default: the node is its own).
     #[arg(long)]
     fault_domain: Option<String>,
+    /// How long a client request may wait for its volume (owner failover,
+    /// no quorum) before it fails with an I/O error: 10s, 2m (default 30s).
+    #[arg(long, value_parser = parse_io_wait_s)]
+    io_wait: Option<u64>,
     /// Scrubber read rate in MiB/s (0: no periodic scrub; default 8).
     #[arg(long)]
     scrub_mib_per_s: Option<u32>,
@@ -315,14 +326,37 @@ struct NodeFile {
     #[serde(default)]
     encrypt_in_transit: bool,
     nbd_tls: Option<String>,
+    nbd_tls_psk: Option<PathBuf>,
     nbd_socket_group: Option<String>,
     key_file: Option<PathBuf>,
     fault_domain: Option<String>,
+    #[serde(default, deserialize_with = "io_wait_from_file")]
+    io_wait: Option<u64>,
     scrub_mib_per_s: Option<u32>,
     scrub_interval_h: Option<u64>,
     /// `[tuning]`: threads and batching of the data path.
     #[serde(default)]
     tuning: Option<shoal_node::NodeTuning>,
+}
+
+/// The longest I/O wait bound accepted, in seconds: beyond an hour a
+/// client is better told.
+const MAX_IO_WAIT_S: u64 = 3600;
+
+/// `--io-wait`: a duration of 1 s to an hour.
+fn parse_io_wait_s(s: &str) -> Result<u64, String> {
+    let v = parse_duration_s(s)?;
+    if v > MAX_IO_WAIT_S {
+        return Err(format!("{s:?}: at most {MAX_IO_WAIT_S}s"));
+    }
+    Ok(v)
+}
+
+/// `io_wait = "30s"` in a node's config file, checked as the flag is.
+fn io_wait_from_file<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    let s: Option<String> = serde::Deserialize::deserialize(d)?;
+    s.map(|s| parse_io_wait_s(&s).map_err(serde::de::Error::custom))
+        .transpose()
 }
 
 /// A duration as `90s`, `30m`, `24h` or `7d`, in seconds (at least 1).
@@ -414,9 +448,14 @@ fn node_config(a: NodeArgs) -> Result<NodeConfig> {
         join_token: a.join_token,
         encrypt_in_transit: a.encrypt_in_transit || f.encrypt_in_transit,
         nbd_tls: a.nbd_tls.or(f.nbd_tls).map(|m| m.parse()).transpose()?,
+        nbd_tls_psk: a.nbd_tls_psk.or(f.nbd_tls_psk),
         nbd_socket_group: a.nbd_socket_group.or(f.nbd_socket_group),
         key_file: a.key_file.or(f.key_file),
         fault_domain: a.fault_domain.or(f.fault_domain),
+        io_wait_s: a
+            .io_wait
+            .or(f.io_wait)
+            .unwrap_or(shoal_node::default_io_wait_s()),
         data_dir: data,
         scrub: {
             let d = shoal_node::scrub::ScrubConfig::default();
@@ -433,6 +472,10 @@ fn node_config(a: NodeArgs) -> Result<NodeConfig> {
         },
         tuning,
     };
+    if let Some(psk) = &cfg.nbd_tls_psk {
+        // A bad key file is said now, not once the node has started.
+        shoal_node::NbdTlsMode::psk(cfg.nbd_tls, psk)?;
+    }
     Ok(cfg)
 }
 

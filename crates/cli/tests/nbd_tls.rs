@@ -1,7 +1,8 @@
 //! NBD over TLS through a real cluster with real clients: with
 //! `--nbd-tls require`, nbdinfo, qemu-img and qemu-io reach a volume over
 //! `nbds://` with the credentials `shoal up` wrote (or `shoal cert client`
-//! made), and plain NBD over TCP gets nothing.
+//! made), or with a pre-shared key (`--nbd-tls-psk`), and plain NBD over
+//! TCP gets nothing.
 
 mod common;
 
@@ -162,4 +163,167 @@ fn a_loopback_cluster_serves_plain_and_tls_by_default() {
     // A layout flag of a new cluster is refused on an existing one.
     let e = c.shoal_fails(&["up", "--nbd-tls", "require"]);
     assert!(e.contains("--nbd-tls"), "{e}");
+}
+
+/// A key file as GnuTLS's psktool makes it (mode 0600), for `user`, in
+/// `dir`.
+fn psk_file(dir: &Path, name: &str, user: &str) -> std::path::PathBuf {
+    let file = dir.join(name);
+    common::ok(Command::new("psktool").args(["-u", user, "-p", file.to_str().unwrap()]));
+    file
+}
+
+fn nbds_psk(c: &Cluster, node: u32, volume: &str, user: &str, keys: &Path) -> String {
+    format!(
+        "nbds://{user}@{}/{volume}?tls-psk-file={}",
+        c.nbd_addr(node),
+        keys.display()
+    )
+}
+
+#[test]
+fn tls_psk_required_serves_key_holders_and_refuses_plain_nbd() {
+    common::require("psktool");
+    common::require("nbdinfo");
+    common::require("qemu-io");
+    let tmp = tempfile::tempdir().unwrap();
+    let keys = psk_file(tmp.path(), "keys.psk", "alice");
+    let c = Cluster::start_with(
+        2,
+        &[
+            "--nbd-tls",
+            "require",
+            "--nbd-tls-psk",
+            keys.to_str().unwrap(),
+        ],
+    );
+    c.create_volume("v", "64M", "ftt=0");
+
+    for n in 1..=2 {
+        // With the key, on every node: the size.
+        let out =
+            run(Command::new("nbdinfo").args(["--size", &nbds_psk(&c, n, "v", "alice", &keys)]));
+        assert!(
+            out.status.success(),
+            "node {n}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            (64u64 << 20).to_string()
+        );
+        // Plain NBD over TCP: refused, nothing listed.
+        let out = run(Command::new("nbdinfo").arg(c.uri(n, "v")));
+        assert!(!out.status.success(), "plain NBD served by node {n}");
+        let out =
+            run(Command::new("nbdinfo").args(["--list", &format!("nbd://{}", c.nbd_addr(n))]));
+        assert!(
+            !String::from_utf8_lossy(&out.stdout).contains("\"v\""),
+            "node {n} listed a volume to a plain client"
+        );
+    }
+
+    // qemu with tls-creds-psk (DIR/keys.psk) writes and reads back.
+    let (host, port) = c
+        .nbd_addr(1)
+        .rsplit_once(':')
+        .map(|(h, p)| (h.to_string(), p.to_string()))
+        .unwrap();
+    let out = run(Command::new("qemu-io").args([
+        "--object",
+        &format!(
+            "tls-creds-psk,id=tls0,endpoint=client,dir={},username=alice",
+            tmp.path().display()
+        ),
+        "--image-opts",
+        "-c",
+        "write -P 0x6c 0 1M",
+        "-c",
+        "read -P 0x6c 0 1M",
+        &format!(
+            "driver=nbd,server.type=inet,server.host={host},server.port={port},export=v,tls-creds=tls0"
+        ),
+    ]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && !text.contains("fail"),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Another key for the same identity, and a certificate of the
+    // cluster instead of a key: refused.
+    let other = psk_file(tmp.path(), "other.psk", "alice");
+    let out = run(Command::new("nbdinfo").args(["--size", &nbds_psk(&c, 2, "v", "alice", &other)]));
+    assert!(!out.status.success(), "a wrong key was served");
+    let out = run(
+        Command::new("nbdinfo").args(["--size", &nbds(&c, 2, "v", &c.data.join("tls/client"))])
+    );
+    assert!(
+        !out.status.success(),
+        "a certificate was served by a PSK node"
+    );
+    let log = |n: u32| std::fs::read_to_string(c.node_dir(n).join("node.log")).unwrap();
+    assert!(
+        log(1).contains("PSK identity \"alice\""),
+        "node 1 logged no upgrade with its identity"
+    );
+    assert!(
+        log(2).contains("TLS-PSK identity \"alice\" (wrong key?)"),
+        "node 2 logged no refusal of the wrong key"
+    );
+
+    // The key file is kept for the cluster's restarts, and is a flag of a
+    // new cluster only.
+    let layout = std::fs::read_to_string(c.data.join("cluster.json")).unwrap();
+    assert!(layout.contains("keys.psk"), "{layout}");
+    let e = c.shoal_fails(&["up", "--nbd-tls-psk", keys.to_str().unwrap()]);
+    assert!(e.contains("--nbd-tls-psk"), "{e}");
+}
+
+/// `shoal up` refuses a key file others may read, a malformed one, and
+/// one with `--nbd-tls off`, before it starts any node.
+#[test]
+fn bad_psk_key_files_are_refused_before_a_node_starts() {
+    common::require("psktool");
+    let tmp = tempfile::tempdir().unwrap();
+    let subnet = common::Subnet::claim();
+    let keys = psk_file(tmp.path(), "keys.psk", "alice");
+    let bad = tmp.path().join("bad.psk");
+    std::fs::write(&bad, "alice:00112233\n").unwrap();
+    std::fs::set_permissions(&bad, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let open = tmp.path().join("open.psk");
+    std::fs::copy(&keys, &open).unwrap();
+    std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    for (i, (file, extra, says)) in [
+        (&open, None, "chmod 600"),
+        (&bad, None, "line 1"),
+        (&keys, Some("off"), "--nbd-tls off"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let data = tmp.path().join(format!("data{i}"));
+        let mut cmd = Command::new(common::shoal_bin());
+        cmd.env_remove("SHOAL_API").args([
+            "up",
+            "--data",
+            data.to_str().unwrap(),
+            "--nodes",
+            "1",
+            "--net",
+            &subnet.net(),
+            "--no-demo",
+            "--nbd-tls-psk",
+            file.to_str().unwrap(),
+        ]);
+        if let Some(m) = extra {
+            cmd.args(["--nbd-tls", m]);
+        }
+        let out = run(&mut cmd);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{file:?} {extra:?} was taken");
+        assert!(stderr.contains(says), "{file:?}: {stderr}");
+        assert!(!data.join("cluster.json").exists(), "a cluster was made");
+    }
 }

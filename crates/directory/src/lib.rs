@@ -43,6 +43,7 @@ use shoal_model::NodeId;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Cursor;
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -66,6 +67,13 @@ const PROPOSE_TIMEOUT: Duration = Duration::from_secs(5);
 const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Most voters the leader promotes joining nodes to.
 const MAX_VOTERS: usize = 5;
+/// How long without contact with a quorum before this member says at
+/// once that it has none, in milliseconds: a follower that heard no
+/// leader, a leader that heard from no majority. Ten Raft heartbeats
+/// (250 ms), longer than an election takes (1-2 s), so a normal change of
+/// leader is retried through; a member cut off from the majority answers
+/// "no quorum" instead of making its callers wait.
+const QUORUM_LOST_MS: u64 = 2_500;
 
 /// Where and as whom a directory member runs.
 #[derive(Clone, Debug)]
@@ -119,6 +127,9 @@ pub enum DirectoryError {
     State(#[from] StateError),
     #[error("the directory has no leader (no quorum of directory members reachable)")]
     NoLeader,
+    /// This member is cut off from the majority: it cannot decide anything.
+    #[error("no quorum: {0}")]
+    NoQuorum(String),
     #[error("directory storage: {0}")]
     Storage(String),
     #[error("directory network: {0}")]
@@ -158,6 +169,10 @@ struct Inner {
     transport: Transport,
     /// Serializes membership changes made by this node as leader.
     membership: tokio::sync::Mutex<()>,
+    /// When this member last heard from a leader of the current term (an
+    /// append accepted), in milliseconds after `started`.
+    leader_contact_ms: std::sync::atomic::AtomicU64,
+    started: Instant,
 }
 
 /// A directory member. Cheap to clone.
@@ -234,6 +249,9 @@ impl Directory {
                 state,
                 transport,
                 membership: tokio::sync::Mutex::new(()),
+                // No leader heard yet.
+                leader_contact_ms: std::sync::atomic::AtomicU64::new(0),
+                started: Instant::now(),
             }),
         })
     }
@@ -307,7 +325,53 @@ impl Directory {
     /// A forwarded proposal whose answer is lost may be retried and so
     /// applied twice; compare-and-set commands then report a conflict.
     pub async fn propose(&self, cmd: Command) -> Result<Response, DirectoryError> {
+        self.quorum()?;
         self.retry(|| self.propose_once(&cmd)).await
+    }
+
+    /// Whether this member is in contact with a quorum: a leader that a
+    /// majority acknowledged within [`QUORUM_LOST_MS`], or a follower
+    /// that heard from a leader within it. [`DirectoryError::NoQuorum`]
+    /// when it had contact and lost it: nothing proposed here could be
+    /// decided now. A member that has not heard from any leader since it
+    /// started (the whole cluster starting, an election) is not judged:
+    /// its proposals are retried as before.
+    pub fn quorum(&self) -> Result<(), DirectoryError> {
+        let m = self.inner.metrics.borrow();
+        if m.current_leader == Some(self.inner.id) {
+            return match m.millis_since_quorum_ack {
+                Some(ms) if ms > QUORUM_LOST_MS => Err(DirectoryError::NoQuorum(format!(
+                    "this leader has heard from no majority of directory members for {ms} ms"
+                ))),
+                _ => Ok(()),
+            };
+        }
+        drop(m);
+        // 0: no leader heard since start; else milliseconds after start + 1.
+        let last = self.inner.leader_contact_ms.load(Ordering::Acquire);
+        if last == 0 {
+            return Ok(());
+        }
+        let silent = self.since_start_ms().saturating_sub(last - 1);
+        if silent > QUORUM_LOST_MS {
+            return Err(DirectoryError::NoQuorum(format!(
+                "no directory leader heard for {silent} ms (this node is cut off from \
+                 the majority, or the cluster has lost it)"
+            )));
+        }
+        Ok(())
+    }
+
+    fn since_start_ms(&self) -> u64 {
+        u64::try_from(self.inner.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// A leader's append was accepted here: we are in contact with it.
+    fn heard_leader(&self) {
+        let now = self.since_start_ms().saturating_add(1);
+        self.inner
+            .leader_contact_ms
+            .fetch_max(now, Ordering::AcqRel);
     }
 
     async fn propose_once(&self, cmd: &Command) -> Result<Response, Attempt> {
@@ -326,7 +390,15 @@ impl Directory {
 
     /// Writes on this node if it is the leader; never forwards.
     async fn propose_local(&self, cmd: Command) -> Result<Response, WireError> {
-        match self.inner.raft.client_write(cmd).await {
+        // A leader cut off from the majority waits here for a commit that
+        // cannot come: bounded, then the quorum check decides.
+        let write = tokio::time::timeout(PROPOSE_TIMEOUT, self.inner.raft.client_write(cmd));
+        let Ok(written) = write.await else {
+            return Err(WireError::Other(format!(
+                "not committed within {PROPOSE_TIMEOUT:?}"
+            )));
+        };
+        match written {
             Ok(resp) => resp.data.map_err(WireError::State),
             Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => {
                 Err(WireError::NotLeader)
@@ -335,7 +407,8 @@ impl Directory {
         }
     }
 
-    /// Runs `f` until it succeeds, fails for good, or [`RETRY_FOR`] passes.
+    /// Runs `f` until it succeeds, fails for good, [`RETRY_FOR`] passes, or
+    /// this member loses contact with the quorum (then at once).
     async fn retry<T, F, Fut>(&self, mut f: F) -> Result<T, DirectoryError>
     where
         F: FnMut() -> Fut,
@@ -350,6 +423,7 @@ impl Directory {
                     if Instant::now() >= deadline {
                         return Err(e);
                     }
+                    self.quorum()?;
                     tracing::debug!("directory: retrying: {e}");
                     tokio::time::sleep(RETRY_PAUSE).await;
                 }
@@ -581,7 +655,13 @@ async fn h_append(
     Json(req): Json<AppendEntriesRequest<TypeConfig>>,
 ) -> Result<Json<Result<AppendEntriesResponse<NodeId>, RaftError<NodeId>>>, Refused> {
     check_vote(c, &req.vote)?;
-    Ok(Json(d.inner.raft.append_entries(req).await))
+    let answer = d.inner.raft.append_entries(req).await;
+    // Any answer but "your term is over" means the sender leads the
+    // current term: contact with the majority's leader.
+    if matches!(&answer, Ok(r) if !matches!(r, AppendEntriesResponse::HigherVote(_))) {
+        d.heard_leader();
+    }
+    Ok(Json(answer))
 }
 
 async fn h_vote(

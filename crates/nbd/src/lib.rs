@@ -5,7 +5,8 @@
 //! * [`codec`]: constants and pure encode/decode functions (re-exported at the root).
 //! * [`serve`] / [`serve_connection`]: the server (fixed newstyle only, simple replies only),
 //!   over TCP or a Unix socket ([`Listener`], [`Conn`]).
-//! * [`NbdTls`]: TLS for a listener (NBD_OPT_STARTTLS; off, allowed or required).
+//! * [`NbdTls`]: TLS for a listener (NBD_OPT_STARTTLS; off, allowed or required),
+//!   with certificates or pre-shared keys ([`TlsCreds`], [`psk`]).
 //! * [`mem`]: an in-memory [`Exports`] implementation for tests and examples.
 
 use std::future::Future;
@@ -13,12 +14,14 @@ use std::sync::Arc;
 
 pub mod codec;
 pub mod mem;
+pub mod psk;
 mod server;
 mod tls;
 
 pub use codec::*;
+pub use psk::{PskConfig, PskError, PskKeys};
 pub use server::{serve, serve_connection, Conn, Listener};
-pub use tls::NbdTls;
+pub use tls::{NbdTls, TlsCreds};
 
 /// Error an export reports for one request; mapped onto the NBD error field.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -193,7 +196,8 @@ pub enum NbdError {
     #[error("export {name:?} could not be opened: {message}")]
     ExportRejected { name: String, message: String },
     /// The TLS handshake after NBD_OPT_STARTTLS failed (e.g. the client
-    /// showed no certificate, or one the configuration does not accept).
+    /// showed no certificate, or one the configuration does not accept;
+    /// an unknown PSK identity, or the wrong key).
     #[error("TLS handshake failed: {0}")]
     Tls(String),
 }

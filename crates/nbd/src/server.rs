@@ -13,11 +13,10 @@ use futures::FutureExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{mpsc, Semaphore};
-use tokio_rustls::server::TlsStream;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::codec::*;
-use crate::tls::{self, Phase};
+use crate::tls::{self, Phase, TlsConn};
 use crate::{Export, Exports, IoError, NbdError, NbdTls};
 
 /// Requests being handled concurrently per connection.
@@ -227,7 +226,7 @@ async fn serve_peer<S: Conn, E: Exports>(
     drop(exports);
     match negotiated {
         Negotiated::Plain(stream, export) => transmission(stream, Arc::new(export)).await,
-        Negotiated::Tls(stream, export) => transmission(*stream, Arc::new(export)).await,
+        Negotiated::Tls(stream, export) => transmission(stream, Arc::new(export)).await,
         Negotiated::Aborted => Ok(()),
     }
 }
@@ -236,9 +235,8 @@ async fn serve_peer<S: Conn, E: Exports>(
 enum Negotiated<S, X> {
     /// An export is open; transmission runs on the plain stream.
     Plain(S, X),
-    /// An export is open; transmission runs inside TLS (boxed: a TLS
-    /// session is kilobytes, the other variants a few words).
-    Tls(Box<TlsStream<S>>, X),
+    /// An export is open; transmission runs inside TLS.
+    Tls(TlsConn<S>, X),
     /// The client sent NBD_OPT_ABORT.
     Aborted,
 }
@@ -272,17 +270,17 @@ async fn negotiate<S: Conn, E: Exports>(
 ) -> Result<Negotiated<S, E::Export>, NbdError> {
     let mut h = greet(&mut stream).await?;
     let phase = Phase::start(tls, h.fixed_newstyle)?;
-    let config = match haggle(&mut stream, exports, phase, &mut h).await? {
+    let creds = match haggle(&mut stream, exports, phase, &mut h).await? {
         Ended::Go(export) => return Ok(Negotiated::Plain(stream, export)),
         Ended::Abort => return Ok(Negotiated::Aborted),
-        Ended::StartTls => tls.config().cloned().ok_or_else(|| {
+        Ended::StartTls => tls.creds().ok_or_else(|| {
             NbdError::Protocol("NBD_OPT_STARTTLS accepted without TLS".to_string())
         })?,
     };
-    let mut stream = tls::accept(stream, config).await?;
-    debug!(%peer, session = %tls::describe(&stream), "nbd client upgraded to TLS");
+    let (mut stream, session) = tls::accept(stream, creds).await?;
+    info!(%peer, %session, "nbd client upgraded to TLS");
     match haggle(&mut stream, exports, Phase::Upgraded, &mut h).await? {
-        Ended::Go(export) => Ok(Negotiated::Tls(Box::new(stream), export)),
+        Ended::Go(export) => Ok(Negotiated::Tls(stream, export)),
         Ended::Abort => Ok(Negotiated::Aborted),
         Ended::StartTls => Err(NbdError::Protocol("a second TLS upgrade".to_string())),
     }

@@ -725,6 +725,21 @@ async fn metrics(State(h): State<Http>) -> String {
     for ((name, help), v) in NODE_COUNTERS.iter().zip(values) {
         family(&mut out, name, "counter", help, &[(node.clone(), v)]);
     }
+    let rates: Vec<(String, u64)> = h
+        .liveness
+        .clocks
+        .rates()
+        .into_iter()
+        .map(|(n, ppm)| (format!("{node},peer=\"{n}\""), ppm.unsigned_abs()))
+        .collect();
+    family(
+        &mut out,
+        "shoal_clock_rate_error_ppm",
+        "gauge",
+        "How far a node's clock rate differs from this leader's, in parts per million \
+         (the read lease assumes at most 10000)",
+        &rates,
+    );
     let devices: Vec<_> = h
         .replicas
         .get()

@@ -9,6 +9,7 @@
 
 pub mod api_server;
 pub mod auth;
+pub mod clock;
 pub mod encryption;
 pub mod exports;
 pub mod flusher;
@@ -91,6 +92,11 @@ fn create_thick(path: &std::path::Path, size: u64) -> Result<()> {
     Ok(())
 }
 
+/// The I/O wait bound when none is configured, in seconds.
+pub fn default_io_wait_s() -> u64 {
+    OwnerConfig::default().io_wait.as_secs()
+}
+
 /// Everything a node needs to start.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NodeConfig {
@@ -122,6 +128,11 @@ pub struct NodeConfig {
     /// working with plain `nbd://`).
     #[serde(default)]
     pub nbd_tls: Option<NbdTlsMode>,
+    /// NBD over TCP proves clients by pre-shared keys (TLS-PSK) instead
+    /// of certificates: the key file, GnuTLS psktool's `identity:hexkey`
+    /// lines, mode 0600. Read once, at start.
+    #[serde(default)]
+    pub nbd_tls_psk: Option<PathBuf>,
     /// Group given the NBD Unix socket (mode 0660): its members may use
     /// NBD on this host. None: the node's own group.
     #[serde(default)]
@@ -133,6 +144,11 @@ pub struct NodeConfig {
     pub encrypt_in_transit: bool,
     /// Fault domain; defaults to `node-<id>`.
     pub fault_domain: Option<String>,
+    /// How long a client request may wait for its volume (owner failover,
+    /// no quorum, no read lease) before it fails with an I/O error, in
+    /// seconds (`OwnerConfig::io_wait`).
+    #[serde(default = "default_io_wait_s")]
+    pub io_wait_s: u64,
     /// Background scrubbing of the devices.
     #[serde(default)]
     pub scrub: scrub::ScrubConfig,
@@ -141,14 +157,16 @@ pub struct NodeConfig {
     pub tuning: NodeTuning,
 }
 
-/// Whether NBD over TCP needs TLS (STARTTLS, x509: a client certificate
-/// of the cluster's CA, as `shoal cert client` makes).
+/// Whether NBD over TCP needs TLS (STARTTLS; x509, a client certificate
+/// of the cluster's CA, as `shoal cert client` makes, or TLS-PSK with
+/// `--nbd-tls-psk`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum NbdTlsMode {
-    /// Only TLS clients with a certificate of the cluster.
+    /// Only TLS clients (with a certificate of the cluster, or a key).
     Require,
-    /// Plain clients, and TLS clients with a certificate of the cluster.
+    /// Plain clients, and TLS clients (with a certificate of the cluster,
+    /// or a key).
     Allow,
     /// Plain only.
     Off,
@@ -179,11 +197,42 @@ impl NbdTlsMode {
         }
     }
 
-    fn server(self, creds: &shoal_tls::NodeCredentials) -> Result<shoal_nbd::NbdTls> {
-        let config = || creds.server_config(shoal_tls::ClientAuth::Required);
+    /// Reads and checks the TLS-PSK key file `psk` for this mode (`None`:
+    /// the default, which offers TLS): the TLS-PSK settings, and the
+    /// identities. `off` with a key file is refused: it would be ignored.
+    pub fn psk(
+        mode: Option<NbdTlsMode>,
+        psk: &Path,
+    ) -> Result<(shoal_nbd::PskConfig, Vec<String>)> {
+        if mode == Some(NbdTlsMode::Off) {
+            bail!("--nbd-tls-psk needs TLS: --nbd-tls off serves no TLS to use the keys with");
+        }
+        let keys = shoal_nbd::PskKeys::load(psk)?;
+        let identities = keys.identities();
+        Ok((shoal_nbd::PskConfig::new(keys)?, identities))
+    }
+
+    /// The listener's TLS: TLS-PSK with the keys of `psk` when given,
+    /// else x509 with the node's credentials.
+    fn server(
+        self,
+        creds: &shoal_tls::NodeCredentials,
+        psk: Option<&Path>,
+    ) -> Result<shoal_nbd::NbdTls> {
+        let tls_creds: shoal_nbd::TlsCreds = match psk {
+            Some(path) => {
+                let (config, identities) = NbdTlsMode::psk(Some(self), path)?;
+                let identities = identities.len();
+                tracing::info!(file = %path.display(), identities, "NBD over TCP: TLS-PSK");
+                config.into()
+            }
+            None if self == NbdTlsMode::Off => return Ok(shoal_nbd::NbdTls::Off),
+            None => creds.server_config(shoal_tls::ClientAuth::Required)?.into(),
+        };
         Ok(match self {
-            NbdTlsMode::Require => shoal_nbd::NbdTls::Require(config()?),
-            NbdTlsMode::Allow => shoal_nbd::NbdTls::Allow(config()?),
+            NbdTlsMode::Require => shoal_nbd::NbdTls::Require(tls_creds),
+            NbdTlsMode::Allow => shoal_nbd::NbdTls::Allow(tls_creds),
+            // `psk` refused a key file with `off`.
             NbdTlsMode::Off => shoal_nbd::NbdTls::Off,
         })
     }
@@ -520,6 +569,7 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
     let owner_cfg = OwnerConfig {
         node: cfg.id,
         peer_auth: peer_auth.clone(),
+        io_wait: Duration::from_secs(cfg.io_wait_s),
         ..OwnerConfig::default()
     };
     let cluster_key = match &cfg.key_file {
@@ -724,7 +774,7 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
     let nbd_tls_mode = cfg
         .nbd_tls
         .unwrap_or_else(|| NbdTlsMode::default_for(&cfg.nbd_addr));
-    let nbd_tls = nbd_tls_mode.server(&creds)?;
+    let nbd_tls = nbd_tls_mode.server(&creds, cfg.nbd_tls_psk.as_deref())?;
     tracing::info!(mode = ?nbd_tls_mode, "NBD over TCP: TLS");
     let (stop_nbd, nbd_stopped) = tokio::sync::watch::channel(());
     if let Some((l, path)) = nbd_unix {

@@ -25,6 +25,8 @@ pub struct Liveness {
     transport: shoal_directory::Transport,
     seen: Mutex<HashMap<NodeId, Instant>>,
     leader_since: Mutex<Option<Instant>>,
+    /// The nodes' clock rates, as the leader measures them.
+    pub clocks: crate::clock::ClockRates,
 }
 
 impl Liveness {
@@ -35,6 +37,7 @@ impl Liveness {
             transport,
             seen: Mutex::new(HashMap::new()),
             leader_since: Mutex::new(None),
+            clocks: Default::default(),
         }
     }
 
@@ -43,8 +46,18 @@ impl Liveness {
         if !self.dir.is_leader() {
             return;
         }
+        let now = Instant::now();
         if let Ok(mut s) = self.seen.lock() {
-            s.insert(hb.node, Instant::now());
+            s.insert(hb.node, now);
+        }
+        if let Some(ppm) = self.clocks.observe(hb.node, now, hb.mono_ms) {
+            tracing::error!(
+                node = hb.node,
+                "node {}'s clock runs {ppm:+} ppm against the leader's: beyond the {} ppm \
+                 the read lease assumes (docs/lease.md); fix its time source",
+                hb.node,
+                shoal_owner::lease::CLOCK_DRIFT_PPM
+            );
         }
         let state = self.dir.state();
         if state.nodes.get(&hb.node).map(|n| n.state) == Some(NodeState::Down) {
@@ -130,6 +143,7 @@ impl Liveness {
                 let hb = Heartbeat {
                     node: me.node,
                     devices: usage(),
+                    mono_ms: crate::clock::mono_ms(),
                 };
                 match me.dir.leader() {
                     Some(l) if l == me.node => me.heard(hb).await,

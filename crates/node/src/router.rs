@@ -523,7 +523,7 @@ impl Router {
             match owner_node {
                 Some(n) if n.id != self.node && n.state == NodeState::Up => {
                     self.counters.forwarded.fetch_add(1, Ordering::Relaxed);
-                    let r = async {
+                    let forward = async {
                         let p = self.peer(&n.peer_addr).await?;
                         // Never past the client's bound.
                         let left = deadline.saturating_duration_since(Instant::now());
@@ -533,8 +533,17 @@ impl Router {
                             FORWARD_TIMEOUT.min(left),
                         )
                         .await
-                    }
-                    .await;
+                    };
+                    // An owner whose node the directory marks down (or that
+                    // is replaced) will not answer: stop waiting for it and
+                    // go to the new owner at once.
+                    let r = tokio::select! {
+                        r = forward => r,
+                        () = self.owner_changes(volume, n.id, v.generation) => {
+                            *last = format!("owner node {} went away", n.id);
+                            continue;
+                        }
+                    };
                     match r {
                         Ok((_, data)) => return Ok(data),
                         Err(RpcError::Remote(RemoteError::OutOfRange)) => {
@@ -571,6 +580,23 @@ impl Router {
         }
     }
 
+    /// Returns once the directory no longer has `node` up as the owner of
+    /// `volume` at `generation`.
+    async fn owner_changes(&self, volume: VolumeId, node: NodeId, generation: Generation) {
+        let mut w = self.dir.watch();
+        loop {
+            let moved = {
+                let s = w.borrow_and_update();
+                let v = s.volumes.get(&volume);
+                let up = s.nodes.get(&node).map(|n| n.state) == Some(NodeState::Up);
+                v.is_none_or(|v| v.owner != Some(node) || v.generation != generation) || !up
+            };
+            if moved || w.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
     /// Serves I/O forwarded by another node: only a local owner may answer.
     pub async fn serve_forwarded(
         &self,
@@ -602,11 +628,11 @@ impl Router {
             )));
         };
         answer.map_err(|e| match e {
-                OwnerError::OutOfRange => RemoteError::OutOfRange,
-                OwnerError::NoSpace => RemoteError::NoSpace,
-                OwnerError::Io(e) => RemoteError::Io(e),
-                OwnerError::Deposed | OwnerError::Stopped => RemoteError::NotOwner { volume },
-                other => RemoteError::Unavailable(other.to_string()),
-            })
+            OwnerError::OutOfRange => RemoteError::OutOfRange,
+            OwnerError::NoSpace => RemoteError::NoSpace,
+            OwnerError::Io(e) => RemoteError::Io(e),
+            OwnerError::Deposed | OwnerError::Stopped => RemoteError::NotOwner { volume },
+            other => RemoteError::Unavailable(other.to_string()),
+        })
     }
 }

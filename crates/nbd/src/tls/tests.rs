@@ -246,7 +246,7 @@ fn assert_refused(r: io::Result<Vec<OptionReply>>, alert: &str) {
 async fn require_refuses_options_before_starttls() {
     within(async {
         assert_eq!(NBD_REP_ERR_TLS_REQD, (1 << 31) + 5);
-        let addr = listen(NbdTls::Require(pki("c1").server)).await;
+        let addr = listen(NbdTls::Require(pki("c1").server.into())).await;
         let mut s = connect(addr).await;
         let go = go_data(DISK);
         for (option, data) in [
@@ -278,7 +278,7 @@ async fn require_refuses_options_before_starttls() {
 async fn require_serves_go_inside_tls() {
     within(async {
         let p = pki("c1");
-        let addr = listen(NbdTls::Require(p.server.clone())).await;
+        let addr = listen(NbdTls::Require(p.server.clone().into())).await;
         let mut s = connect(addr).await;
         assert_eq!(
             final_reply(&mut s, NBD_OPT_STARTTLS, b"x").await,
@@ -310,7 +310,7 @@ async fn require_serves_go_inside_tls() {
 async fn clients_without_a_certificate_of_the_ca_are_refused() {
     within(async {
         let (p, other) = (pki("c1"), pki("c2"));
-        let addr = listen(NbdTls::Require(p.server.clone())).await;
+        let addr = listen(NbdTls::Require(p.server.clone().into())).await;
         // TLS 1.3: the client hears of the refusal after its handshake.
         let refused = tls_go(addr, client(&p, None)).await;
         assert_refused(refused, "CertificateRequired");
@@ -328,7 +328,7 @@ async fn clients_without_a_certificate_of_the_ca_are_refused() {
 async fn allow_serves_plain_and_tls_clients() {
     within(async {
         let p = pki("c1");
-        let addr = listen(NbdTls::Allow(p.server.clone())).await;
+        let addr = listen(NbdTls::Allow(p.server.clone().into())).await;
         let mut s = connect(addr).await;
         assert_eq!(
             final_reply(&mut s, NBD_OPT_GO, &go_data(DISK)).await,
@@ -372,7 +372,7 @@ async fn off_answers_starttls_unsupported() {
 #[tokio::test]
 async fn require_closes_a_client_without_fixed_newstyle() {
     within(async {
-        let addr = listen(NbdTls::Require(pki("c1").server)).await;
+        let addr = listen(NbdTls::Require(pki("c1").server.into())).await;
         let mut s = connect_with(addr, NBD_FLAG_C_NO_ZEROES).await;
         expect_closed(&mut s).await;
     })
@@ -383,7 +383,7 @@ async fn require_closes_a_client_without_fixed_newstyle() {
 /// is closed when the handshake time is up.
 #[tokio::test(start_paused = true)]
 async fn the_handshake_timeout_bounds_the_tls_handshake() {
-    let addr = listen(NbdTls::Require(pki("c1").server)).await;
+    let addr = listen(NbdTls::Require(pki("c1").server.into())).await;
     within(async {
         let mut s = connect(addr).await;
         assert_eq!(
