@@ -111,7 +111,7 @@ pub enum Request {
 /// The longest read lease an owner may ask for, in milliseconds; also the
 /// lease a replica assumes it may have granted just before it started (it
 /// keeps its grants in memory only).
-pub const MAX_LEASE_MS: u32 = 10_000;
+pub const MAX_LEASE_MS: u32 = 4_000;
 
 /// Client operations on a whole volume.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

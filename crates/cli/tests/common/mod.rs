@@ -7,6 +7,7 @@
 pub mod fio;
 pub mod ledger;
 pub mod load;
+pub mod netns;
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
