@@ -384,6 +384,15 @@ impl Client {
             .await
     }
 
+    /// Revokes every certificate issued to the NBD client `name`.
+    pub async fn revoke_client(&self, name: &str) -> Result<serde_json::Value, ApiError> {
+        self.post(
+            &format!("/v1/certs/client/{name}/revoke"),
+            &serde_json::json!({}),
+        )
+        .await
+    }
+
     /// A certificate for an NBD client (answered with the cluster CA).
     pub async fn client_cert(&self, req: &ClientCertRequest) -> Result<JoinCertAnswer, ApiError> {
         self.post("/v1/certs/client", req).await

@@ -103,6 +103,15 @@ enum CertCmd {
         #[command(flatten)]
         target: Target,
     },
+    /// Revoke every certificate made for an NBD client: nodes refuse its
+    /// TLS handshakes from then on (connections it holds stay until they
+    /// close).
+    RevokeClient {
+        /// The client's name, as given to `shoal cert client`.
+        name: String,
+        #[command(flatten)]
+        target: Target,
+    },
 }
 
 #[derive(Subcommand)]
@@ -591,6 +600,11 @@ async fn run(cmd: Cmd) -> Result<()> {
                 "wrote {}: ca-cert.pem, client-cert.pem, client-key.pem",
                 out.display()
             );
+            Ok(())
+        }
+        Cmd::Cert(CertCmd::RevokeClient { name, target }) => {
+            local::client(&target)?.revoke_client(&name).await?;
+            println!("client {name}: certificates revoked");
             Ok(())
         }
         Cmd::Cluster(ClusterCmd::RevokeNode { id, target }) => {

@@ -9,6 +9,7 @@ mod common;
 use common::{run, Cluster};
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
 fn nbds(c: &Cluster, node: u32, volume: &str, creds: &Path) -> String {
     format!(
@@ -139,6 +140,32 @@ fn tls_required_serves_credential_holders_and_refuses_plain_nbd() {
         !out.status.success(),
         "another cluster's client certificate was served"
     );
+
+    // A revoked client is refused on every node from then on; the others
+    // are still served.
+    c.shoal(&["cert", "revoke-client", "backup-host"]);
+    for n in 1..=2 {
+        let url = nbds(&c, n, "v", &mine);
+        common::wait_for(
+            "the revocation to reach every node",
+            Duration::from_secs(10),
+            || {
+                let out = run(Command::new("nbdinfo").args(["--size", &url]));
+                match out.status.success() {
+                    true => Err("still served".to_string()),
+                    false => Ok(()),
+                }
+            },
+        );
+    }
+    let out = run(Command::new("nbdinfo").args(["--size", &nbds(&c, 2, "v", &creds)]));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = c.shoal_fails(&["cert", "revoke-client", "nobody"]);
+    assert!(err.contains("no certificate was issued"), "{err}");
     c.verify_copies("v");
 }
 

@@ -33,9 +33,13 @@ pub struct ClusterState {
     /// SHA-256 of every certificate issued to a node, by node.
     #[serde(default)]
     pub node_certs: BTreeMap<NodeId, BTreeSet<String>>,
-    /// Certificates members refuse (SHA-256): those of revoked nodes.
+    /// Certificates members refuse (SHA-256): those of revoked nodes and
+    /// NBD clients.
     #[serde(default)]
     pub revoked_certs: BTreeSet<String>,
+    /// SHA-256 of every certificate issued to an NBD client, by name.
+    #[serde(default)]
+    pub client_certs: BTreeMap<String, BTreeSet<String>>,
 }
 
 /// A change to the cluster state, the payload of a Raft log entry.
@@ -117,6 +121,12 @@ pub enum Command {
         state: ComponentState,
         generation: Generation,
     },
+    /// Records a certificate issued to an NBD client (by its SHA-256), so
+    /// that revoking the client names it.
+    RecordClientCert { name: String, cert_sha256: String },
+    /// Revokes every certificate issued to an NBD client: nodes refuse its
+    /// TLS handshakes from then on.
+    RevokeClientCerts { name: String },
 }
 
 /// A component chosen by placement, before it has an id.
@@ -194,6 +204,14 @@ pub fn reservation(size: u64, policy: &Policy) -> u64 {
 
 fn input(e: impl std::fmt::Display) -> StateError {
     StateError::Input(e.to_string())
+}
+
+/// A certificate's SHA-256 as the directory keeps it: 64 hex digits.
+fn check_sha256(sha256: &str) -> Result<(), StateError> {
+    if sha256.len() != 64 || !sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(input("a certificate's SHA-256 is 64 hex digits"));
+    }
+    Ok(())
 }
 
 impl ClusterState {
@@ -334,9 +352,7 @@ impl ClusterState {
     }
 
     fn record_cert(&mut self, node: NodeId, sha256: &str) -> Result<Response, StateError> {
-        if sha256.len() != 64 || !sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
-            return Err(input("a certificate's SHA-256 is 64 hex digits"));
-        }
+        check_sha256(sha256)?;
         if self.revoked_certs.contains(sha256) {
             return Err(input("this certificate is revoked"));
         }
@@ -344,6 +360,30 @@ impl ClusterState {
             .entry(node)
             .or_default()
             .insert(sha256.to_string());
+        Ok(Response::Ok)
+    }
+
+    fn record_client_cert(&mut self, name: &str, sha256: &str) -> Result<Response, StateError> {
+        check_sha256(sha256)?;
+        if name.is_empty() || name.len() > 64 {
+            return Err(input("a client's name is 1 to 64 bytes"));
+        }
+        if self.revoked_certs.contains(sha256) {
+            return Err(input("this certificate is revoked"));
+        }
+        self.client_certs
+            .entry(name.to_string())
+            .or_default()
+            .insert(sha256.to_string());
+        Ok(Response::Ok)
+    }
+
+    fn revoke_client_certs(&mut self, name: &str) -> Result<Response, StateError> {
+        let certs = self
+            .client_certs
+            .remove(name)
+            .ok_or_else(|| input(format!("no certificate was issued to a client {name:?}")))?;
+        self.revoked_certs.extend(certs);
         Ok(Response::Ok)
     }
 
@@ -527,6 +567,10 @@ impl ClusterState {
             Command::SetClusterCa { ca } => self.set_ca(ca),
             Command::RecordNodeCert { node, cert_sha256 } => self.record_cert(*node, cert_sha256),
             Command::RevokeNodeCerts { node } => self.revoke_certs(*node),
+            Command::RecordClientCert { name, cert_sha256 } => {
+                self.record_client_cert(name, cert_sha256)
+            }
+            Command::RevokeClientCerts { name } => self.revoke_client_certs(name),
             Command::CreateToken { token } => {
                 if self.tokens.contains_key(&token.id) {
                     return Err(StateError::TokenTaken(token.id.clone()));
@@ -713,6 +757,35 @@ mod tests {
             Response::Id(id) => id,
             r => panic!("{r:?}"),
         }
+    }
+
+    #[test]
+    fn a_revoked_clients_certificates_are_refused_and_cannot_return() {
+        let mut s = ClusterState::default();
+        let fp = |c: char| c.to_string().repeat(64);
+        let record = |name: &str, sha: String| Command::RecordClientCert {
+            name: name.into(),
+            cert_sha256: sha,
+        };
+        s.apply(&record("backup", fp('a'))).unwrap();
+        s.apply(&record("backup", fp('b'))).unwrap();
+        s.apply(&record("web", fp('c'))).unwrap();
+        assert!(s.apply(&record("web", "xyz".into())).is_err(), "bad hash");
+        assert!(s.apply(&record("", fp('d'))).is_err(), "empty name");
+        s.apply(&Command::RevokeClientCerts {
+            name: "backup".into(),
+        })
+        .unwrap();
+        assert!(s.revoked_certs.contains(&fp('a')) && s.revoked_certs.contains(&fp('b')));
+        assert!(!s.revoked_certs.contains(&fp('c')), "another client stays");
+        assert!(
+            s.apply(&record("backup", fp('a'))).is_err(),
+            "revoked stays revoked"
+        );
+        let again = Command::RevokeClientCerts {
+            name: "backup".into(),
+        };
+        assert!(s.apply(&again).is_err(), "nothing left to revoke");
     }
 
     #[test]

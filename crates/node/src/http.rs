@@ -115,6 +115,7 @@ pub fn routes(h: Http) -> axum::Router {
         .route("/v1/tokens/{id}", axum::routing::delete(revoke_token))
         .route("/v1/nodes/{id}/revoke", post(revoke_node))
         .route("/v1/certs/client", post(client_cert))
+        .route("/v1/certs/client/{name}/revoke", post(revoke_client))
         .route("/livez", get(livez))
         .route_layer(axum::middleware::from_fn_with_state(
             h.clone(),
@@ -253,13 +254,34 @@ async fn client_cert(
     }
     let material = cluster_ca(&h)?;
     let cluster_id = h.router.dir.state().cluster_id.clone();
-    let subject = shoal_tls::Subject::Client { name: req.name };
+    let name = req.name;
+    let subject = shoal_tls::Subject::Client { name: name.clone() };
     let cert_pem = shoal_tls::issue(&material, &cluster_id, &req.csr_pem, &subject)
         .map_err(|e| bad(e.to_string()))?;
+    // Recorded before it is handed out, so that it can be revoked.
+    let cert_sha256 = shoal_tls::fingerprint_pem(&cert_pem).map_err(|e| bad(e.to_string()))?;
+    h.router
+        .dir
+        .propose(Command::RecordClientCert {
+            name: name.clone(),
+            cert_sha256,
+        })
+        .await?;
     Ok(Json(shoal_api::JoinCertAnswer {
         cert_pem,
         ca_pem: material.cert_pem,
     }))
+}
+
+async fn revoke_client(
+    State(h): State<Http>,
+    Path(name): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiErr> {
+    h.router
+        .dir
+        .propose(Command::RevokeClientCerts { name: name.clone() })
+        .await?;
+    Ok(Json(serde_json::json!({ "revoked_client": name })))
 }
 
 async fn revoke_node(

@@ -213,11 +213,13 @@ impl NbdTlsMode {
     }
 
     /// The listener's TLS: TLS-PSK with the keys of `psk` when given,
-    /// else x509 with the node's credentials.
+    /// else x509 with the node's credentials, refusing the client
+    /// certificates `revoked` names.
     fn server(
         self,
         creds: &shoal_tls::NodeCredentials,
         psk: Option<&Path>,
+        revoked: shoal_tls::Revoked,
     ) -> Result<shoal_nbd::NbdTls> {
         let tls_creds: shoal_nbd::TlsCreds = match psk {
             Some(path) => {
@@ -227,7 +229,7 @@ impl NbdTlsMode {
                 config.into()
             }
             None if self == NbdTlsMode::Off => return Ok(shoal_nbd::NbdTls::Off),
-            None => creds.server_config(shoal_tls::ClientAuth::Required)?.into(),
+            None => creds.client_server_config(revoked)?.into(),
         };
         Ok(match self {
             NbdTlsMode::Require => shoal_nbd::NbdTls::Require(tls_creds),
@@ -774,7 +776,11 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
     let nbd_tls_mode = cfg
         .nbd_tls
         .unwrap_or_else(|| NbdTlsMode::default_for(&cfg.nbd_addr));
-    let nbd_tls = nbd_tls_mode.server(&creds, cfg.nbd_tls_psk.as_deref())?;
+    let revoked: shoal_tls::Revoked = {
+        let dir = dir.clone();
+        Arc::new(move |sha256: &str| dir.state().revoked_certs.contains(sha256))
+    };
+    let nbd_tls = nbd_tls_mode.server(&creds, cfg.nbd_tls_psk.as_deref(), revoked)?;
     tracing::info!(mode = ?nbd_tls_mode, "NBD over TCP: TLS");
     let (stop_nbd, nbd_stopped) = tokio::sync::watch::channel(());
     if let Some((l, path)) = nbd_unix {

@@ -251,3 +251,92 @@ impl ClientCredentials {
         write_private(&dir.join("client-cert.pem"), cert_pem)
     }
 }
+
+/// Whether a certificate (its SHA-256, hex) is revoked; asked at every
+/// handshake, so it follows the directory as it changes.
+pub type Revoked = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
+/// The CA's verifier, and then a refusal of revoked certificates.
+#[derive(Debug)]
+struct RevocableVerifier {
+    inner: Arc<dyn rustls::server::danger::ClientCertVerifier>,
+    revoked: RevokedDebug,
+}
+
+/// [`Revoked`] in a struct that must be `Debug`.
+struct RevokedDebug(Revoked);
+
+impl std::fmt::Debug for RevokedDebug {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Revoked")
+    }
+}
+
+impl rustls::server::danger::ClientCertVerifier for RevocableVerifier {
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
+        let ok = self
+            .inner
+            .verify_client_cert(end_entity, intermediates, now)?;
+        if (self.revoked.0)(&crate::fingerprint(end_entity)) {
+            return Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::Revoked,
+            ));
+        }
+        Ok(ok)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
+impl NodeCredentials {
+    /// A server configuration for NBD clients: a certificate of the
+    /// cluster's CA is required, and one that `revoked` names is refused
+    /// at the handshake.
+    pub fn client_server_config(&self, revoked: Revoked) -> Result<Arc<ServerConfig>, TlsError> {
+        let inner = WebPkiClientVerifier::builder_with_provider(roots(&self.ca)?, provider())
+            .build()
+            .map_err(|e| TlsError::Cert(e.to_string()))?;
+        let v = Arc::new(RevocableVerifier {
+            inner,
+            revoked: RevokedDebug(revoked),
+        });
+        let mut c = ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])?
+            .with_client_cert_verifier(v)
+            .with_single_cert(
+                vec![self.cert.clone(), self.ca.clone()],
+                self.key.clone_key(),
+            )?;
+        c.send_tls13_tickets = 0;
+        Ok(Arc::new(c))
+    }
+}

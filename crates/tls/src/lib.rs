@@ -25,7 +25,7 @@ mod verify;
 pub use ca::{issue, new_ca, CaMaterial, KeyRequest, Subject};
 pub use creds::{
     fingerprint_pem, join_client_config, load_ca, save_ca_key, ClientAuth, ClientCredentials,
-    NodeCredentials, CA_FILE, CA_KEY_FILE, CERT_FILE, KEY_FILE,
+    NodeCredentials, Revoked, CA_FILE, CA_KEY_FILE, CERT_FILE, KEY_FILE,
 };
 pub use member::{
     admitted, fingerprint, member_of, until_revoked, Admit, Member, MemberStream, PeerSecurity,
