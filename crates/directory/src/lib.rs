@@ -74,6 +74,9 @@ const MAX_VOTERS: usize = 5;
 /// leader is retried through; a member cut off from the majority answers
 /// "no quorum" instead of making its callers wait.
 const QUORUM_LOST_MS: u64 = 2_500;
+/// How often a write waiting on this leader checks that it still has a
+/// quorum, in milliseconds.
+const QUORUM_POLL_MS: u64 = 100;
 
 /// Where and as whom a directory member runs.
 #[derive(Clone, Debug)]
@@ -149,6 +152,8 @@ enum WireError {
     NotLeader,
     Other(String),
     Forbidden(String),
+    /// The leader lost contact with the majority while writing.
+    NoQuorum(String),
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -362,6 +367,17 @@ impl Directory {
         Ok(())
     }
 
+    /// Returns why, once [`Directory::quorum`] says this member lost the
+    /// quorum (checked every [`QUORUM_POLL_MS`]).
+    async fn quorum_lost(&self) -> String {
+        loop {
+            tokio::time::sleep(Duration::from_millis(QUORUM_POLL_MS)).await;
+            if let Err(DirectoryError::NoQuorum(why)) = self.quorum() {
+                return why;
+            }
+        }
+    }
+
     fn since_start_ms(&self) -> u64 {
         u64::try_from(self.inner.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
@@ -391,9 +407,14 @@ impl Directory {
     /// Writes on this node if it is the leader; never forwards.
     async fn propose_local(&self, cmd: Command) -> Result<Response, WireError> {
         // A leader cut off from the majority waits here for a commit that
-        // cannot come: bounded, then the quorum check decides.
+        // cannot come: it stops waiting once it knows it has no quorum,
+        // and within a bound in any case.
         let write = tokio::time::timeout(PROPOSE_TIMEOUT, self.inner.raft.client_write(cmd));
-        let Ok(written) = write.await else {
+        let written = tokio::select! {
+            w = write => w,
+            lost = self.quorum_lost() => return Err(WireError::NoQuorum(lost)),
+        };
+        let Ok(written) = written else {
             return Err(WireError::Other(format!(
                 "not committed within {PROPOSE_TIMEOUT:?}"
             )));
@@ -622,6 +643,7 @@ fn wire(e: WireError) -> Attempt {
         WireError::NotLeader => Attempt::Retry(DirectoryError::NoLeader),
         WireError::Other(s) => Attempt::Retry(DirectoryError::Raft(s)),
         WireError::Forbidden(s) => Attempt::Final(DirectoryError::Forbidden(s)),
+        WireError::NoQuorum(s) => Attempt::Final(DirectoryError::NoQuorum(s)),
     }
 }
 

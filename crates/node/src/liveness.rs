@@ -1,7 +1,12 @@
-//! Node liveness: every node sends a heartbeat to the directory leader; the
-//! leader marks a node down when its heartbeats stop and up when they
-//! resume. Liveness lives in the leader's memory, never in the Raft log,
-//! except for the up/down transitions themselves.
+//! Node liveness: every node sends a heartbeat to every directory voter;
+//! the leader marks a node down when its heartbeats stop and up when they
+//! resume. Liveness lives in the voters' memory, never in the Raft log,
+//! except for the up/down transitions themselves. Every voter keeps when it
+//! last heard each node, so a newly elected leader (the old one may be the
+//! host that was cut off) judges from what it heard before its election
+//! instead of giving everyone a full timeout from its start: a dead
+//! owner's node is marked down 3 s after it went silent, not 3 s after the
+//! election that followed.
 
 use shoal_api::{DeviceUsage, Heartbeat};
 use shoal_directory::{Command, Directory};
@@ -15,6 +20,9 @@ pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(500);
 /// Silence after which the leader marks a node down, in seconds: several
 /// missed heartbeats, so one slow round trip does not flap a node.
 pub const DOWN_AFTER: Duration = Duration::from_secs(3);
+/// Interval of the leader's check for silent nodes, in milliseconds: a
+/// small part of the failover time.
+const CHECK_EVERY: Duration = Duration::from_millis(250);
 /// Usage changes smaller than this are not written to the directory (bytes).
 const USAGE_STEP: u64 = 16 << 20;
 
@@ -41,14 +49,14 @@ impl Liveness {
         }
     }
 
-    /// A heartbeat arrived (on the leader).
+    /// A heartbeat arrived (on a voter; only the leader acts on it).
     pub async fn heard(&self, hb: Heartbeat) {
-        if !self.dir.is_leader() {
-            return;
-        }
         let now = Instant::now();
         if let Ok(mut s) = self.seen.lock() {
             s.insert(hb.node, now);
+        }
+        if !self.dir.is_leader() {
+            return;
         }
         if let Some(ppm) = self.clocks.observe(hb.node, now, hb.mono_ms) {
             tracing::error!(
@@ -110,8 +118,10 @@ impl Liveness {
                 if n.id == self.node || n.state != NodeState::Up {
                     continue;
                 }
-                // A new leader gives everyone a full timeout from its start.
-                let last = seen.get(&n.id).copied().unwrap_or(since).max(since);
+                // Heard before this node led, as a voter: judged from
+                // then. Never heard: a full timeout from the leadership's
+                // start.
+                let last = seen.get(&n.id).copied().unwrap_or(since);
                 if now.duration_since(last) > DOWN_AFTER {
                     down.push(n.id);
                 }
@@ -132,6 +142,39 @@ impl Liveness {
         }
     }
 
+    /// Sends one heartbeat to every directory voter, each on its own task
+    /// (to this node itself without the network): a voter that does not
+    /// answer delays none of the others, nor the next round. A send lasts
+    /// at most two intervals, so at most two wait per silent voter.
+    async fn send_to_voters(self: &Arc<Self>, hb: Heartbeat) {
+        let state = self.dir.state();
+        for v in self.dir.voters() {
+            if v == self.node {
+                self.heard(hb.clone()).await;
+                continue;
+            }
+            let Some(addr) = state.nodes.get(&v).map(|n| n.api_addr.clone()) else {
+                continue;
+            };
+            let (me, hb) = (self.clone(), hb.clone());
+            tokio::spawn(async move {
+                let t = &me.transport;
+                let url = format!("{}://{addr}/v1/heartbeat", t.scheme);
+                let r = t
+                    .client
+                    .post(&url)
+                    .timeout(HEARTBEAT_EVERY * 2)
+                    .json(&hb)
+                    .send()
+                    .await
+                    .and_then(|r| r.error_for_status());
+                if let Err(e) = r {
+                    tracing::debug!("heartbeat to {addr}: {e}");
+                }
+            });
+        }
+    }
+
     /// Runs the heartbeat sender and the leader's check until the process ends.
     pub fn spawn(self: &Arc<Self>, usage: impl Fn() -> Vec<DeviceUsage> + Send + Sync + 'static) {
         let me = self.clone();
@@ -145,33 +188,12 @@ impl Liveness {
                     devices: usage(),
                     mono_ms: crate::clock::mono_ms(),
                 };
-                match me.dir.leader() {
-                    Some(l) if l == me.node => me.heard(hb).await,
-                    Some(l) => {
-                        let addr = me.dir.state().nodes.get(&l).map(|n| n.api_addr.clone());
-                        if let Some(addr) = addr {
-                            let t = &me.transport;
-                            let url = format!("{}://{addr}/v1/heartbeat", t.scheme);
-                            let r = t
-                                .client
-                                .post(&url)
-                                .timeout(Duration::from_secs(1))
-                                .json(&hb)
-                                .send()
-                                .await
-                                .and_then(|r| r.error_for_status());
-                            if let Err(e) = r {
-                                tracing::debug!("heartbeat to {addr}: {e}");
-                            }
-                        }
-                    }
-                    None => {}
-                }
+                me.send_to_voters(hb).await;
             }
         });
         let me = self.clone();
         tokio::spawn(async move {
-            let mut iv = tokio::time::interval(Duration::from_millis(500));
+            let mut iv = tokio::time::interval(CHECK_EVERY);
             loop {
                 iv.tick().await;
                 me.check().await;

@@ -39,8 +39,9 @@ pub(super) struct Parked {
     /// Copies that took the write.
     pub(super) ok: ReplicaSet,
     pub(super) reply: Reply,
-    /// When it was parked: after the I/O wait bound its client is told it
-    /// failed (the directory cannot be reached to record the copies).
+    /// When it was sent to the copies: after the I/O wait bound its client
+    /// is told it failed (the directory cannot be reached to record the
+    /// copies that missed it).
     pub(super) since: std::time::Instant,
 }
 
@@ -120,7 +121,7 @@ fn write_request(
 
 /// Waits for every copy's answer to write `seq`.
 async fn write_outcome(
-    seq: u64,
+    (seq, sent): (u64, std::time::Instant),
     pending: Vec<(usize, PendingReply)>,
     mut results: Vec<(usize, Result<(), RpcError>)>,
     reply: Reply,
@@ -135,6 +136,7 @@ async fn write_outcome(
     results.extend(done);
     Internal::WriteDone {
         seq,
+        sent,
         results,
         reply,
     }
@@ -233,7 +235,8 @@ impl<C: Control> Loop<C> {
                 Err(e) => results.push((i, Err(e))),
             }
         }
-        let outcome = write_outcome(seq, pending, results, reply, self.cfg.io_timeout);
+        let sent = std::time::Instant::now();
+        let outcome = write_outcome((seq, sent), pending, results, reply, self.cfg.io_timeout);
         self.writes.push(Box::pin(outcome));
     }
 
@@ -241,7 +244,7 @@ impl<C: Control> Loop<C> {
     /// the copies that missed it are recorded out of service.
     pub(super) fn write_done(
         &mut self,
-        seq: u64,
+        (seq, sent_at): (u64, std::time::Instant),
         results: Vec<(usize, Result<(), RpcError>)>,
         reply: Reply,
     ) -> Flow {
@@ -287,7 +290,7 @@ impl<C: Control> Loop<C> {
                 waiting,
                 ok,
                 reply,
-                since: std::time::Instant::now(),
+                since: sent_at,
             });
         }
         Flow::Continue

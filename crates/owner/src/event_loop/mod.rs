@@ -76,6 +76,8 @@ pub(crate) enum Internal {
     /// Every copy a write was sent to answered (or failed to).
     WriteDone {
         seq: u64,
+        /// When it was sent to the copies.
+        sent: Instant,
         results: Vec<(usize, Result<(), RpcError>)>,
         reply: Reply,
     },
@@ -316,9 +318,10 @@ impl<C: Control> Loop<C> {
         match ev {
             Internal::WriteDone {
                 seq,
+                sent,
                 results,
                 reply,
-            } => self.write_done(seq, results, reply),
+            } => self.write_done((seq, sent), results, reply),
             Internal::ReadFailed {
                 idx,
                 offset,
