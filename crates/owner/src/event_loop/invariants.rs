@@ -21,8 +21,23 @@ impl<C: Control> Loop<C> {
         self.check_resync();
         self.check_writes();
         self.check_route(flow);
+        self.check_lease(flow);
         #[cfg(debug_assertions)]
         self.check_queues();
+    }
+
+    /// Reads wait for the lease only while it does not hold: it becomes
+    /// valid only in a renewal, which serves them (the next tick starts
+    /// another round after one without a majority).
+    fn check_lease(&self, flow: Flow) {
+        if flow == Flow::Stop {
+            return;
+        }
+        assert!(
+            self.lease_waiting.is_empty() || !self.lease.holds(),
+            "{} reads wait for a lease that holds",
+            self.lease_waiting.len()
+        );
     }
 
     /// Each copy's role, mode and connection agree; the votes add up; at

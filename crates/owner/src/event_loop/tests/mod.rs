@@ -850,3 +850,68 @@ async fn a_write_in_flight_without_its_future_is_caught() {
     rig.lp.next_seq = 2;
     rig.lp.check_invariants(Flow::Continue);
 }
+
+fn renewed(outcome: super::lease::Renewal, generation: u64) -> Internal {
+    Internal::Renewed {
+        sent: std::time::Instant::now(),
+        generation,
+        outcome,
+    }
+}
+
+#[tokio::test]
+async fn a_read_without_a_lease_waits_for_a_renewal_by_a_majority() {
+    use super::lease::Renewal;
+    let mut rig = rig(&standard()).await;
+    rig.lp.lease.end();
+    let mut read = rig.submit(Op::Read {
+        offset: 0,
+        len: 4096,
+    });
+    assert_eq!(rig.lp.lease_waiting.len(), 1, "the read waits");
+    assert!(rig.lp.renewing, "and a renewal asks for the lease");
+    rig.settle().await;
+    assert!(
+        rig.fakes.iter().all(|f| matches!(
+            f.requests().last(),
+            Some(Request::Renew { generation: 1, .. })
+        )),
+        "every component is asked"
+    );
+    assert!(
+        rig.requests(0)
+            .iter()
+            .all(|r| !matches!(r, Request::Read { .. })),
+        "nothing read without a lease"
+    );
+    // A round without a majority changes nothing; one with a majority
+    // serves the read.
+    assert_eq!(rig.internal(renewed(Renewal::NoQuorum, 1)), Flow::Continue);
+    assert_eq!(answered(&mut read), None);
+    assert_eq!(rig.internal(renewed(Renewal::Quorum, 1)), Flow::Continue);
+    assert!(rig.lp.lease_waiting.is_empty());
+    assert_eq!(answer(read).await, Ok(Bytes::from(vec![1u8; 4096])));
+}
+
+#[tokio::test]
+async fn a_read_that_waits_too_long_for_a_lease_fails_and_a_newer_owner_deposes() {
+    use super::lease::Renewal;
+    let mut rig = rig(&standard()).await;
+    rig.lp.lease.end();
+    let read = rig.submit(Op::Read {
+        offset: 0,
+        len: 4096,
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    assert_eq!(rig.tick(), Flow::Continue);
+    assert!(matches!(
+        answer(read).await,
+        Err(OwnerError::Unavailable(_))
+    ));
+    // A stale answer to a round of an older generation of this owner is
+    // not a deposition; one of the current generation is.
+    rig.lp.renewing = true;
+    assert_eq!(rig.internal(renewed(Renewal::Stale, 0)), Flow::Continue);
+    rig.lp.renewing = true;
+    assert_eq!(rig.internal(renewed(Renewal::Stale, 1)), Flow::Stop);
+}
