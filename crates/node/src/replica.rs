@@ -545,9 +545,13 @@ impl Replicas {
                     .get(&device)
                     .cloned()
                     .ok_or(RemoteError::NoSuchDevice(device))?;
+                let new = d.store.component(component).is_none();
                 d.store
                     .create_component(component, volume, size)
                     .map_err(remote)?;
+                if new {
+                    self.leases.created(component, std::time::Instant::now());
+                }
                 self.placement
                     .lock()
                     .map_err(|_| RemoteError::Io("poisoned".into()))?

@@ -200,6 +200,17 @@ impl Grants {
         left
     }
 
+    /// The component was just created here: no lease was ever granted on
+    /// it, by this process or an earlier one.
+    pub fn created(&self, c: ComponentId, now: Instant) {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        map.entry(c).or_insert(Grant {
+            generation: 0,
+            at: now,
+            lease_ms: 0,
+        });
+    }
+
     /// The component is gone.
     pub fn forget(&self, c: ComponentId) {
         let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
@@ -256,5 +267,8 @@ mod tests {
         assert_eq!(g.grant(1, 5, LEASE_MS, much_later), Err(7));
         g.forget(1);
         assert_eq!(g.activate(1, 8, much_later), 0, "start is long past");
+        // A component made by this process was never leased.
+        g.created(2, start);
+        assert_eq!(g.activate(2, 1, start), 0);
     }
 }
