@@ -191,7 +191,10 @@ pub fn issues(s: &StatusReport) -> Vec<Issue> {
         }
         for c in &vol.volume.components {
             match c.state {
-                ComponentState::Resyncing => v.push(Issue::Resyncing(name.clone())),
+                // Being copied to, as a resync is.
+                ComponentState::Resyncing | ComponentState::Reconfiguring => {
+                    v.push(Issue::Resyncing(name.clone()))
+                }
                 ComponentState::Absent => v.push(Issue::Absent(name.clone())),
                 ComponentState::Degraded => v.push(Issue::Degraded(name.clone())),
                 ComponentState::Active => {}
@@ -488,6 +491,7 @@ mod tests {
             generation: 3,
             problem: None,
             wrapped_key: None,
+            reconfig: None,
         };
         let health = if states.iter().all(|s| *s == ComponentState::Active) {
             VolumeHealth::Healthy

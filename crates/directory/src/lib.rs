@@ -24,6 +24,7 @@
 pub mod state;
 
 mod network;
+pub mod reconfig;
 pub use network::CONNECT_TIMEOUT;
 mod store;
 

@@ -127,6 +127,28 @@ pub enum Command {
     /// Revokes every certificate issued to an NBD client: nodes refuse its
     /// TLS handshakes from then on.
     RevokeClientCerts { name: String },
+    /// Begins a change of a volume's layout under its owner's generation
+    /// (`crates/directory/src/reconfig.rs`): adds components in state
+    /// `Reconfiguring`, records those to drop and the policy to end with.
+    BeginReconfig {
+        volume: VolumeId,
+        generation: Generation,
+        add: Vec<PlannedComponent>,
+        remove: Vec<ComponentId>,
+        policy: Option<Policy>,
+        reason: String,
+    },
+    /// Switches the volume to its new layout: the added components become
+    /// active, the dropped ones leave.
+    CommitReconfig {
+        volume: VolumeId,
+        generation: Generation,
+    },
+    /// Undoes a change in progress: the added components leave.
+    AbortReconfig {
+        volume: VolumeId,
+        generation: Generation,
+    },
 }
 
 /// A component chosen by placement, before it has an id.
@@ -202,7 +224,7 @@ pub fn reservation(size: u64, policy: &Policy) -> u64 {
     (size as u128 * policy.reserve_pct.min(100) as u128 / 100) as u64
 }
 
-fn input(e: impl std::fmt::Display) -> StateError {
+pub(crate) fn input(e: impl std::fmt::Display) -> StateError {
     StateError::Input(e.to_string())
 }
 
@@ -223,6 +245,25 @@ impl ClusterState {
         self.volume_by_name(name)
             .map(|v| v.id)
             .ok_or_else(|| StateError::NoSuchVolume(name.to_string()))
+    }
+
+    /// A planned component's node exists and holds its device.
+    pub(crate) fn check_placed(&self, c: &PlannedComponent) -> Result<(), StateError> {
+        if !self.nodes.contains_key(&c.node) {
+            return Err(StateError::NoSuchNode(c.node));
+        }
+        let d = self
+            .devices
+            .get(&c.device)
+            .ok_or(StateError::NoSuchDevice(c.device))?;
+        if d.node != c.node {
+            return Err(StateError::DeviceNotOnNode {
+                device: c.device,
+                stated: c.node,
+                actual: d.node,
+            });
+        }
+        Ok(())
     }
 
     fn alloc_id(&mut self) -> u64 {
@@ -283,6 +324,9 @@ impl ClusterState {
                     | Command::DeleteVolume { .. }
                     | Command::ResizeVolume { .. }
                     | Command::RegisterDevice { .. }
+                    | Command::BeginReconfig { .. }
+                    | Command::CommitReconfig { .. }
+                    | Command::AbortReconfig { .. }
             )
         {
             self.recount_provisioned();
@@ -500,20 +544,7 @@ impl ClusterState {
                     return Err(input("a volume needs at least one data component"));
                 }
                 for c in components {
-                    if !self.nodes.contains_key(&c.node) {
-                        return Err(StateError::NoSuchNode(c.node));
-                    }
-                    let d = self
-                        .devices
-                        .get(&c.device)
-                        .ok_or(StateError::NoSuchDevice(c.device))?;
-                    if d.node != c.node {
-                        return Err(StateError::DeviceNotOnNode {
-                            device: c.device,
-                            stated: c.node,
-                            actual: d.node,
-                        });
-                    }
+                    self.check_placed(c)?;
                 }
                 let placed: Vec<_> = components.iter().map(|c| (c.role, c.device)).collect();
                 let reserved = self.reserve_delta(&placed, 0, reservation(*size, policy))?;
@@ -547,21 +578,16 @@ impl ClusterState {
                         generation: 0,
                         problem: None,
                         wrapped_key: wrapped_key.clone(),
+                        reconfig: None,
                     },
                 );
                 Ok(Response::Id(id))
             }
             Command::DeleteVolume { name } => {
                 let id = self.volume_id_by_name(name)?;
-                let v = &self.volumes[&id];
-                let placed: Vec<_> = v.components.iter().map(|c| (c.role, c.device)).collect();
-                let reserved = self.reserve_delta(&placed, reservation(v.size, &v.policy), 0)?;
-                for (dev, r) in reserved {
-                    if let Some(d) = self.devices.get_mut(&dev) {
-                        d.reserved = r;
-                    }
-                }
-                self.volumes.remove(&id);
+                // Whatever change is in progress goes with it.
+                let v = self.volumes[&id].clone();
+                self.replace_volume(Some(&v), None)?;
                 Ok(Response::Ok)
             }
             Command::SetClusterCa { ca } => self.set_ca(ca),
@@ -571,6 +597,16 @@ impl ClusterState {
                 self.record_client_cert(name, cert_sha256)
             }
             Command::RevokeClientCerts { name } => self.revoke_client_certs(name),
+            Command::BeginReconfig { .. } => {
+                let b = cmd.as_begin().ok_or_else(|| input("not a begin"))?;
+                self.begin_reconfig(&b)
+            }
+            Command::CommitReconfig { volume, generation } => {
+                self.commit_reconfig(*volume, *generation)
+            }
+            Command::AbortReconfig { volume, generation } => {
+                self.abort_reconfig(*volume, *generation)
+            }
             Command::CreateToken { token } => {
                 if self.tokens.contains_key(&token.id) {
                     return Err(StateError::TokenTaken(token.id.clone()));
@@ -587,6 +623,10 @@ impl ClusterState {
                 let id = self.volume_id_by_name(name)?;
                 if let Some(v) = self.volumes.get_mut(&id) {
                     v.policy.iops_limit = *iops_limit;
+                    // The policy a change in progress ends with too.
+                    if let Some(p) = v.reconfig.as_mut().and_then(|r| r.policy.as_mut()) {
+                        p.iops_limit = *iops_limit;
+                    }
                 }
                 Ok(Response::Ok)
             }
@@ -594,6 +634,11 @@ impl ClusterState {
                 let id = self.volume_id_by_name(name)?;
                 check_volume_size(*size).map_err(input)?;
                 let v = &self.volumes[&id];
+                if v.reconfig.is_some() {
+                    return Err(input(format!(
+                        "volume {name} is being reconfigured: resize it once that is done"
+                    )));
+                }
                 if *size < v.size {
                     return Err(StateError::Shrink {
                         name: name.clone(),
@@ -1140,6 +1185,32 @@ mod tests {
                 state: DeviceState::Healthy
             }),
             (
+                1u64..20,
+                0u64..4,
+                prop::collection::vec(planned.clone(), 0..3),
+                prop::collection::vec(1u64..20, 0..2),
+                prop::option::of(0u8..=100),
+            )
+                .prop_map(|(v, g, add, remove, reserve)| Command::BeginReconfig {
+                    volume: v,
+                    generation: g,
+                    add,
+                    remove,
+                    policy: reserve.map(|r| Policy {
+                        reserve_pct: r,
+                        ..Policy::default()
+                    }),
+                    reason: "test".into(),
+                }),
+            (1u64..20, 0u64..4).prop_map(|(v, g)| Command::CommitReconfig {
+                volume: v,
+                generation: g
+            }),
+            (1u64..20, 0u64..4).prop_map(|(v, g)| Command::AbortReconfig {
+                volume: v,
+                generation: g
+            }),
+            (
                 names.clone(),
                 sizes.clone(),
                 0u8..=100,
@@ -1210,7 +1281,17 @@ mod tests {
         let mut want: BTreeMap<DeviceId, u64> = BTreeMap::new();
         for v in s.volumes.values() {
             for c in v.data_components() {
-                *want.entry(c.device).or_default() += reservation(v.size, &v.policy);
+                *want.entry(c.device).or_default() += crate::reconfig::reserved_for(v, c);
+            }
+            // A change in progress names components of the volume only.
+            if let Some(r) = &v.reconfig {
+                for id in r.added.iter().chain(&r.remove) {
+                    assert!(
+                        v.components.iter().any(|c| c.id == *id),
+                        "{id} not in {v:?}"
+                    );
+                }
+                assert!(r.added.iter().all(|a| !r.remove.contains(a)));
             }
         }
         for d in s.devices.values() {

@@ -133,6 +133,10 @@ pub enum ComponentState {
     Degraded,
     /// Being brought up to date; receives writes but serves no reads.
     Resyncing,
+    /// Added by a reconfiguration in progress ([`Reconfig`]): receives
+    /// every write and is copied to from the in-sync copies; part of the
+    /// new layout only, until the change is committed.
+    Reconfiguring,
 }
 
 impl fmt::Display for ComponentState {
@@ -142,6 +146,7 @@ impl fmt::Display for ComponentState {
             ComponentState::Absent => "absent",
             ComponentState::Degraded => "degraded",
             ComponentState::Resyncing => "resyncing",
+            ComponentState::Reconfiguring => "reconfiguring",
         })
     }
 }
@@ -180,6 +185,27 @@ pub struct Volume {
     /// key itself is never in the directory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wrapped_key: Option<String>,
+    /// A change of layout in progress: components added (state
+    /// [`ComponentState::Reconfiguring`]) and components to drop when it
+    /// is committed. While it lasts the volume has two layouts, and the
+    /// votes rule must hold in both.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reconfig: Option<Reconfig>,
+}
+
+/// A reconfiguration in progress (the one primitive behind rebuilds,
+/// evacuations and policy changes; `docs/reconfiguration.md`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reconfig {
+    /// Why, for people: "rebuild of component 7", "policy raid1 ftt=2".
+    pub reason: String,
+    /// Components added by the change (in the new layout only until it is
+    /// committed), whatever state the owner has recorded them in since.
+    pub added: Vec<ComponentId>,
+    /// Components that leave the layout when the change is committed.
+    pub remove: Vec<ComponentId>,
+    /// The volume's policy once committed (None: unchanged).
+    pub policy: Option<Policy>,
 }
 
 /// Longest reason a volume's `problem` keeps, in bytes.
@@ -214,28 +240,61 @@ impl Volume {
             .filter(|c| c.role == ComponentRole::Data)
     }
 
-    /// Total votes of the volume.
+    /// Total votes of the volume (of the layout before a change in
+    /// progress).
     pub fn total_votes(&self) -> u32 {
-        self.components.iter().map(|c| c.votes).sum()
+        self.components
+            .iter()
+            .filter(|c| self.in_old_layout(c))
+            .map(|c| c.votes)
+            .sum()
+    }
+
+    /// Whether `c` is part of the layout before the change in progress
+    /// (with none, the only layout): every component but those added.
+    pub fn in_old_layout(&self, c: &Component) -> bool {
+        self.reconfig
+            .as_ref()
+            .is_none_or(|r| !r.added.contains(&c.id))
+    }
+
+    /// Whether `c` is part of the layout after the change in progress
+    /// (with none, the only layout): every component but those removed.
+    pub fn in_new_layout(&self, c: &Component) -> bool {
+        self.reconfig
+            .as_ref()
+            .is_none_or(|r| !r.remove.contains(&c.id))
     }
 
     /// The votes rule: a volume may serve I/O while the components that
     /// `reachable` accepts carry more than half of all votes and include at
     /// least one full, up-to-date data copy (`in_sync` decides which are).
+    ///
+    /// While a reconfiguration is in progress the rule must hold in the
+    /// old layout and in the new one (joint majorities, as Raft changes
+    /// its membership): any majority an owner uses then intersects any
+    /// majority a later owner uses, whichever layout it knows.
     pub fn quorum(
         &self,
         reachable: impl Fn(&Component) -> bool,
         in_sync: impl Fn(&Component) -> bool,
     ) -> bool {
-        let total = self.total_votes();
-        let have: u32 = self
-            .components
-            .iter()
-            .filter(|c| reachable(c))
-            .map(|c| c.votes)
-            .sum();
-        let copy = self.data_components().any(|c| reachable(c) && in_sync(c));
-        2 * have > total && copy
+        let majority = |layout: &dyn Fn(&Component) -> bool| {
+            let (mut total, mut have) = (0u32, 0u32);
+            for c in self.components.iter().filter(|c| layout(c)) {
+                total += c.votes;
+                if reachable(c) {
+                    have += c.votes;
+                }
+            }
+            2 * have > total
+        };
+        let copy = self
+            .data_components()
+            .any(|c| self.in_old_layout(c) && reachable(c) && in_sync(c));
+        let old = majority(&|c| self.in_old_layout(c));
+        let new = self.reconfig.is_none() || majority(&|c| self.in_new_layout(c));
+        old && new && copy
     }
 
     /// Health from the directory's view: a component counts as reachable
@@ -243,7 +302,12 @@ impl Volume {
     pub fn health(&self, nodes: &BTreeMap<NodeId, NodeInfo>) -> VolumeHealth {
         let up = |c: &Component| {
             nodes.get(&c.node).map(|n| n.state) == Some(NodeState::Up)
-                && matches!(c.state, ComponentState::Active | ComponentState::Resyncing)
+                && matches!(
+                    c.state,
+                    ComponentState::Active
+                        | ComponentState::Resyncing
+                        | ComponentState::Reconfiguring
+                )
         };
         if self.problem.is_some() || !self.quorum(up, |c| c.state == ComponentState::Active) {
             VolumeHealth::Inaccessible
@@ -361,6 +425,7 @@ mod tests {
         Volume {
             problem: None,
             wrapped_key: None,
+            reconfig: None,
             id: 1,
             name: "v".into(),
             size: 4096,

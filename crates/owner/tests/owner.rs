@@ -336,6 +336,7 @@ fn view(addrs: &[String], up: [bool; 3], gen: Generation) -> View {
             generation: gen,
             problem: None,
             wrapped_key: None,
+            reconfig: None,
         },
         targets: comps
             .iter()

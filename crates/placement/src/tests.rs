@@ -169,6 +169,7 @@ fn volume_from(plan: &[Planned], policy: Policy, size: u64) -> Volume {
         generation: 1,
         problem: None,
         wrapped_key: None,
+        reconfig: None,
     }
 }
 

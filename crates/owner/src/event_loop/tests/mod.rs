@@ -454,6 +454,7 @@ async fn a_newer_owner_in_the_view_stops_the_loop() {
         generation: 1,
         problem: None,
         wrapped_key: None,
+        reconfig: None,
     };
     assert_eq!(
         rig.lp.apply(Event::View(View {

@@ -1,0 +1,304 @@
+//! The directory's half of the reconfiguration primitive
+//! (`docs/reconfiguration.md`): a change of a volume's layout is begun,
+//! then committed or aborted, each step one command under the owner's
+//! generation, so that whoever owns the volume next finds the change in
+//! the directory and resumes or undoes it.
+//!
+//! - [`Command::BeginReconfig`]: components are added in state
+//!   `Reconfiguring` (their space reserved), the components to drop and
+//!   the policy to end with are recorded.
+//! - [`Command::CommitReconfig`]: the added components become active, the
+//!   dropped ones leave (their space released), the policy changes.
+//! - [`Command::AbortReconfig`]: the added components leave, nothing else
+//!   changes.
+//!
+//! Each builds the volume as it will be, then moves every device's
+//! reservation from what the volume holds now to what it will hold
+//! ([`reserved_for`]), refusing a device without the space: validate, then
+//! mutate, like every command of the state machine.
+
+use crate::state::{input, reservation, ClusterState, PlannedComponent, Response};
+use crate::StateError;
+use shoal_model::{
+    Component, ComponentId, ComponentRole, ComponentState, DeviceId, Generation, Policy, Reconfig,
+    Volume, VolumeId,
+};
+use std::collections::BTreeMap;
+
+/// Most components a reconfiguration adds at once: a change to the
+/// largest policy (three copies and two witnesses more) and a few to spare.
+pub const MAX_RECONFIG_ADDS: usize = 8;
+/// Longest reason kept, in bytes.
+pub const MAX_REASON_BYTES: usize = 256;
+
+/// Bytes a data component of `v` holds reserved on its device. Without a
+/// change in progress, the policy's reservation; during one, an added
+/// component holds the new policy's, a dropped one the old policy's, and a
+/// kept one the larger of the two, so that both the commit and the abort
+/// only release space.
+pub fn reserved_for(v: &Volume, c: &Component) -> u64 {
+    let old = reservation(v.size, &v.policy);
+    let Some(r) = &v.reconfig else {
+        return old;
+    };
+    let new = reservation(v.size, &r.policy.unwrap_or(v.policy));
+    if r.added.contains(&c.id) {
+        new
+    } else if r.remove.contains(&c.id) {
+        old
+    } else {
+        old.max(new)
+    }
+}
+
+/// Per device, what the data components of `v` hold reserved.
+fn reserved_by(v: Option<&Volume>) -> BTreeMap<DeviceId, u64> {
+    let mut out = BTreeMap::new();
+    for v in v.into_iter() {
+        for c in v.data_components() {
+            *out.entry(c.device).or_default() += reserved_for(v, c);
+        }
+    }
+    out
+}
+
+/// A begin, as the command carries it.
+pub(crate) struct Begin<'a> {
+    pub(crate) volume: VolumeId,
+    pub(crate) generation: Generation,
+    pub(crate) add: &'a [PlannedComponent],
+    pub(crate) remove: &'a [ComponentId],
+    pub(crate) policy: Option<Policy>,
+    pub(crate) reason: &'a str,
+}
+
+impl ClusterState {
+    /// The volume `id` if `generation` is its current one.
+    fn owned(&self, id: VolumeId, generation: Generation) -> Result<&Volume, StateError> {
+        let v = self
+            .volumes
+            .get(&id)
+            .ok_or(StateError::NoSuchVolumeId(id))?;
+        if v.generation != generation {
+            return Err(StateError::GenerationConflict {
+                current: v.generation,
+                owner: v.owner,
+            });
+        }
+        Ok(v)
+    }
+
+    /// Replaces volume `before` (if any) by `after` (if any), moving the
+    /// devices' reservations with it; refused, changing nothing, when a
+    /// device lacks the space for what grows.
+    pub(crate) fn replace_volume(
+        &mut self,
+        before: Option<&Volume>,
+        after: Option<Volume>,
+    ) -> Result<(), StateError> {
+        let (was, will) = (reserved_by(before), reserved_by(after.as_ref()));
+        let mut reserved = BTreeMap::new();
+        for dev in was.keys().chain(will.keys()) {
+            let d = self
+                .devices
+                .get(dev)
+                .ok_or(StateError::NoSuchDevice(*dev))?;
+            let (from, to) = (
+                was.get(dev).copied().unwrap_or(0),
+                will.get(dev).copied().unwrap_or(0),
+            );
+            let rest = d
+                .reserved
+                .checked_sub(from)
+                .ok_or_else(|| input(format!("reservation on device {dev} out of range")))?;
+            if to > from {
+                let free = d.capacity.saturating_sub(d.used).saturating_sub(d.reserved);
+                if to - from > free {
+                    return Err(StateError::NoSpace {
+                        device: *dev,
+                        needed: to - from,
+                        free,
+                    });
+                }
+            }
+            reserved.insert(*dev, rest + to);
+        }
+        // Validated: mutate.
+        for (dev, r) in reserved {
+            if let Some(d) = self.devices.get_mut(&dev) {
+                d.reserved = r;
+            }
+        }
+        match after {
+            Some(v) => {
+                self.volumes.insert(v.id, v);
+            }
+            None => {
+                if let Some(b) = before {
+                    self.volumes.remove(&b.id);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn begin_reconfig(&mut self, b: &Begin<'_>) -> Result<Response, StateError> {
+        let before = self.owned(b.volume, b.generation)?.clone();
+        self.check_begin(&before, b)?;
+        let mut after = before.clone();
+        let mut next_id = self.next_id.max(1);
+        let mut added = Vec::with_capacity(b.add.len());
+        for c in b.add {
+            added.push(next_id);
+            after.components.push(Component {
+                id: next_id,
+                role: c.role,
+                node: c.node,
+                device: c.device,
+                state: ComponentState::Reconfiguring,
+                votes: c.votes,
+            });
+            next_id += 1;
+        }
+        after.reconfig = Some(Reconfig {
+            reason: b.reason.to_string(),
+            added,
+            remove: b.remove.to_vec(),
+            policy: b.policy,
+        });
+        self.replace_volume(Some(&before), Some(after))?;
+        self.next_id = next_id;
+        Ok(Response::Ok)
+    }
+
+    /// Everything a begin must satisfy, checked before anything changes.
+    fn check_begin(&self, v: &Volume, b: &Begin<'_>) -> Result<(), StateError> {
+        if v.reconfig.is_some() {
+            return Err(input(format!(
+                "volume {} is already being reconfigured",
+                v.name
+            )));
+        }
+        if b.add.is_empty() && b.remove.is_empty() && b.policy.is_none() {
+            return Err(input("a reconfiguration changes something"));
+        }
+        if b.add.len() > MAX_RECONFIG_ADDS || b.reason.len() > MAX_REASON_BYTES {
+            return Err(input(format!(
+                "a reconfiguration adds at most {MAX_RECONFIG_ADDS} components, and its reason \
+                 is at most {MAX_REASON_BYTES} bytes"
+            )));
+        }
+        for id in b.remove {
+            if !v.components.iter().any(|c| c.id == *id) {
+                return Err(StateError::NoSuchComponent {
+                    volume: v.id,
+                    component: *id,
+                });
+            }
+        }
+        for (i, c) in b.add.iter().enumerate() {
+            self.check_placed(c)?;
+            let taken = v.components.iter().any(|k| k.device == c.device)
+                || b.add[..i].iter().any(|k| k.device == c.device);
+            if taken {
+                return Err(input(format!(
+                    "device {} already holds a component of volume {}",
+                    c.device, v.name
+                )));
+            }
+        }
+        let kept = v
+            .data_components()
+            .filter(|c| !b.remove.contains(&c.id))
+            .count();
+        let added = b
+            .add
+            .iter()
+            .filter(|c| c.role == ComponentRole::Data)
+            .count();
+        if kept + added == 0 {
+            return Err(input("the new layout needs at least one data component"));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn commit_reconfig(
+        &mut self,
+        volume: VolumeId,
+        generation: Generation,
+    ) -> Result<Response, StateError> {
+        let before = self.owned(volume, generation)?.clone();
+        let Some(r) = before.reconfig.clone() else {
+            return Err(input(format!(
+                "volume {} is not being reconfigured",
+                before.name
+            )));
+        };
+        // An added component the owner recorded failed was not brought
+        // in sync: the change is aborted (or begun again), not committed.
+        let mut added = before.components.iter().filter(|c| r.added.contains(&c.id));
+        if let Some(c) = added.find(|c| c.state != ComponentState::Reconfiguring) {
+            return Err(input(format!(
+                "component {} added to volume {} is {}, not in sync",
+                c.id, before.name, c.state
+            )));
+        }
+        let mut after = before.clone();
+        after.components.retain(|c| !r.remove.contains(&c.id));
+        for c in &mut after.components {
+            if r.added.contains(&c.id) {
+                c.state = ComponentState::Active;
+            }
+        }
+        after.policy = r.policy.unwrap_or(before.policy);
+        after.reconfig = None;
+        self.replace_volume(Some(&before), Some(after))?;
+        Ok(Response::Ok)
+    }
+
+    pub(crate) fn abort_reconfig(
+        &mut self,
+        volume: VolumeId,
+        generation: Generation,
+    ) -> Result<Response, StateError> {
+        let before = self.owned(volume, generation)?.clone();
+        let Some(r) = before.reconfig.clone() else {
+            return Err(input(format!(
+                "volume {} is not being reconfigured",
+                before.name
+            )));
+        };
+        let mut after = before.clone();
+        after.components.retain(|c| !r.added.contains(&c.id));
+        after.reconfig = None;
+        self.replace_volume(Some(&before), Some(after))?;
+        Ok(Response::Ok)
+    }
+}
+
+impl crate::state::Command {
+    /// A begin's fields, if this is one.
+    pub(crate) fn as_begin(&self) -> Option<Begin<'_>> {
+        match self {
+            crate::state::Command::BeginReconfig {
+                volume,
+                generation,
+                add,
+                remove,
+                policy,
+                reason,
+            } => Some(Begin {
+                volume: *volume,
+                generation: *generation,
+                add,
+                remove,
+                policy: *policy,
+                reason,
+            }),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
