@@ -20,6 +20,29 @@ fn nbds(c: &Cluster, node: u32, volume: &str, creds: &Path) -> String {
 }
 
 /// qemu's options for a TLS connection to `volume` on `node`.
+/// Node `n` serves plain NBD over TCP to no one and lists nothing to it.
+fn refuses_plain(c: &Cluster, n: u32) {
+    let out = run(Command::new("nbdinfo").arg(c.uri(n, "v")));
+    assert!(!out.status.success(), "plain NBD served by node {n}");
+    let out = run(Command::new("nbdinfo").args(["--list", &format!("nbd://{}", c.nbd_addr(n))]));
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("\"v\""),
+        "node {n} listed a volume to a plain client"
+    );
+}
+
+/// nbdinfo reads the size of the export at `url`: it is served. The size
+/// nbdinfo printed.
+fn served(url: &str) -> String {
+    let out = run(Command::new("nbdinfo").args(["--size", url]));
+    assert!(
+        out.status.success(),
+        "{url}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
 fn qemu_tls(c: &Cluster, node: u32, volume: &str, creds: &Path) -> [String; 3] {
     let (host, port) = c
         .nbd_addr(node)
@@ -49,27 +72,11 @@ fn tls_required_serves_credential_holders_and_refuses_plain_nbd() {
 
     // Plain NBD over TCP: refused on every node, nothing listed.
     for n in 1..=3 {
-        let out = run(Command::new("nbdinfo").arg(c.uri(n, "v")));
-        assert!(!out.status.success(), "plain NBD served by node {n}");
-        let out =
-            run(Command::new("nbdinfo").args(["--list", &format!("nbd://{}", c.nbd_addr(n))]));
-        assert!(
-            !String::from_utf8_lossy(&out.stdout).contains("\"v\""),
-            "node {n} listed a volume to a plain client"
-        );
+        refuses_plain(&c, n);
     }
 
     // nbdinfo over TLS: the size.
-    let out = run(Command::new("nbdinfo").args(["--size", &nbds(&c, 2, "v", &creds)]));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout).trim(),
-        (64u64 << 20).to_string()
-    );
+    assert_eq!(served(&nbds(&c, 2, "v", &creds)), (64u64 << 20).to_string());
 
     // qemu-io writes through node 1, qemu-img reads through node 3.
     let [o, creds1, image1] = qemu_tls(&c, 1, "v", &creds);
@@ -123,12 +130,7 @@ fn tls_required_serves_credential_holders_and_refuses_plain_nbd() {
         "--out",
         mine.to_str().unwrap(),
     ]);
-    let out = run(Command::new("nbdinfo").args(["--size", &nbds(&c, 1, "v", &mine)]));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    served(&nbds(&c, 1, "v", &mine));
     let other = Cluster::start(1);
     let theirs = tmp.path().join("theirs");
     other.shoal(&["cert", "client", "x", "--out", theirs.to_str().unwrap()]);
@@ -158,12 +160,7 @@ fn tls_required_serves_credential_holders_and_refuses_plain_nbd() {
             },
         );
     }
-    let out = run(Command::new("nbdinfo").args(["--size", &nbds(&c, 2, "v", &creds)]));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    served(&nbds(&c, 2, "v", &creds));
     let err = c.shoal_fails(&["cert", "revoke-client", "nobody"]);
     assert!(err.contains("no certificate was issued"), "{err}");
     c.verify_copies("v");
@@ -174,19 +171,9 @@ fn a_loopback_cluster_serves_plain_and_tls_by_default() {
     common::require("nbdinfo");
     let c = Cluster::start(1);
     c.create_volume("v", "16M", "ftt=0");
-    let out = run(Command::new("nbdinfo").args(["--size", &c.uri(1, "v")]));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    served(&c.uri(1, "v"));
     let creds = c.data.join("tls/client");
-    let out = run(Command::new("nbdinfo").args(["--size", &nbds(&c, 1, "v", &creds)]));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    served(&nbds(&c, 1, "v", &creds));
     // A layout flag of a new cluster is refused on an existing one.
     let e = c.shoal_fails(&["up", "--nbd-tls", "require"]);
     assert!(e.contains("--nbd-tls"), "{e}");
@@ -240,14 +227,7 @@ fn tls_psk_required_serves_key_holders_and_refuses_plain_nbd() {
             (64u64 << 20).to_string()
         );
         // Plain NBD over TCP: refused, nothing listed.
-        let out = run(Command::new("nbdinfo").arg(c.uri(n, "v")));
-        assert!(!out.status.success(), "plain NBD served by node {n}");
-        let out =
-            run(Command::new("nbdinfo").args(["--list", &format!("nbd://{}", c.nbd_addr(n))]));
-        assert!(
-            !String::from_utf8_lossy(&out.stdout).contains("\"v\""),
-            "node {n} listed a volume to a plain client"
-        );
+        refuses_plain(&c, n);
     }
 
     // qemu with tls-creds-psk (DIR/keys.psk) writes and reads back.

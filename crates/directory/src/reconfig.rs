@@ -222,18 +222,29 @@ impl ClusterState {
         Ok(())
     }
 
+    /// The volume `id` under `generation` and the change in progress on
+    /// it.
+    fn changing(
+        &self,
+        id: VolumeId,
+        generation: Generation,
+    ) -> Result<(Volume, Reconfig), StateError> {
+        let v = self.owned(id, generation)?;
+        match &v.reconfig {
+            Some(r) => Ok((v.clone(), r.clone())),
+            None => Err(input(format!(
+                "volume {} is not being reconfigured",
+                v.name
+            ))),
+        }
+    }
+
     pub(crate) fn commit_reconfig(
         &mut self,
         volume: VolumeId,
         generation: Generation,
     ) -> Result<Response, StateError> {
-        let before = self.owned(volume, generation)?.clone();
-        let Some(r) = before.reconfig.clone() else {
-            return Err(input(format!(
-                "volume {} is not being reconfigured",
-                before.name
-            )));
-        };
+        let (before, r) = self.changing(volume, generation)?;
         // An added component the owner recorded failed was not brought
         // in sync: the change is aborted (or begun again), not committed.
         let mut added = before.components.iter().filter(|c| r.added.contains(&c.id));
@@ -261,13 +272,7 @@ impl ClusterState {
         volume: VolumeId,
         generation: Generation,
     ) -> Result<Response, StateError> {
-        let before = self.owned(volume, generation)?.clone();
-        let Some(r) = before.reconfig.clone() else {
-            return Err(input(format!(
-                "volume {} is not being reconfigured",
-                before.name
-            )));
-        };
+        let (before, r) = self.changing(volume, generation)?;
         let mut after = before.clone();
         after.components.retain(|c| !r.added.contains(&c.id));
         after.reconfig = None;

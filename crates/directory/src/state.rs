@@ -728,12 +728,12 @@ impl ClusterState {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::collections::BTreeSet;
 
-    fn node(id: NodeId) -> NodeInfo {
+    pub(crate) fn node(id: NodeId) -> NodeInfo {
         NodeInfo {
             id,
             fault_domain: format!("node-{id}"),

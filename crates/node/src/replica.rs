@@ -827,6 +827,18 @@ mod tests {
         Replicas::new(vec![d])
     }
 
+    /// Replicas over one device holding component 1 (8 MiB); the folder
+    /// lives as long as the first value.
+    fn one_component() -> (tempfile::TempDir, Replicas) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dev.img");
+        let s = Store::create(&path, 64 * MIB, "t").unwrap();
+        s.create_component(1, 1, 8 * MIB).unwrap();
+        s.close().unwrap();
+        let r = replicas(&path);
+        (dir, r)
+    }
+
     async fn call(r: &Replicas, req: Request, payload: Bytes) -> Response {
         r.handle(req, payload).await.0
     }
@@ -927,12 +939,7 @@ mod tests {
     /// with the copy's generation is served; an older one is stale.
     #[tokio::test]
     async fn a_read_never_changes_the_generation() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("dev.img");
-        let s = Store::create(&path, 64 * MIB, "t").unwrap();
-        s.create_component(1, 1, 8 * MIB).unwrap();
-        s.close().unwrap();
-        let r = replicas(&path);
+        let (_dir, r) = one_component();
         write(&r, 1, 0, 1).await;
         let read = |generation| Request::Read {
             component: 1,
@@ -972,12 +979,7 @@ mod tests {
     /// older owner's renewals are stale.
     #[tokio::test]
     async fn renewals_are_granted_to_the_current_owner_only() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("dev.img");
-        let s = Store::create(&path, 64 * MIB, "t").unwrap();
-        s.create_component(1, 1, 8 * MIB).unwrap();
-        s.close().unwrap();
-        let r = replicas(&path);
+        let (_dir, r) = one_component();
         let activate = |generation| Request::Activate {
             component: 1,
             generation,

@@ -179,6 +179,14 @@ impl NodeCredentials {
             ClientAuth::Optional => v.allow_unauthenticated(),
         };
         let v = v.build().map_err(|e| TlsError::Cert(e.to_string()))?;
+        self.server_config_with(v)
+    }
+
+    /// [`NodeCredentials::server_config`] with the client verifier `v`.
+    fn server_config_with(
+        &self,
+        v: Arc<dyn rustls::server::danger::ClientCertVerifier>,
+    ) -> Result<Arc<ServerConfig>, TlsError> {
         let mut c = ServerConfig::builder_with_provider(provider())
             .with_protocol_versions(&[&rustls::version::TLS13])?
             .with_client_cert_verifier(v)
@@ -325,18 +333,9 @@ impl NodeCredentials {
         let inner = WebPkiClientVerifier::builder_with_provider(roots(&self.ca)?, provider())
             .build()
             .map_err(|e| TlsError::Cert(e.to_string()))?;
-        let v = Arc::new(RevocableVerifier {
+        self.server_config_with(Arc::new(RevocableVerifier {
             inner,
             revoked: RevokedDebug(revoked),
-        });
-        let mut c = ServerConfig::builder_with_provider(provider())
-            .with_protocol_versions(&[&rustls::version::TLS13])?
-            .with_client_cert_verifier(v)
-            .with_single_cert(
-                vec![self.cert.clone(), self.ca.clone()],
-                self.key.clone_key(),
-            )?;
-        c.send_tls13_tickets = 0;
-        Ok(Arc::new(c))
+        }))
     }
 }

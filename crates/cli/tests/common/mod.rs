@@ -569,7 +569,7 @@ fn health_of(v: &serde_json::Value) -> String {
 }
 
 /// The components of a `volume show` JSON, one "role@node state" each.
-fn components_of(v: &serde_json::Value) -> String {
+pub fn components_of(v: &serde_json::Value) -> String {
     let cs = v["volume"]["components"].as_array();
     cs.map(|cs| {
         cs.iter()

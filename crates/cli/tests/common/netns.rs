@@ -1152,18 +1152,7 @@ impl NetCluster {
             generation: v["volume"]["generation"].as_u64().unwrap_or(0),
             data: on("Data"),
             witnesses: on("Witness"),
-            components: cs
-                .iter()
-                .map(|x| {
-                    format!(
-                        "{}@{} {}",
-                        x["role"].as_str().unwrap_or("?"),
-                        x["node"],
-                        x["state"].as_str().unwrap_or("?")
-                    )
-                })
-                .collect::<Vec<_>>()
-                .join(", "),
+            components: super::components_of(&v),
         })
     }
 

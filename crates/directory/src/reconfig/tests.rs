@@ -3,21 +3,10 @@
 //! and 2 and a witness on node 3.
 
 use super::*;
+use crate::state::tests::node;
 use crate::state::Command;
-use shoal_model::{NodeInfo, NodeState};
 
 const SIZE: u64 = 1 << 20;
-
-fn node(id: u64) -> NodeInfo {
-    NodeInfo {
-        id,
-        fault_domain: format!("node-{id}"),
-        peer_addr: format!("10.0.0.{id}:7000"),
-        api_addr: format!("10.0.0.{id}:8000"),
-        nbd_addr: format!("10.0.0.{id}:10809"),
-        state: NodeState::Up,
-    }
-}
 
 fn planned(role: ComponentRole, node: u64, device: DeviceId) -> PlannedComponent {
     PlannedComponent {
