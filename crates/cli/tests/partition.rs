@@ -15,9 +15,7 @@
 //! - the harness itself: every nemesis cuts what it says and the heal
 //!   restores every path.
 //!
-//! The quick schedules run by default; the long ones are `#[ignore]`d:
-//! `cargo test -p shoal-cli --test partition -- --include-ignored
-//! --test-threads=1`.
+//! Every schedule runs in `.ci/run` (about two minutes in all).
 
 mod common;
 
@@ -958,7 +956,6 @@ fn registers_split_2_2() {
 }
 
 #[test]
-#[ignore = "long partition schedule: --include-ignored"]
 fn registers_split_1_3_owner_in_minority() {
     registers_under(Schedule {
         name: "split 1/3, the owner alone",
@@ -969,7 +966,6 @@ fn registers_split_1_3_owner_in_minority() {
 }
 
 #[test]
-#[ignore = "long partition schedule: --include-ignored"]
 fn registers_one_way_cut_from_owner() {
     registers_under(Schedule {
         name: "one way: the owner's host cannot send to the others",
@@ -983,7 +979,6 @@ fn registers_one_way_cut_from_owner() {
 }
 
 #[test]
-#[ignore = "long partition schedule: --include-ignored"]
 fn registers_flapping_owner_link() {
     registers_under(Schedule {
         name: "the owner's link flapping every 3 s",
@@ -997,7 +992,6 @@ fn registers_flapping_owner_link() {
 }
 
 #[test]
-#[ignore = "long partition schedule: --include-ignored"]
 fn registers_delay_and_loss() {
     registers_under(Schedule {
         name: "every link 50 ms late and 5% lossy",

@@ -830,13 +830,19 @@ mod tests {
     /// Replicas over one device holding component 1 (8 MiB); the folder
     /// lives as long as the first value.
     fn one_component() -> (tempfile::TempDir, Replicas) {
+        let (dir, _, r) = one_component_at();
+        (dir, r)
+    }
+
+    /// [`one_component`], with the device file's path.
+    fn one_component_at() -> (tempfile::TempDir, std::path::PathBuf, Replicas) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("dev.img");
         let s = Store::create(&path, 64 * MIB, "t").unwrap();
         s.create_component(1, 1, 8 * MIB).unwrap();
         s.close().unwrap();
         let r = replicas(&path);
-        (dir, r)
+        (dir, path, r)
     }
 
     async fn call(r: &Replicas, req: Request, payload: Bytes) -> Response {
@@ -869,12 +875,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn writes_stay_marked_on_the_device_until_settled_and_across_a_restart() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("dev.img");
-        let s = Store::create(&path, 64 * MIB, "t").unwrap();
-        s.create_component(1, 1, 8 * MIB).unwrap();
-        s.close().unwrap();
-        let r = replicas(&path);
+        let (dir, path, r) = one_component_at();
         write(&r, 1, 0, 1).await;
         write(&r, 1, 2 * MIB + 4096, 2).await;
         assert_eq!(marks(&r), vec![(1, vec![0, 2])]);
