@@ -7,7 +7,8 @@
 
 use serde::{Deserialize, Serialize};
 use shoal_model::{
-    DeviceId, DeviceInfo, DeviceState, Generation, NodeId, NodeInfo, Role, Volume, VolumeHealth,
+    ClusterSettings, DeviceId, DeviceInfo, DeviceState, Generation, NodeId, NodeInfo, Role, Volume,
+    VolumeHealth,
 };
 use std::time::Duration;
 
@@ -31,6 +32,18 @@ pub struct Resize {
 pub struct VolumeSettings {
     /// IOPS limit in 32 KiB units, reads and writes together; 0: none.
     pub iops_limit: Option<u32>,
+}
+
+/// Body of `POST /v1/cluster/settings`: the cluster-wide settings to
+/// change (absent: keep); answered with all of them, as `GET` answers
+/// ([`ClusterSettings`]). A name it does not know is refused.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSettingsUpdate {
+    /// Seconds an absent component is waited for before its data is
+    /// rebuilt elsewhere ([`ClusterSettings::repair_delay_s`]).
+    #[serde(default)]
+    pub repair_delay_s: Option<u64>,
 }
 
 /// One volume as the API shows it.
@@ -362,6 +375,20 @@ impl Client {
     ) -> Result<VolumeReport, ApiError> {
         self.post(&format!("/v1/volumes/{name}/settings"), settings)
             .await
+    }
+
+    /// The cluster-wide settings (`shoal cluster settings`).
+    pub async fn cluster_settings(&self) -> Result<ClusterSettings, ApiError> {
+        self.get("/v1/cluster/settings").await
+    }
+
+    /// Changes cluster-wide settings (admin; `shoal cluster set`);
+    /// answers all of them as they are then.
+    pub async fn set_cluster_settings(
+        &self,
+        update: &ClusterSettingsUpdate,
+    ) -> Result<ClusterSettings, ApiError> {
+        self.post("/v1/cluster/settings", update).await
     }
 
     /// Makes an API token (admin).

@@ -76,6 +76,12 @@ pub struct UpArgs {
     /// GnuTLS's psktool writes, mode 0600) instead of certificates.
     #[arg(long, value_name = "FILE")]
     nbd_tls_psk: Option<PathBuf>,
+    /// Set the cluster's repair delay once it is up, new or not (as
+    /// `shoal cluster set repair-delay` does): how long a copy whose host
+    /// is unreachable is waited for before its data is rebuilt elsewhere,
+    /// 1s to 7d [default: the cluster's, 60m unless set].
+    #[arg(long, value_name = "DURATION", value_parser = crate::parse_repair_delay_s)]
+    repair_delay: Option<u64>,
 }
 
 impl UpArgs {
@@ -497,6 +503,9 @@ pub async fn up(a: UpArgs) -> Result<()> {
     );
 
     let c = Client::with_token(&first_api, token(&a.target));
+    if let Some(s) = a.repair_delay {
+        set_repair_delay(&c, s).await?;
+    }
     if !a.no_demo && status.volumes.iter().all(|v| v.volume.name != "demo") && fresh {
         let policy = match want {
             1 | 2 => "ftt=0",
@@ -556,6 +565,22 @@ pub async fn up(a: UpArgs) -> Result<()> {
     println!("  fio --name=t --ioengine=nbd --uri=nbd://{nbd1}/demo --rw=randwrite --bs=4k --iodepth=32 --size=256M --runtime=10 --time_based");
     println!("  mkdir -p /tmp/shoal-fuse && nbdfuse /tmp/shoal-fuse/disk nbd://{nbd1}/demo &   # then mkfs.ext4 + mount -o loop");
     println!("  shoal status; shoal volume show demo; shoal down");
+    Ok(())
+}
+
+/// `shoal up --repair-delay`: sets the cluster's repair delay.
+async fn set_repair_delay(c: &Client, repair_delay_s: u64) -> Result<()> {
+    let update = shoal_api::ClusterSettingsUpdate {
+        repair_delay_s: Some(repair_delay_s),
+    };
+    let s = c
+        .set_cluster_settings(&update)
+        .await
+        .context("setting the repair delay")?;
+    println!(
+        "repair delay: {}",
+        crate::human_duration_s(s.repair_delay_s)
+    );
     Ok(())
 }
 

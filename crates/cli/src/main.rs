@@ -71,7 +71,7 @@ enum Cmd {
     /// Make, list and revoke API tokens.
     #[command(subcommand)]
     Token(TokenCmd),
-    /// Cluster-wide actions.
+    /// Cluster-wide actions and settings.
     #[command(subcommand)]
     Cluster(ClusterCmd),
     /// Certificates for NBD clients.
@@ -124,6 +124,31 @@ enum ClusterCmd {
         #[command(flatten)]
         target: Target,
     },
+    /// Change a cluster-wide setting, e.g. `shoal cluster set
+    /// repair-delay 30m`; it is kept in the directory, for every node.
+    Set {
+        /// The setting to change.
+        setting: Setting,
+        /// Its new value (repair-delay: a duration, 90s, 30m, 24h or 7d).
+        value: String,
+        #[command(flatten)]
+        target: Target,
+    },
+    /// The cluster-wide settings.
+    Settings {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// The cluster-wide settings `shoal cluster set` changes.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Setting {
+    /// How long a copy whose host is unreachable is waited for before its
+    /// data is rebuilt elsewhere: 1s to 7d (default 60m).
+    RepairDelay,
 }
 
 #[derive(Subcommand)]
@@ -366,6 +391,32 @@ fn io_wait_from_file<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u6
     let s: Option<String> = serde::Deserialize::deserialize(d)?;
     s.map(|s| parse_io_wait_s(&s).map_err(serde::de::Error::custom))
         .transpose()
+}
+
+/// A repair delay (`shoal cluster set repair-delay`, `shoal up
+/// --repair-delay`): a duration of `MIN_REPAIR_DELAY_S` to
+/// `MAX_REPAIR_DELAY_S`.
+fn parse_repair_delay_s(s: &str) -> Result<u64, String> {
+    let v = parse_duration_s(s)?;
+    let range = shoal_model::MIN_REPAIR_DELAY_S..=shoal_model::MAX_REPAIR_DELAY_S;
+    if !range.contains(&v) {
+        return Err(format!(
+            "{s:?}: out of range: {} to {}",
+            human_duration_s(*range.start()),
+            human_duration_s(*range.end())
+        ));
+    }
+    Ok(v)
+}
+
+/// Seconds in the largest unit of `parse_duration_s` that divides them:
+/// `30s`, `90s`, `45m`, `1h`, `7d` (read back as they are written).
+fn human_duration_s(s: u64) -> String {
+    let units = [(86400, 'd'), (3600, 'h'), (60, 'm')];
+    match units.iter().find(|(n, _)| s > 0 && s.is_multiple_of(*n)) {
+        Some((n, unit)) => format!("{}{unit}", s / n),
+        None => format!("{s}s"),
+    }
 }
 
 /// A duration as `90s`, `30m`, `24h` or `7d`, in seconds (at least 1).
@@ -612,6 +663,31 @@ async fn run(cmd: Cmd) -> Result<()> {
             println!("node {id}: certificates revoked");
             Ok(())
         }
+        Cmd::Cluster(ClusterCmd::Set {
+            setting,
+            value,
+            target,
+        }) => {
+            let update = settings_update(setting, &value)?;
+            let s = local::client(&target)?
+                .set_cluster_settings(&update)
+                .await
+                .context("changing the cluster's settings")?;
+            show_settings(&s);
+            Ok(())
+        }
+        Cmd::Cluster(ClusterCmd::Settings { target, json }) => {
+            let s = local::client(&target)?
+                .cluster_settings()
+                .await
+                .context("reading the cluster's settings")?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&s)?);
+            } else {
+                show_settings(&s);
+            }
+            Ok(())
+        }
         Cmd::Bench { target, args } => {
             let c = local::client(&target)?;
             // Node pids (for CPU time) are known for a local cluster only.
@@ -619,6 +695,22 @@ async fn run(cmd: Cmd) -> Result<()> {
             shoal_bench::run(args, c, data).await
         }
     }
+}
+
+/// The change `shoal cluster set SETTING VALUE` asks for.
+fn settings_update(setting: Setting, value: &str) -> Result<shoal_api::ClusterSettingsUpdate> {
+    Ok(match setting {
+        Setting::RepairDelay => shoal_api::ClusterSettingsUpdate {
+            repair_delay_s: Some(
+                parse_repair_delay_s(value).map_err(|e| anyhow::anyhow!("repair-delay {e}"))?,
+            ),
+        },
+    })
+}
+
+/// The cluster-wide settings for people, one `name: value` a line.
+fn show_settings(s: &shoal_model::ClusterSettings) {
+    println!("repair-delay: {}", human_duration_s(s.repair_delay_s));
 }
 
 async fn token(t: TokenCmd) -> Result<()> {
@@ -821,6 +913,27 @@ mod tests {
             Cmd::Node(a) => a,
             _ => unreachable!(),
         }
+    }
+
+    #[test]
+    fn repair_delays_parse_in_range_and_print_back() {
+        for (text, s) in [("30s", 30), ("90s", 90), ("45m", 2700), ("24h", 86400)] {
+            assert_eq!(parse_repair_delay_s(text), Ok(s), "{text}");
+            assert_eq!(parse_repair_delay_s(&human_duration_s(s)), Ok(s));
+        }
+        assert_eq!(human_duration_s(3600), "1h");
+        assert_eq!(human_duration_s(7 * 86400), "7d");
+        for (text, want) in [
+            ("0s", "out of range"),
+            ("8d", "out of range: 1s to 7d"),
+            ("1y", "the unit is s, m, h or d"),
+            ("abc", "expected a number"),
+        ] {
+            let e = parse_repair_delay_s(text).unwrap_err();
+            assert!(e.contains(want), "{text}: {e}");
+        }
+        let e = settings_update(Setting::RepairDelay, "0s").unwrap_err();
+        assert!(format!("{e:#}").starts_with("repair-delay \"0s\""), "{e:#}");
     }
 
     /// The config file's keys reach the node's typed config, flags win,

@@ -35,6 +35,7 @@ fn the_api_needs_a_token_of_the_right_role() {
         ("/v1/volumes", &create[..]),
         ("/v1/volumes/v?force=true", &["-X", "DELETE"][..]),
         ("/v1/scrub", &["-X", "POST"][..]),
+        ("/v1/cluster/settings", &[][..]),
     ] {
         let (code, body) = curl(&format!("{api}{path}"), extra);
         assert_eq!(code, 401, "{path} {extra:?}: {body}");
@@ -94,6 +95,7 @@ fn the_api_needs_a_token_of_the_right_role() {
         .expect("shoal");
     assert!(!err.status.success());
     assert!(String::from_utf8_lossy(&err.stderr).contains("read-only"));
+    read_only_reads_the_settings_and_cannot_set_them(&c, ro);
 
     // Revoked: refused everywhere (the revocation is applied on every node).
     let id = ro.split('-').nth(1).expect("id");
@@ -118,4 +120,42 @@ fn the_api_needs_a_token_of_the_right_role() {
     let tokens = c.shoal(&["token", "list"]);
     assert!(tokens.contains("admin"), "{tokens}");
     assert!(!tokens.contains(&admin[23..]), "secrets are never listed");
+}
+
+/// A read-only token reads the cluster's settings and cannot change them,
+/// over REST or with `shoal cluster set`.
+fn read_only_reads_the_settings_and_cannot_set_them(c: &Cluster, ro: &str) {
+    let url = format!("{}/v1/cluster/settings", c.api(1));
+    let (code, body) = curl(&url, &["-H", &bearer(ro)]);
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains(r#""repair_delay_s":3600"#), "{body}");
+    let set = [
+        "-X",
+        "POST",
+        "-H",
+        "content-type: application/json",
+        "-d",
+        r#"{"repair_delay_s":30}"#,
+    ];
+    let ro_header = bearer(ro);
+    let mut args = set.to_vec();
+    args.extend(["-H", &ro_header]);
+    let (code, body) = curl(&url, &args);
+    assert_eq!(code, 403, "{body}");
+    let out = c
+        .cmd()
+        .env("SHOAL_TOKEN", ro)
+        .args(["cluster", "set", "repair-delay", "30s"])
+        .output()
+        .expect("shoal");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("read-only"), "{err}");
+    let settings = c
+        .cmd()
+        .env("SHOAL_TOKEN", ro)
+        .args(["cluster", "settings"])
+        .output();
+    let settings = String::from_utf8_lossy(&settings.expect("shoal").stdout).into_owned();
+    assert_eq!(settings.trim(), "repair-delay: 1h", "unchanged");
 }

@@ -294,3 +294,97 @@ fn node_refuses_small_device_and_foreign_data_folder() {
         Some(1)
     );
 }
+
+/// `shoal node --io-wait` out of its range (1 s to an hour) is refused by
+/// the argument parser, naming the flag, before anything starts.
+#[test]
+fn node_refuses_an_io_wait_out_of_range() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("n");
+    for (value, why) in [("0s", "at least 1s"), ("2h", "at most 3600s")] {
+        let out = run(Command::new(shoal_bin()).args([
+            "node",
+            "--data",
+            &data.display().to_string(),
+            "--io-wait",
+            value,
+        ]));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "--io-wait {value}: {err}");
+        assert!(
+            err.contains("--io-wait") && err.contains(value) && err.contains(why),
+            "--io-wait {value}: {err}"
+        );
+        assert!(!data.exists(), "--io-wait {value} made the data folder");
+    }
+}
+
+/// The repair delay: `shoal up --repair-delay` and `shoal cluster set`
+/// change it; a bad value or an unknown setting is refused with a clear
+/// error and changes nothing, from the command line and over REST.
+#[test]
+fn cluster_settings_are_set_and_bad_ones_refused() {
+    require("curl");
+    let c = Cluster::start_with(1, &["--repair-delay", "45s"]);
+    let delay = |c: &Cluster| c.json(&["cluster", "settings"])["repair_delay_s"].clone();
+    assert_eq!(delay(&c), 45, "shoal up --repair-delay");
+    let out = c.shoal(&["cluster", "set", "repair-delay", "30s"]);
+    assert_eq!(out.trim(), "repair-delay: 30s");
+    assert_eq!(delay(&c), 30);
+    assert_eq!(
+        c.shoal(&["cluster", "settings"]).trim(),
+        "repair-delay: 30s"
+    );
+    let cases: &[(&[&str], &str)] = &[
+        (&["cluster", "set", "repair-delay", "0s"], "out of range"),
+        (
+            &["cluster", "set", "repair-delay", "8d"],
+            "out of range: 1s to 7d",
+        ),
+        (
+            &["cluster", "set", "repair-delay", "1y"],
+            "the unit is s, m, h or d",
+        ),
+        (
+            &["cluster", "set", "repair-delay", "abc"],
+            "expected a number",
+        ),
+        (
+            &["cluster", "set", "bogus", "1s"],
+            "possible values: repair-delay",
+        ),
+    ];
+    for (args, want) in cases {
+        let err = c.shoal_fails(args);
+        assert!(
+            err.contains(want),
+            "shoal {args:?}: expected {want:?} in {err:?}"
+        );
+        assert_eq!(delay(&c), 30, "shoal {args:?} changed the setting");
+    }
+    // The node refuses what the command line would not send.
+    let url = format!("{}/v1/cluster/settings", c.api(1));
+    let auth = format!("Authorization: Bearer {}", c.token());
+    for (body, code, want) in [
+        (r#"{"repair_delay_s":0}"#, 400, "out of range"),
+        (r#"{"repair_delay_s":604801}"#, 400, "out of range"),
+        (r#"{"repair_delay":60}"#, 422, "unknown field"),
+    ] {
+        let (got, text) = common::curl(
+            &url,
+            &[
+                "-X",
+                "POST",
+                "-H",
+                "content-type: application/json",
+                "-H",
+                &auth,
+                "-d",
+                body,
+            ],
+        );
+        assert_eq!(got, code, "{body}: {text}");
+        assert!(text.contains(want), "{body}: {text}");
+        assert_eq!(delay(&c), 30, "{body} changed the setting");
+    }
+}

@@ -25,6 +25,10 @@ use shoal_model::{
 };
 use std::collections::BTreeMap;
 
+/// The components a commit or an abort names: those its change added, and
+/// those it drops.
+pub(crate) type Ids<'a> = (&'a [ComponentId], &'a [ComponentId]);
+
 /// Most components a reconfiguration adds at once: a change to the
 /// largest policy (three copies and two witnesses more) and a few to spare.
 pub const MAX_RECONFIG_ADDS: usize = 8;
@@ -228,10 +232,15 @@ impl ClusterState {
         &self,
         id: VolumeId,
         generation: Generation,
+        ids: Ids<'_>,
     ) -> Result<(Volume, Reconfig), StateError> {
         let v = self.owned(id, generation)?;
         match &v.reconfig {
-            Some(r) => Ok((v.clone(), r.clone())),
+            Some(r) if Self::names(r, ids) => Ok((v.clone(), r.clone())),
+            Some(r) => Err(input(format!(
+                "volume {} is in another change ({})",
+                v.name, r.reason
+            ))),
             None => Err(input(format!(
                 "volume {} is not being reconfigured",
                 v.name
@@ -239,12 +248,46 @@ impl ClusterState {
         }
     }
 
+    /// Whether the change named by `(added, remove)` on volume `id` under
+    /// `generation` has already ended (committed, or else aborted): no
+    /// change is in progress and the components stand as that end left
+    /// them. A change that names nothing never counts as ended.
+    fn already_ended(
+        &self,
+        id: VolumeId,
+        generation: Generation,
+        (added, remove): Ids<'_>,
+        committed: bool,
+    ) -> bool {
+        let Ok(v) = self.owned(id, generation) else {
+            return false;
+        };
+        let has = |id: &ComponentId| v.components.iter().any(|c| c.id == *id);
+        let named = !added.is_empty() || !remove.is_empty();
+        let stands = if committed {
+            added.iter().all(has) && !remove.iter().any(has)
+        } else {
+            !added.iter().any(has) && remove.iter().all(has)
+        };
+        named && v.reconfig.is_none() && stands
+    }
+
+    /// Whether the change in progress `r` is the one named by `(added,
+    /// remove)`; naming nothing names whatever change is in progress.
+    fn names(r: &Reconfig, (added, remove): Ids<'_>) -> bool {
+        (added.is_empty() && remove.is_empty()) || (r.added == added && r.remove == remove)
+    }
+
     pub(crate) fn commit_reconfig(
         &mut self,
         volume: VolumeId,
         generation: Generation,
+        ids: Ids<'_>,
     ) -> Result<Response, StateError> {
-        let (before, r) = self.changing(volume, generation)?;
+        if self.already_ended(volume, generation, ids, true) {
+            return Ok(Response::Ok);
+        }
+        let (before, r) = self.changing(volume, generation, ids)?;
         // An added component the owner recorded failed was not brought
         // in sync: the change is aborted (or begun again), not committed.
         let mut added = before.components.iter().filter(|c| r.added.contains(&c.id));
@@ -271,8 +314,12 @@ impl ClusterState {
         &mut self,
         volume: VolumeId,
         generation: Generation,
+        ids: Ids<'_>,
     ) -> Result<Response, StateError> {
-        let (before, r) = self.changing(volume, generation)?;
+        if self.already_ended(volume, generation, ids, false) {
+            return Ok(Response::Ok);
+        }
+        let (before, r) = self.changing(volume, generation, ids)?;
         let mut after = before.clone();
         after.components.retain(|c| !r.added.contains(&c.id));
         after.reconfig = None;

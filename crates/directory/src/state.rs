@@ -6,9 +6,9 @@
 
 use serde::{Deserialize, Serialize};
 use shoal_model::{
-    check_volume_name, check_volume_size, ApiToken, CaRecord, Component, ComponentId,
-    ComponentRole, ComponentState, DeviceId, DeviceInfo, DeviceState, Generation, NodeId, NodeInfo,
-    NodeState, Policy, Volume, VolumeId,
+    check_volume_name, check_volume_size, ApiToken, CaRecord, ClusterSettings, Component,
+    ComponentId, ComponentRole, ComponentState, DeviceId, DeviceInfo, DeviceState, Generation,
+    NodeId, NodeInfo, NodeState, Policy, Volume, VolumeId, MAX_REPAIR_DELAY_S, MIN_REPAIR_DELAY_S,
 };
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -40,6 +40,10 @@ pub struct ClusterState {
     /// SHA-256 of every certificate issued to an NBD client, by name.
     #[serde(default)]
     pub client_certs: BTreeMap<String, BTreeSet<String>>,
+    /// Cluster-wide settings (`shoal cluster set`); a state from before
+    /// they existed reads with the defaults.
+    #[serde(default)]
+    pub settings: ClusterSettings,
 }
 
 /// A change to the cluster state, the payload of a Raft log entry.
@@ -139,16 +143,32 @@ pub enum Command {
         reason: String,
     },
     /// Switches the volume to its new layout: the added components become
-    /// active, the dropped ones leave.
+    /// active, the dropped ones leave. `added` and `remove` name the
+    /// change (as its begin recorded them): a commit proposed again after
+    /// its answer was lost answers Ok when that change is already
+    /// committed.
     CommitReconfig {
         volume: VolumeId,
         generation: Generation,
+        #[serde(default)]
+        added: Vec<ComponentId>,
+        #[serde(default)]
+        remove: Vec<ComponentId>,
     },
-    /// Undoes a change in progress: the added components leave.
+    /// Undoes a change in progress: the added components leave. Answers
+    /// Ok when the change named by `added` and `remove` is already
+    /// undone.
     AbortReconfig {
         volume: VolumeId,
         generation: Generation,
+        #[serde(default)]
+        added: Vec<ComponentId>,
+        #[serde(default)]
+        remove: Vec<ComponentId>,
     },
+    /// Sets the repair delay (`ClusterSettings::repair_delay_s`): refused
+    /// outside `MIN_REPAIR_DELAY_S..=MAX_REPAIR_DELAY_S`.
+    SetRepairDelay { repair_delay_s: u64 },
 }
 
 /// A component chosen by placement, before it has an id.
@@ -217,6 +237,11 @@ pub enum StateError {
     },
     #[error("this directory belongs to cluster {current:?}, not {requested:?}")]
     ClusterMismatch { current: String, requested: String },
+    #[error(
+        "a repair delay of {0} s is out of range: it is {MIN_REPAIR_DELAY_S} s to \
+         {MAX_REPAIR_DELAY_S} s (a week)"
+    )]
+    RepairDelayOutOfRange(u64),
 }
 
 /// Bytes reserved on a device for one data component of a volume.
@@ -440,6 +465,14 @@ impl ClusterState {
         Ok(Response::Ok)
     }
 
+    fn set_repair_delay(&mut self, repair_delay_s: u64) -> Result<Response, StateError> {
+        if !(MIN_REPAIR_DELAY_S..=MAX_REPAIR_DELAY_S).contains(&repair_delay_s) {
+            return Err(StateError::RepairDelayOutOfRange(repair_delay_s));
+        }
+        self.settings.repair_delay_s = repair_delay_s;
+        Ok(Response::Ok)
+    }
+
     fn apply_inner(&mut self, cmd: &Command) -> Result<Response, StateError> {
         match cmd {
             Command::SetClusterId { cluster_id } => {
@@ -601,12 +634,18 @@ impl ClusterState {
                 let b = cmd.as_begin().ok_or_else(|| input("not a begin"))?;
                 self.begin_reconfig(&b)
             }
-            Command::CommitReconfig { volume, generation } => {
-                self.commit_reconfig(*volume, *generation)
-            }
-            Command::AbortReconfig { volume, generation } => {
-                self.abort_reconfig(*volume, *generation)
-            }
+            Command::CommitReconfig {
+                volume,
+                generation,
+                added,
+                remove,
+            } => self.commit_reconfig(*volume, *generation, (added, remove)),
+            Command::AbortReconfig {
+                volume,
+                generation,
+                added,
+                remove,
+            } => self.abort_reconfig(*volume, *generation, (added, remove)),
             Command::CreateToken { token } => {
                 if self.tokens.contains_key(&token.id) {
                     return Err(StateError::TokenTaken(token.id.clone()));
@@ -619,6 +658,7 @@ impl ClusterState {
                 None => Err(StateError::NoSuchToken(id.clone())),
             },
             Command::SetVolumeProblem { volume, problem } => self.set_problem(*volume, problem),
+            Command::SetRepairDelay { repair_delay_s } => self.set_repair_delay(*repair_delay_s),
             Command::SetIopsLimit { name, iops_limit } => {
                 let id = self.volume_id_by_name(name)?;
                 if let Some(v) = self.volumes.get_mut(&id) {
@@ -1135,6 +1175,47 @@ pub(crate) mod tests {
         assert_ne!(v.health(&s.nodes), shoal_model::VolumeHealth::Healthy);
     }
 
+    #[test]
+    fn repair_delay_defaults_to_an_hour_and_is_set_in_range() {
+        let mut s = ClusterState::default();
+        assert_eq!(s.settings.repair_delay_s, 3600);
+        let set = |v| Command::SetRepairDelay { repair_delay_s: v };
+        assert_eq!(s.apply(&set(30)), Ok(Response::Ok));
+        assert_eq!(s.settings.repair_delay_s, 30);
+        for v in [MIN_REPAIR_DELAY_S, MAX_REPAIR_DELAY_S] {
+            assert_eq!(s.apply(&set(v)), Ok(Response::Ok));
+            assert_eq!(s.settings.repair_delay_s, v);
+        }
+    }
+
+    #[test]
+    fn repair_delay_out_of_range_is_refused_and_changes_nothing() {
+        let mut s = ClusterState::default();
+        s.apply(&Command::SetRepairDelay { repair_delay_s: 30 })
+            .unwrap();
+        let before = s.clone();
+        for v in [0, MAX_REPAIR_DELAY_S + 1, u64::MAX] {
+            let err = s
+                .apply(&Command::SetRepairDelay { repair_delay_s: v })
+                .unwrap_err();
+            assert_eq!(err, StateError::RepairDelayOutOfRange(v));
+            assert!(err.to_string().contains("out of range"), "{err}");
+            assert_eq!(s, before);
+        }
+    }
+
+    /// A snapshot written before the settings existed still loads, with
+    /// the default settings.
+    #[test]
+    fn a_state_without_settings_reads_with_the_defaults() {
+        let old = r#"{"cluster_id":"c1","nodes":{},"devices":{},"volumes":{},"next_id":7}"#;
+        let s: ClusterState = serde_json::from_str(old).unwrap();
+        assert_eq!(s.cluster_id, "c1");
+        assert_eq!(s.next_id, 7);
+        assert_eq!(s.settings, ClusterSettings::default());
+        assert_eq!(s.settings.repair_delay_s, 3600);
+    }
+
     // ---- property tests ----
 
     fn arb_command() -> impl Strategy<Value = Command> {
@@ -1204,11 +1285,15 @@ pub(crate) mod tests {
                 }),
             (1u64..20, 0u64..4).prop_map(|(v, g)| Command::CommitReconfig {
                 volume: v,
-                generation: g
+                generation: g,
+                added: vec![],
+                remove: vec![],
             }),
             (1u64..20, 0u64..4).prop_map(|(v, g)| Command::AbortReconfig {
                 volume: v,
-                generation: g
+                generation: g,
+                added: vec![],
+                remove: vec![],
             }),
             (
                 names.clone(),
@@ -1254,6 +1339,15 @@ pub(crate) mod tests {
                     generation: g,
                 }
             }),
+            // In range, at its bounds and out of range on both sides.
+            prop_oneof![
+                Just(0u64),
+                Just(MIN_REPAIR_DELAY_S),
+                MIN_REPAIR_DELAY_S..=MAX_REPAIR_DELAY_S,
+                Just(MAX_REPAIR_DELAY_S),
+                MAX_REPAIR_DELAY_S + 1..=u64::MAX,
+            ]
+            .prop_map(|v| Command::SetRepairDelay { repair_delay_s: v }),
         ]
     }
 
@@ -1297,6 +1391,9 @@ pub(crate) mod tests {
         for d in s.devices.values() {
             assert_eq!(d.reserved, want.get(&d.id).copied().unwrap_or(0));
         }
+        // The settings stay in range.
+        let delay = s.settings.repair_delay_s;
+        assert!((MIN_REPAIR_DELAY_S..=MAX_REPAIR_DELAY_S).contains(&delay));
     }
 
     proptest! {

@@ -211,6 +211,38 @@ pub struct Reconfig {
 /// Longest reason a volume's `problem` keeps, in bytes.
 pub const MAX_PROBLEM_BYTES: usize = 512;
 
+/// The repair delay unless set otherwise, in seconds: an hour, as vSAN's
+/// object repair timer, long enough for a host's reboot or an upgrade.
+pub const DEFAULT_REPAIR_DELAY_S: u64 = 3600;
+/// Shortest repair delay, in seconds: 0 would be no delay at all (a copy
+/// rebuilt the moment it goes absent, even on a host that merely
+/// restarts); a few seconds are for tests.
+pub const MIN_REPAIR_DELAY_S: u64 = 1;
+/// Longest repair delay, in seconds (a week): a host away longer is a
+/// forgotten host, not a repair delay, and its volumes run with a copy
+/// less all that time.
+pub const MAX_REPAIR_DELAY_S: u64 = 7 * 24 * 3600;
+
+/// Cluster-wide settings, kept in the directory (Raft-replicated) and
+/// changed with `shoal cluster set`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterSettings {
+    /// Seconds a component whose host is unreachable (state
+    /// [`ComponentState::Absent`]) is waited for before its data is
+    /// rebuilt elsewhere (vSAN's object repair timer): a host that comes
+    /// back within it only resyncs what it missed, instead of a full copy
+    /// being made. [`MIN_REPAIR_DELAY_S`] to [`MAX_REPAIR_DELAY_S`].
+    pub repair_delay_s: u64,
+}
+
+impl Default for ClusterSettings {
+    fn default() -> Self {
+        ClusterSettings {
+            repair_delay_s: DEFAULT_REPAIR_DELAY_S,
+        }
+    }
+}
+
 /// Availability of a volume, as vSAN reports object health.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum VolumeHealth {

@@ -2,8 +2,9 @@
 //! route needs an API token (`Authorization: Bearer shoal-...`) that the
 //! directory knows and that has not expired, of a role that allows the
 //! call: reading (GET, `/metrics`) needs a read-only or admin token,
-//! anything that changes state an admin token; a join token opens nothing
-//! here. Open without a token: `/livez` (liveness probes, and a joining
+//! anything that changes state an admin token (so `GET
+//! /v1/cluster/settings` is read-only, `POST /v1/cluster/settings` admin);
+//! a join token opens nothing here. Open without a token: `/livez` (liveness probes, and a joining
 //! node learning the cluster's id). The routes nodes call on each other
 //! are not on plain HTTP at all: see [`crate::api_server`].
 //! Owns the decision only; tokens are made and revoked through the
@@ -115,6 +116,14 @@ mod tests {
         );
         assert_eq!(
             needed(&Method::POST, "/v1/scrub"),
+            Access::Needs(Role::Admin)
+        );
+        assert_eq!(
+            needed(&Method::GET, "/v1/cluster/settings"),
+            Access::Needs(Role::ReadOnly)
+        );
+        assert_eq!(
+            needed(&Method::POST, "/v1/cluster/settings"),
             Access::Needs(Role::Admin)
         );
         let mut h = HeaderMap::new();

@@ -9,11 +9,13 @@ use axum::response::{IntoResponse, Response as HttpResponse};
 use axum::routing::{get, post};
 use axum::{Extension, Json};
 use shoal_api::{
-    Connections, CopyDigest, CreateVolume, Digests, ErrorBody, Heartbeat, Owners, Resize,
-    StatusReport, ThrottleReport, VolumeReport, VolumeSettings,
+    ClusterSettingsUpdate, Connections, CopyDigest, CreateVolume, Digests, ErrorBody, Heartbeat,
+    Owners, Resize, StatusReport, ThrottleReport, VolumeReport, VolumeSettings,
 };
 use shoal_directory::{Caller, ClusterState, Command, DirectoryError, StateError};
-use shoal_model::{check_volume_name, check_volume_size, NodeState, Policy, Volume};
+use shoal_model::{
+    check_volume_name, check_volume_size, ClusterSettings, NodeState, Policy, Volume,
+};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -107,6 +109,10 @@ pub fn routes(h: Http) -> axum::Router {
         .route("/v1/volumes/{name}/resize", post(resize))
         .route("/v1/volumes/{name}/settings", post(settings))
         .route("/v1/volumes/{name}/digests", get(digests))
+        .route(
+            "/v1/cluster/settings",
+            get(cluster_settings).post(set_cluster_settings),
+        )
         .route("/v1/local/connections", get(connections))
         .route("/v1/local/owners", get(owners))
         .route("/v1/scrub", get(scrub_status).post(scrub_start))
@@ -378,6 +384,28 @@ async fn settings(
         .await;
     }
     show_report(&h, &name, &headers).await
+}
+
+/// The cluster-wide settings, as this node's copy of the directory has
+/// them.
+async fn cluster_settings(State(h): State<Http>) -> Json<ClusterSettings> {
+    Json(h.router.dir.state().settings.clone())
+}
+
+/// Changes the cluster-wide settings given (the directory refuses a value
+/// out of range: 400 with why), and answers all of them.
+async fn set_cluster_settings(
+    State(h): State<Http>,
+    Json(req): Json<ClusterSettingsUpdate>,
+) -> Result<Json<ClusterSettings>, ApiErr> {
+    if let Some(repair_delay_s) = req.repair_delay_s {
+        h.router
+            .dir
+            .propose(Command::SetRepairDelay { repair_delay_s })
+            .await?;
+        wait_for(&h, |s| s.settings.repair_delay_s == repair_delay_s).await;
+    }
+    Ok(Json(h.router.dir.state().settings.clone()))
 }
 
 async fn create(

@@ -17,6 +17,7 @@ pub mod http;
 pub mod liveness;
 pub mod membership;
 pub mod reader;
+pub mod rebuild;
 pub mod replica;
 pub mod ring;
 pub mod router;

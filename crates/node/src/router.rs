@@ -6,7 +6,9 @@
 use bytes::Bytes;
 use shoal_directory::{ClusterState, Command, Directory, DirectoryError, Response, StateError};
 use shoal_model::{ComponentState, Generation, NodeId, NodeState, VolumeId};
-use shoal_owner::{Control, ControlError, Op, Owner, OwnerConfig, OwnerError, Target, View};
+use shoal_owner::{
+    ChangeEnd, Control, ControlError, Op, Owner, OwnerConfig, OwnerError, Target, View,
+};
 use shoal_rpc::{Peer, RemoteError, Request, RpcError, VolumeOp};
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
@@ -70,11 +72,52 @@ fn control_err(e: DirectoryError) -> ControlError {
     match e {
         DirectoryError::State(StateError::GenerationConflict { .. }) => ControlError::Conflict,
         DirectoryError::State(StateError::NoSuchVolumeId(_)) => ControlError::Conflict,
+        DirectoryError::State(refused) => ControlError::Refused(refused.to_string()),
         other => ControlError::Unavailable(other.to_string()),
     }
 }
 
 impl Control for DirControl {
+    async fn end_reconfig(
+        &self,
+        volume: VolumeId,
+        generation: Generation,
+        end: ChangeEnd,
+    ) -> Result<(), ControlError> {
+        let cmd = if end.commit {
+            Command::CommitReconfig {
+                volume,
+                generation,
+                added: end.added,
+                remove: end.remove,
+            }
+        } else {
+            Command::AbortReconfig {
+                volume,
+                generation,
+                added: end.added,
+                remove: end.remove,
+            }
+        };
+        self.dir.propose(cmd).await.map(|_| ()).map_err(control_err)
+    }
+
+    async fn begin_rebuild(
+        &self,
+        volume: VolumeId,
+        generation: Generation,
+        components: Vec<shoal_model::ComponentId>,
+    ) -> Result<(), ControlError> {
+        let state = self.dir.state();
+        let begin = crate::rebuild::plan(&state, volume, generation, &components)
+            .map_err(|e| ControlError::Refused(e.to_string()))?;
+        self.dir
+            .propose(begin)
+            .await
+            .map(|_| ())
+            .map_err(control_err)
+    }
+
     async fn set_component_state(
         &self,
         volume: VolumeId,
@@ -135,6 +178,7 @@ pub fn view_of(state: &ClusterState, volume: VolumeId) -> Option<View> {
     Some(View {
         volume: v.clone(),
         targets,
+        repair_delay: Duration::from_secs(state.settings.repair_delay_s),
     })
 }
 

@@ -31,6 +31,11 @@ use tokio::sync::{mpsc, oneshot};
 /// on local disks.
 pub const REGION: u64 = 1 << 20;
 
+/// The repair delay until the directory says otherwise, as vSAN's: an
+/// hour, long enough for a host to reboot or be patched without its data
+/// being moved.
+pub const DEFAULT_REPAIR_DELAY: Duration = Duration::from_secs(3600);
+
 /// Tunables of an owner.
 #[derive(Debug, Clone)]
 pub struct OwnerConfig {
@@ -82,6 +87,10 @@ pub struct Target {
 pub struct View {
     pub volume: Volume,
     pub targets: Vec<Target>,
+    /// How long a copy out of service because its host is unreachable is
+    /// waited for before the owner rebuilds it elsewhere (the cluster's
+    /// repair delay). A copy whose device failed is rebuilt at once.
+    pub repair_delay: Duration,
 }
 
 /// Why the directory did not record a change.
@@ -93,6 +102,21 @@ pub enum ControlError {
     /// The directory cannot decide now (no leader, partition); retry.
     #[error("directory unavailable: {0}")]
     Unavailable(String),
+    /// The directory refused the change for what it is (a component it
+    /// no longer has, a reconfiguration that cannot be placed or is not
+    /// in sync); retrying the same request will not help.
+    #[error("refused: {0}")]
+    Refused(String),
+}
+
+/// One end of a reconfiguration, as the owner proposes it: which change
+/// (the components it added and those it drops) and how it ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChangeEnd {
+    pub added: Vec<ComponentId>,
+    pub remove: Vec<ComponentId>,
+    /// Committed (the new layout) rather than aborted (the old one).
+    pub commit: bool,
 }
 
 /// The owner's way to the directory.
@@ -112,6 +136,25 @@ pub trait Control: Send + Sync + 'static {
         volume: VolumeId,
         expected: Generation,
     ) -> impl Future<Output = Result<Generation, ControlError>> + Send;
+    /// Ends the volume's reconfiguration in progress (`docs/reconfiguration.md`),
+    /// accepted only under the current generation. Proposing it again
+    /// after a lost answer is safe: an end that already happened answers
+    /// Ok.
+    fn end_reconfig(
+        &self,
+        volume: VolumeId,
+        generation: Generation,
+        end: ChangeEnd,
+    ) -> impl Future<Output = Result<(), ControlError>> + Send;
+    /// Begins a reconfiguration that rebuilds each of `components` on a
+    /// device placement chooses (another fault domain), dropping them at
+    /// the commit. `Refused` says why it cannot be placed.
+    fn begin_rebuild(
+        &self,
+        volume: VolumeId,
+        generation: Generation,
+        components: Vec<ComponentId>,
+    ) -> impl Future<Output = Result<(), ControlError>> + Send;
 }
 
 /// Why an I/O failed. Callers branch on it: `Deposed` and `Stopped` mean

@@ -5,7 +5,7 @@
 use bytes::Bytes;
 use shoal_model::{Component, ComponentRole, ComponentState, Generation, Policy, Volume, VolumeId};
 use shoal_owner::lease::{Grants, LEASE_MS};
-use shoal_owner::{Control, ControlError, Owner, OwnerConfig, OwnerError, Target, View};
+use shoal_owner::{ChangeEnd, Control, ControlError, Owner, OwnerConfig, OwnerError, Target, View};
 use shoal_rpc::{Handler, RemoteError, Reply, Request, Response};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -275,6 +275,24 @@ impl Control for Dir {
             .map(|g| g + 1)
             .map_err(|_| ControlError::Conflict)
     }
+
+    async fn end_reconfig(
+        &self,
+        _v: VolumeId,
+        _g: Generation,
+        _end: ChangeEnd,
+    ) -> Result<(), ControlError> {
+        Err(ControlError::Refused("these tests change no layout".into()))
+    }
+
+    async fn begin_rebuild(
+        &self,
+        _v: VolumeId,
+        _g: Generation,
+        _c: Vec<u64>,
+    ) -> Result<(), ControlError> {
+        Err(ControlError::Refused("these tests rebuild nothing".into()))
+    }
 }
 
 async fn serve(mem: Arc<Mem>) -> String {
@@ -338,6 +356,7 @@ fn view(addrs: &[String], up: [bool; 3], gen: Generation) -> View {
             wrapped_key: None,
             reconfig: None,
         },
+        repair_delay: shoal_owner::DEFAULT_REPAIR_DELAY,
         targets: comps
             .iter()
             .zip(addrs)

@@ -103,20 +103,13 @@ fn a_move_reserves_first_then_commits_the_new_layout() {
         size: 2 * SIZE,
     };
     assert!(s.apply(&resize).is_err());
-    let stale = Command::CommitReconfig {
-        volume: v,
-        generation: 7,
-    };
+    let stale = commit(v, 7);
     assert!(matches!(
         s.apply(&stale),
         Err(StateError::GenerationConflict { .. })
     ));
 
-    s.apply(&Command::CommitReconfig {
-        volume: v,
-        generation: 0,
-    })
-    .unwrap();
+    s.apply(&commit(v, 0)).unwrap();
     let vol = &s.volumes[&v];
     assert!(vol.reconfig.is_none());
     let nodes: Vec<_> = vol.components.iter().map(|c| (c.node, c.state)).collect();
@@ -137,21 +130,12 @@ fn an_abort_leaves_the_volume_as_it_was() {
     let (mut s, devs, v) = setup();
     let before = s.clone();
     begin_move(&mut s, &devs, v).unwrap();
-    s.apply(&Command::AbortReconfig {
-        volume: v,
-        generation: 0,
-    })
-    .unwrap();
+    s.apply(&abort(v, 0)).unwrap();
     let mut expect = before;
     // Ids are never reused.
     expect.next_id = s.next_id;
     assert_eq!(s, expect);
-    assert!(s
-        .apply(&Command::AbortReconfig {
-            volume: v,
-            generation: 0
-        })
-        .is_err());
+    assert!(s.apply(&abort(v, 0)).is_err());
 }
 
 #[test]
@@ -186,16 +170,9 @@ fn an_added_copy_the_owner_recorded_failed_is_not_committed() {
         generation: 0,
     })
     .unwrap();
-    let commit = Command::CommitReconfig {
-        volume: v,
-        generation: 0,
-    };
+    let commit = commit(v, 0);
     assert!(s.apply(&commit).is_err());
-    s.apply(&Command::AbortReconfig {
-        volume: v,
-        generation: 0,
-    })
-    .unwrap();
+    s.apply(&abort(v, 0)).unwrap();
     assert_eq!(s.devices[&devs[3]].reserved, 0);
 }
 
@@ -273,4 +250,99 @@ fn a_begin_names_existing_components_and_free_devices() {
         assert!(s.apply(&cmd).is_err(), "{cmd:?} accepted");
         assert_eq!(s, before);
     }
+}
+
+/// A commit of the change in progress on `v`, naming no change.
+fn commit(v: u64, generation: u64) -> Command {
+    Command::CommitReconfig {
+        volume: v,
+        generation,
+        added: vec![],
+        remove: vec![],
+    }
+}
+
+/// An abort of the change in progress on `v`, naming no change.
+fn abort(v: u64, generation: u64) -> Command {
+    Command::AbortReconfig {
+        volume: v,
+        generation,
+        added: vec![],
+        remove: vec![],
+    }
+}
+
+/// The commit or abort of the change in progress on `v`, naming it.
+fn end_named(s: &ClusterState, v: VolumeId, commit: bool) -> Command {
+    let r = s.volumes[&v].reconfig.clone().unwrap();
+    if commit {
+        Command::CommitReconfig {
+            volume: v,
+            generation: 0,
+            added: r.added,
+            remove: r.remove,
+        }
+    } else {
+        Command::AbortReconfig {
+            volume: v,
+            generation: 0,
+            added: r.added,
+            remove: r.remove,
+        }
+    }
+}
+
+#[test]
+fn a_commit_or_abort_proposed_again_after_a_lost_answer_is_ok_and_changes_nothing() {
+    for commit in [true, false] {
+        let (mut s, devs, v) = setup();
+        begin_move(&mut s, &devs, v).unwrap();
+        let end = end_named(&s, v, commit);
+        s.apply(&end).unwrap();
+        let after = s.clone();
+        s.apply(&end).unwrap();
+        assert_eq!(s, after, "the second {end:?} changed the state");
+        // The opposite end of the same change is refused: it did not happen.
+        let opposite = match end {
+            Command::CommitReconfig {
+                volume,
+                generation,
+                added,
+                remove,
+            } => Command::AbortReconfig {
+                volume,
+                generation,
+                added,
+                remove,
+            },
+            Command::AbortReconfig {
+                volume,
+                generation,
+                added,
+                remove,
+            } => Command::CommitReconfig {
+                volume,
+                generation,
+                added,
+                remove,
+            },
+            _ => unreachable!(),
+        };
+        assert!(s.apply(&opposite).is_err(), "{opposite:?} accepted");
+    }
+}
+
+#[test]
+fn an_end_naming_another_change_is_refused() {
+    let (mut s, devs, v) = setup();
+    begin_move(&mut s, &devs, v).unwrap();
+    let other = Command::CommitReconfig {
+        volume: v,
+        generation: 0,
+        added: vec![999],
+        remove: vec![],
+    };
+    let before = s.clone();
+    assert!(s.apply(&other).is_err());
+    assert_eq!(s, before);
 }

@@ -5,6 +5,7 @@
 //! reuse.
 
 use super::replica::{Mode, Replica, ReplicaSet};
+use super::votes::joint_majority;
 use super::{Flow, Internal, Loop, CONNECT_TIMEOUT_MS, RECONCILE_REGIONS_IN_FLIGHT};
 use crate::lease::Lease;
 use crate::{Control, Event, OwnerConfig, OwnerError, ReadRoute, View, REGION};
@@ -142,9 +143,13 @@ async fn activate_all(
                 found.lease_ms = found.lease_ms.max(lease_ms);
                 r.peer = Some(peer);
                 match r.role {
-                    ComponentRole::Witness => r.witness_ok = true,
+                    ComponentRole::Witness => {
+                        r.witness_ok = true;
+                        r.out_since = None;
+                    }
                     ComponentRole::Data if was_active => {
                         r.mode = Mode::InSync;
+                        r.out_since = None;
                         found
                             .dirty
                             .extend(dirty.iter().map(|(off, _)| off / REGION));
@@ -170,21 +175,18 @@ async fn activate_all(
 }
 
 /// Whether enough is reachable to serve: an in-sync copy, and with the
-/// witnesses a majority of the votes.
+/// witnesses (and the components a change in progress added, which this
+/// activation fenced too) a majority of the votes, in both layouts during
+/// a change.
 fn check_votes(replicas: &[Replica]) -> Result<(), OwnerError> {
-    let total_votes: u32 = replicas.iter().map(|r| r.votes).sum();
-    let votes: u32 = replicas
-        .iter()
-        .filter(|r| r.mode == Mode::InSync || r.witness_ok)
-        .map(|r| r.votes)
-        .sum();
     let copies = replicas.iter().filter(|r| r.mode == Mode::InSync).count();
-    if copies == 0 || 2 * votes <= total_votes {
-        return Err(OwnerError::Unavailable(format!(
-            "{votes} of {total_votes} votes and {copies} in-sync copies reachable"
-        )));
+    if copies == 0 {
+        return Err(OwnerError::Unavailable("no in-sync copy reachable".into()));
     }
-    Ok(())
+    joint_majority(replicas, |_, r| {
+        r.mode == Mode::InSync || r.witness_ok || (r.layouts.added() && r.peer.is_some())
+    })
+    .map_err(OwnerError::Unavailable)
 }
 
 /// Copies each dirty region from one in-sync copy to the others, a few at
@@ -274,7 +276,11 @@ pub(crate) async fn start<C: Control>(
     (route, lease): (ReadRoute, Arc<Lease>),
 ) -> Result<mpsc::UnboundedSender<Event>, OwnerError> {
     let vol = &view.volume;
-    let mut replicas: Vec<Replica> = view.targets.iter().map(Replica::from_target).collect();
+    let mut replicas: Vec<Replica> = view
+        .targets
+        .iter()
+        .map(|t| Replica::from_target(t, vol))
+        .collect();
     assert!(!replicas.is_empty(), "a volume has at least one component");
     if replicas.len() > ReplicaSet::CAPACITY {
         return Err(OwnerError::Unavailable(format!(
@@ -329,6 +335,12 @@ pub(crate) async fn start<C: Control>(
         generation,
         replicas,
     );
+    lp.repair_delay = view.repair_delay;
+    if let Some(r) = &vol.reconfig {
+        // A change a dead owner began: its added components' content is
+        // not trusted; they are copied to from scratch.
+        lp.adopt(r, vol, &view.targets);
+    }
     for i in found.unreachable.iter() {
         // Unreachable but recorded active: record it absent.
         lp.replicas[i].mode = Mode::InSync;

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use shoal_model::{ComponentRole, ComponentState, Generation};
 use shoal_rpc::{Peer, PeerAuth, RemoteError, Request, RpcError};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 /// The state a copy that gave `e` is recorded in: degraded when its device
@@ -58,6 +58,12 @@ async fn record_state<C: Control>(
         {
             Ok(()) => return Some(Internal::Marked { idx }),
             Err(ControlError::Conflict) => return Some(Internal::Deposed),
+            // The directory no longer has the component (a change that
+            // dropped or undid it ended): nothing can read from it.
+            Err(ControlError::Refused(e)) => {
+                tracing::info!("component {component} not recorded {state}: {e}");
+                return Some(Internal::Marked { idx });
+            }
             Err(ControlError::Unavailable(e)) => {
                 tracing::warn!("cannot record component {component} {state}: {e}; retrying");
                 tokio::time::sleep(Duration::from_millis(CONTROL_RETRY_MS)).await;
@@ -106,7 +112,7 @@ impl<C: Control> Loop<C> {
             .enumerate()
             .any(|(i, r)| i != idx && r.mode == Mode::InSync);
         let r = &mut self.replicas[idx];
-        if !matches!(r.mode, Mode::InSync | Mode::Resyncing) {
+        if !matches!(r.mode, Mode::InSync | Mode::Resyncing | Mode::Synced) {
             return;
         }
         if r.mode == Mode::InSync && !others_in_sync {
@@ -125,6 +131,7 @@ impl<C: Control> Loop<C> {
         r.mode = Mode::Failing;
         r.degraded |= state == ComponentState::Degraded;
         r.peer = None;
+        r.out_since.get_or_insert_with(Instant::now);
         if self
             .resync
             .as_ref()
@@ -181,6 +188,8 @@ impl<C: Control> Loop<C> {
         self.ping_witnesses();
         self.reconnect_lost();
         self.consider_resync();
+        self.advance_change();
+        self.consider_rebuild();
         Flow::Continue
     }
 
@@ -218,7 +227,7 @@ impl<C: Control> Loop<C> {
         let due: ReplicaSet = (0..self.replicas.len())
             .filter(|&i| {
                 let r = &self.replicas[i];
-                r.role == ComponentRole::Witness && r.node_up && !r.pinging
+                r.role == ComponentRole::Witness && r.node_up && !r.pinging && !r.layouts.retired()
             })
             .collect();
         for idx in due.iter() {
@@ -266,8 +275,16 @@ impl<C: Control> Loop<C> {
         }
         let r = &mut self.replicas[idx];
         r.pinging = false;
+        if r.layouts.retired() {
+            return Flow::Continue;
+        }
         r.witness_ok = result.is_ok();
         r.peer = result.ok();
+        if r.witness_ok {
+            r.out_since = None;
+        } else {
+            r.out_since.get_or_insert_with(Instant::now);
+        }
         Flow::Continue
     }
 

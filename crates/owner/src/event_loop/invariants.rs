@@ -45,10 +45,9 @@ impl<C: Control> Loop<C> {
     fn check_replicas(&self) {
         let n = self.replicas.len();
         assert!((1..=ReplicaSet::CAPACITY).contains(&n), "{n} replicas");
-        let mut votes = 0u32;
         let mut resyncing = 0;
         for (i, r) in self.replicas.iter().enumerate() {
-            votes += r.votes;
+            self.check_layouts(i);
             match r.role {
                 ComponentRole::Witness => assert_eq!(r.mode, Mode::Out, "witness {i} in service"),
                 ComponentRole::Data => {
@@ -66,11 +65,53 @@ impl<C: Control> Loop<C> {
                     );
                 }
                 Mode::Failing => assert!(r.peer.is_none(), "failing copy {i} still connected"),
+                Mode::Synced => assert!(r.peer.is_some(), "synced copy {i} without a connection"),
                 Mode::InSync | Mode::Out => {}
             }
         }
-        assert_eq!(votes, self.total_votes, "votes changed");
         assert!(resyncing <= 1, "{resyncing} copies resyncing at once");
+    }
+
+    /// Replica `i` belongs to the layouts the change in progress says: an
+    /// added one (the new layout only) or a dropped one (the old only)
+    /// only while a change lasts, and named by it; a retired one is out of
+    /// service, unconnected, and remembered as retired; an in-sync copy is
+    /// in the old layout (an added copy waits for the commit, `Synced`).
+    fn check_layouts(&self, i: usize) {
+        let r = &self.replicas[i];
+        let l = r.layouts;
+        if l.retired() {
+            assert!(
+                r.mode == Mode::Out && r.peer.is_none() && !r.witness_ok,
+                "retired component {i} in service"
+            );
+            assert!(
+                self.retired_ids.contains(&r.component),
+                "retired component {i} not remembered"
+            );
+            return;
+        }
+        let change = self.change.as_ref().map(|c| &c.record);
+        if l.added() {
+            assert!(
+                change.is_some_and(|c| c.added.contains(&r.component)),
+                "component {i} added outside a change"
+            );
+        }
+        if !l.new {
+            assert!(
+                change.is_some_and(|c| c.remove.contains(&r.component)),
+                "component {i} dropped outside a change"
+            );
+        }
+        assert!(
+            r.mode != Mode::InSync || l.old,
+            "copy {i} in sync outside the old layout"
+        );
+        assert!(
+            r.mode != Mode::Synced || l.added(),
+            "copy {i} synced but not added by a change"
+        );
     }
 
     /// The resync's target and source are where its phase says; a region

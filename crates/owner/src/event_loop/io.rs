@@ -6,6 +6,7 @@
 
 use super::health::{owner_error, state_for};
 use super::replica::{Mode, ReplicaSet};
+use super::votes::joint_majority;
 use super::{report, Flow, Internal, Loop, Reply};
 use crate::{Control, Op, OwnerError};
 use bytes::Bytes;
@@ -201,7 +202,9 @@ impl<C: Control> Loop<C> {
         (0..self.replicas.len())
             .filter(|&i| {
                 let r = &self.replicas[i];
-                r.is_data() && matches!(r.mode, Mode::InSync | Mode::Resyncing) && r.peer.is_some()
+                r.is_data()
+                    && matches!(r.mode, Mode::InSync | Mode::Resyncing | Mode::Synced)
+                    && r.peer.is_some()
             })
             .collect()
     }
@@ -307,31 +310,20 @@ impl<C: Control> Loop<C> {
 
     /// The answer to a write that reached the copies in `ok`: success if
     /// one of them is in sync and they hold, with the witnesses, a majority
-    /// of the votes.
+    /// of the votes (in both layouts during a change).
     pub(super) fn ack(&self, ok: ReplicaSet) -> Result<Bytes, OwnerError> {
         let copies = ok
             .iter()
             .filter(|&i| self.replicas[i].mode == Mode::InSync)
             .count();
-        let votes: u32 = ok.iter().map(|i| self.replicas[i].votes).sum::<u32>()
-            + self
-                .replicas
-                .iter()
-                .filter(|r| r.witness_ok)
-                .map(|r| r.votes)
-                .sum::<u32>();
         if copies == 0 {
-            Err(OwnerError::Unavailable(
+            return Err(OwnerError::Unavailable(
                 "no in-sync copy took the write".into(),
-            ))
-        } else if 2 * votes <= self.total_votes {
-            Err(OwnerError::Unavailable(format!(
-                "only {votes} of {} votes reachable",
-                self.total_votes
-            )))
-        } else {
-            Ok(Bytes::new())
+            ));
         }
+        joint_majority(&self.replicas, |i, r| ok.contains(i) || r.witness_ok)
+            .map(|()| Bytes::new())
+            .map_err(OwnerError::Unavailable)
     }
 
     /// Acknowledges the parked writes whose failed copies are all recorded.

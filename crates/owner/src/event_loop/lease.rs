@@ -7,6 +7,7 @@
 //! timeout so that the router retries them within the client's bound.
 
 use super::health::is_stale;
+use super::votes::Tally;
 use super::{Flow, Internal, Loop, Reply};
 use crate::lease::LEASE_MS;
 use crate::{Control, OwnerError};
@@ -44,7 +45,7 @@ impl<C: Control> Loop<C> {
         }
         let sent = Instant::now();
         let generation = self.generation;
-        let total = self.total_votes;
+        let total = Tally::total(&self.replicas);
         let timeout = Duration::from_millis(u64::from(LEASE_MS));
         let asks = FuturesUnordered::new();
         for r in &self.replicas {
@@ -55,7 +56,7 @@ impl<C: Control> Loop<C> {
                 lease_ms: LEASE_MS,
             };
             if let Ok(pending) = p.send(&req, Bytes::new()) {
-                let votes = r.votes;
+                let votes = Tally::of(r);
                 asks.push(async move { (votes, pending.wait(timeout).await) });
             }
         }
@@ -137,23 +138,23 @@ impl<C: Control> Loop<C> {
 }
 
 /// Sums the votes of the components that confirm, until they make a
-/// majority of `total`, one answers that a newer owner took over, or all
-/// answered.
-async fn count_votes<F>(mut asks: FuturesUnordered<F>, total: u32) -> Renewal
+/// majority of `total` (in both layouts during a change), one answers that
+/// a newer owner took over, or all answered.
+async fn count_votes<F>(mut asks: FuturesUnordered<F>, total: Tally) -> Renewal
 where
     F: std::future::Future<
         Output = (
-            u32,
+            Tally,
             Result<(shoal_rpc::Response, Bytes), shoal_rpc::RpcError>,
         ),
     >,
 {
-    let mut votes = 0u32;
+    let mut votes = Tally::default();
     while let Some((v, answer)) = asks.next().await {
         match answer {
             Ok(_) => {
-                votes += v;
-                if 2 * votes > total {
+                votes.add(v);
+                if votes.majority_of(total) {
                     return Renewal::Quorum;
                 }
             }

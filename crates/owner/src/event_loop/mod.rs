@@ -12,7 +12,10 @@
 //! - `lease`: renewing the read lease, reads waiting for it;
 //! - `health`: failed copies, the directory's marks, barriers, witness
 //!   pings, reconnection (the tick);
-//! - `resync`: bringing a returning copy up to date;
+//! - `resync`: bringing a returning copy (or an added one) up to date;
+//! - `reconfig`: following a change of layout, committing or aborting it;
+//! - `rebuild`: asking for lost components to be rebuilt elsewhere;
+//! - `votes`: the votes rule, in both layouts during a change;
 //! - `repair`: rewriting a bad block from a healthy copy;
 //! - `invariants`: what must hold after every event.
 
@@ -21,17 +24,20 @@ mod health;
 mod invariants;
 mod io;
 mod lease;
+mod rebuild;
+mod reconfig;
 mod repair;
 mod replica;
 mod resync;
 mod route;
 #[cfg(test)]
 mod tests;
+mod votes;
 
 pub(crate) use activation::start;
 
 use crate::lease::Lease;
-use crate::{Control, ControlError, Event, OwnerConfig, OwnerError, ReadRoute, View};
+use crate::{ChangeEnd, Control, ControlError, Event, OwnerConfig, OwnerError, ReadRoute, View};
 use bytes::Bytes;
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
@@ -43,11 +49,11 @@ use resync::{Abandoned, Resync, ReviveError};
 use route::Routed;
 use shoal_model::{ComponentState, Generation};
 use shoal_rpc::{Peer, RpcError};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 type Reply = oneshot::Sender<Result<Bytes, OwnerError>>;
@@ -145,6 +151,21 @@ pub(crate) enum Internal {
         attempt: u64,
         result: Result<(), ControlError>,
     },
+    /// The directory answered the commit or abort of the change in
+    /// progress.
+    /// (`generation`: the one it was proposed under; a conflict under one
+    /// this owner has since raised itself is no deposition.)
+    ChangeEnded {
+        end: ChangeEnd,
+        generation: Generation,
+        result: Result<(), ControlError>,
+    },
+    /// The directory answered a request to rebuild lost components, made
+    /// under `generation`.
+    RebuildBegun {
+        generation: Generation,
+        result: Result<(), ControlError>,
+    },
     /// A repair of a bad block of replica `idx` ended: whether the block
     /// was replaced, or which side failed and why.
     Repaired {
@@ -170,8 +191,19 @@ pub(super) struct Loop<C: Control> {
     volume: u64,
     size: u64,
     generation: Generation,
+    /// Every component the loop has known, by index: retired ones (that
+    /// left the volume in a change this loop followed) keep their slot,
+    /// since late reports of their tasks name it.
     replicas: Vec<Replica>,
-    total_votes: u32,
+    /// The change of layout in progress.
+    change: Option<reconfig::Change>,
+    /// Components retired by a change that ended: a late view still
+    /// naming that change is not adopted again.
+    retired_ids: BTreeSet<u64>,
+    /// How long a copy whose host is down is waited for before it is
+    /// rebuilt elsewhere.
+    repair_delay: Duration,
+    rebuild: rebuild::Rebuild,
     next_seq: u64,
     /// Writes sent and not yet answered, by sequence number, with the
     /// copies each was sent to.
@@ -232,7 +264,6 @@ impl<C: Control> Loop<C> {
             "too many components"
         );
         let (tx, rx) = mpsc::unbounded_channel();
-        let total_votes = replicas.iter().map(|r| r.votes).sum();
         let lp = Loop {
             cfg,
             control,
@@ -241,7 +272,10 @@ impl<C: Control> Loop<C> {
             size,
             generation,
             replicas,
-            total_votes,
+            change: None,
+            retired_ids: BTreeSet::new(),
+            repair_delay: crate::DEFAULT_REPAIR_DELAY,
+            rebuild: rebuild::Rebuild::default(),
             next_seq: 1,
             inflight: BTreeMap::new(),
             last_barrier: 0,
@@ -350,6 +384,12 @@ impl<C: Control> Loop<C> {
             } => self.copy_read(attempt, region, result),
             Internal::CopyWritten { attempt, result } => self.copy_written(attempt, result),
             Internal::ResyncDone { attempt, result } => self.resync_done(attempt, result),
+            Internal::ChangeEnded {
+                end,
+                generation,
+                result,
+            } => self.change_end_answered(end, generation, result),
+            Internal::RebuildBegun { generation, result } => self.rebuild_begun(generation, result),
             Internal::Repaired {
                 idx,
                 offset,
@@ -375,14 +415,13 @@ impl<C: Control> Loop<C> {
             // one are still applied.
             let _ = self.tx.send(Event::Stop);
         }
+        self.repair_delay = v.repair_delay;
+        self.follow_change(&v.volume, &v.targets);
         for t in &v.targets {
-            let Some(r) = self
-                .replicas
-                .iter_mut()
-                .find(|r| r.component == t.component.id)
-            else {
+            let Some(i) = self.live_index(t.component.id) else {
                 continue;
             };
+            let r = &mut self.replicas[i];
             // Liveness is a hint for resync only: a copy leaves service
             // when I/O to it fails, never because of the directory's view
             // (which may be this very node, just resumed).

@@ -3,9 +3,10 @@
 //! reads and parked acknowledgements carry without allocating.
 
 use crate::Target;
-use shoal_model::{ComponentRole, ComponentState};
+use shoal_model::{Component, ComponentRole, ComponentState, Volume};
 use shoal_rpc::Peer;
 use std::sync::Arc;
+use std::time::Instant;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Mode {
@@ -19,6 +20,50 @@ pub(super) enum Mode {
     Failing,
     /// Not written to.
     Out,
+    /// Added by the reconfiguration in progress and copied in full:
+    /// receives every write, serves no reads, and becomes in sync when the
+    /// change is committed.
+    Synced,
+}
+
+/// Which of the volume's layouts a replica belongs to
+/// (`docs/reconfiguration.md`): without a change in progress both, one
+/// added by the change the new one only, one it drops the old one only,
+/// and one that left the volume (a change committed or aborted while this
+/// loop ran) neither: it is *retired*, never written to again, and its
+/// slot may take a later change's component.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Layouts {
+    pub(super) old: bool,
+    pub(super) new: bool,
+}
+
+impl Layouts {
+    pub(super) const BOTH: Layouts = Layouts {
+        old: true,
+        new: true,
+    };
+    pub(super) const RETIRED: Layouts = Layouts {
+        old: false,
+        new: false,
+    };
+
+    /// Where component `c` of `volume` stands.
+    pub(super) fn of(volume: &Volume, c: &Component) -> Layouts {
+        Layouts {
+            old: volume.in_old_layout(c),
+            new: volume.in_new_layout(c),
+        }
+    }
+
+    pub(super) fn retired(self) -> bool {
+        self == Layouts::RETIRED
+    }
+
+    /// Added by the change in progress (the new layout only).
+    pub(super) fn added(self) -> bool {
+        self.new && !self.old
+    }
 }
 
 pub(super) struct Replica {
@@ -42,11 +87,16 @@ pub(super) struct Replica {
     /// a resync is tried only every [`super::DEGRADED_RETRY_TICKS`], since
     /// its store refuses everything until the node reopens it.
     pub(super) degraded: bool,
+    /// The layouts it belongs to.
+    pub(super) layouts: Layouts,
+    /// Since when it has been out of service, as this loop saw it: the
+    /// repair delay counts from here (`super::rebuild`).
+    pub(super) out_since: Option<Instant>,
 }
 
 impl Replica {
     /// A copy as the directory describes it: not connected, not written to.
-    pub(super) fn from_target(t: &Target) -> Replica {
+    pub(super) fn from_target(t: &Target, volume: &Volume) -> Replica {
         Replica {
             role: t.component.role,
             component: t.component.id,
@@ -61,6 +111,8 @@ impl Replica {
             pinging: false,
             reconnecting: false,
             degraded: t.component.state == ComponentState::Degraded,
+            layouts: Layouts::of(volume, &t.component),
+            out_since: Some(Instant::now()),
         }
     }
 
@@ -81,6 +133,8 @@ impl Replica {
             pinging: false,
             reconnecting: false,
             degraded: self.degraded,
+            layouts: self.layouts,
+            out_since: self.out_since,
         }
     }
 

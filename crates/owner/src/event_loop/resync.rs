@@ -116,10 +116,20 @@ impl<C: Control> Loop<C> {
         if self.resync.is_some() || self.abandoned.is_some() {
             return;
         }
-        let candidate = self
-            .replicas
-            .iter()
-            .position(|r| r.is_data() && r.mode == Mode::Out && r.node_up);
+        // A copy of the volume's layout first (it restores protection),
+        // then one a change added; never one the change drops, and one
+        // whose device failed only when it cannot be rebuilt elsewhere
+        // (its node may have reopened the store since).
+        let candidate = (0..self.replicas.len())
+            .filter(|&i| {
+                let r = &self.replicas[i];
+                r.is_data()
+                    && r.mode == Mode::Out
+                    && r.node_up
+                    && r.layouts.new
+                    && (!r.degraded || self.rebuild.problem.is_some())
+            })
+            .min_by_key(|&i| !self.replicas[i].layouts.old);
         if let Some(idx) = candidate {
             self.start_resync(idx);
         }
@@ -165,7 +175,7 @@ impl<C: Control> Loop<C> {
                 }
             }
             Err(ControlError::Conflict) => return Flow::Stop,
-            Err(ControlError::Unavailable(e)) => {
+            Err(e @ (ControlError::Unavailable(_) | ControlError::Refused(_))) => {
                 tracing::warn!(volume = self.volume, "reclaim failed: {e}");
                 if self.is_current(attempt) {
                     self.abort_resync();
@@ -192,12 +202,18 @@ impl<C: Control> Loop<C> {
     }
 
     /// Activates the target under the new generation and records it
-    /// resyncing.
+    /// resyncing (one a change added: reconfiguring, as the commit wants
+    /// it).
     fn revive(&mut self) {
         let Some(rs) = &mut self.resync else { return };
         rs.phase = ResyncPhase::Reviving;
         let attempt = rs.attempt;
         let tmp = self.replicas[rs.idx].detached();
+        let state = if tmp.layouts.added() {
+            ComponentState::Reconfiguring
+        } else {
+            ComponentState::Resyncing
+        };
         let (volume, size, generation, timeout) =
             (self.volume, self.size, self.generation, self.cfg.io_timeout);
         let control = self.control.clone();
@@ -209,12 +225,7 @@ impl<C: Control> Loop<C> {
                     .map_err(ReviveError::Activate)?
                     .peer;
                 control
-                    .set_component_state(
-                        volume,
-                        tmp.component,
-                        ComponentState::Resyncing,
-                        generation,
-                    )
+                    .set_component_state(volume, tmp.component, state, generation)
                     .await
                     .map_err(ReviveError::Record)?;
                 Ok(peer)
@@ -303,6 +314,10 @@ impl<C: Control> Loop<C> {
         let next = std::iter::from_fn(|| rs.regions.pop_front()).find(|r| r * REGION < size);
         let attempt = rs.attempt;
         let Some(region) = next else {
+            if self.replicas[rs.idx].layouts.added() {
+                self.synced();
+                return;
+            }
             rs.phase = ResyncPhase::Finishing;
             let component = self.replicas[rs.idx].component;
             let (volume, generation) = (self.volume, self.generation);
@@ -453,11 +468,28 @@ impl<C: Control> Loop<C> {
                 );
                 self.replicas[idx].mode = Mode::InSync;
                 self.replicas[idx].degraded = false;
+                self.replicas[idx].out_since = None;
             }
             Ok(()) => {}
             Err(_) => self.fail(idx, ComponentState::Absent),
         }
         Flow::Continue
+    }
+
+    /// Every region was copied to a copy a change added: it stays out of
+    /// the reads, and its directory state `Reconfiguring`, until the change
+    /// is committed (`super::reconfig`).
+    fn synced(&mut self) {
+        let Some(rs) = self.resync.take() else { return };
+        let r = &mut self.replicas[rs.idx];
+        debug_assert_eq!(r.mode, Mode::Resyncing);
+        tracing::info!(
+            volume = self.volume,
+            component = r.component,
+            "added copy in sync; waiting for the commit"
+        );
+        r.mode = Mode::Synced;
+        self.advance_change();
     }
 
     /// Gives the attempt up: the target is out again (failing, if it may

@@ -6,9 +6,11 @@
 //! proposes; and a rig that builds a [`Loop`] over them and feeds it
 //! events one at a time.
 
-use super::super::replica::{Mode, Replica};
+use super::super::replica::{Layouts, Mode, Replica};
 use super::super::{Flow, Internal, Loop};
-use crate::{Control, ControlError, Event, Op, OwnerConfig, OwnerError, ReadRoute, REGION};
+use crate::{
+    ChangeEnd, Control, ControlError, Event, Op, OwnerConfig, OwnerError, ReadRoute, REGION,
+};
 use bytes::Bytes;
 use futures::StreamExt;
 use shoal_model::{ComponentRole, ComponentState, Generation, VolumeId};
@@ -127,6 +129,14 @@ pub(super) struct FakeDir {
     /// [`FakeDir::answer_active`]: a resync's finish left in flight.
     pub(super) hold_active: AtomicBool,
     active_answered: tokio::sync::Notify,
+    /// The ends of changes proposed, in order.
+    pub(super) ends: Mutex<Vec<ChangeEnd>>,
+    /// Refuse commits (an added copy was recorded failed).
+    pub(super) refuse_commit: AtomicBool,
+    /// The rebuilds asked for, in order.
+    pub(super) rebuilds: Mutex<Vec<Vec<u64>>>,
+    /// Refuse rebuilds with this reason (no domain or space left).
+    pub(super) refuse_rebuild: Mutex<Option<String>>,
 }
 
 impl FakeDir {
@@ -173,6 +183,39 @@ impl Control for FakeDir {
             .compare_exchange(expected, expected + 1, Ordering::SeqCst, Ordering::SeqCst)
             .map(|g| g + 1)
             .map_err(|_| ControlError::Conflict)
+    }
+
+    async fn end_reconfig(
+        &self,
+        _volume: VolumeId,
+        generation: Generation,
+        end: ChangeEnd,
+    ) -> Result<(), ControlError> {
+        if generation != self.generation.load(Ordering::SeqCst) {
+            return Err(ControlError::Conflict);
+        }
+        let refused = end.commit && self.refuse_commit.load(Ordering::SeqCst);
+        self.ends.lock().unwrap().push(end);
+        if refused {
+            return Err(ControlError::Refused("an added copy is absent".into()));
+        }
+        Ok(())
+    }
+
+    async fn begin_rebuild(
+        &self,
+        _volume: VolumeId,
+        generation: Generation,
+        components: Vec<u64>,
+    ) -> Result<(), ControlError> {
+        if generation != self.generation.load(Ordering::SeqCst) {
+            return Err(ControlError::Conflict);
+        }
+        self.rebuilds.lock().unwrap().push(components);
+        match self.refuse_rebuild.lock().unwrap().clone() {
+            Some(why) => Err(ControlError::Refused(why)),
+            None => Ok(()),
+        }
     }
 }
 
@@ -238,27 +281,38 @@ pub(super) struct Rig {
 
 pub(super) type Answered = oneshot::Receiver<Result<Bytes, OwnerError>>;
 
-pub(super) async fn rig(specs: &[Spec]) -> Rig {
+/// A fake replica whose reads answer `fill` bytes, reachable at the
+/// address returned.
+pub(super) fn fake_replica(fill: u8) -> (String, Arc<FakeReplica>) {
     static NEXT_ADDR: AtomicU64 = AtomicU64::new(0);
+    let fake = Arc::new(FakeReplica {
+        fill,
+        ..FakeReplica::default()
+    });
+    let addr = format!(
+        "owner-loop-test-{}",
+        NEXT_ADDR.fetch_add(1, Ordering::SeqCst)
+    );
+    shoal_rpc::register_local(&addr, fake.clone());
+    (addr, fake)
+}
+
+pub(super) async fn rig(specs: &[Spec]) -> Rig {
     let dir = Arc::new(FakeDir {
         generation: AtomicU64::new(1),
         states: Mutex::default(),
         conflict: AtomicBool::new(false),
         hold_active: AtomicBool::new(false),
         active_answered: tokio::sync::Notify::new(),
+        ends: Mutex::default(),
+        refuse_commit: AtomicBool::new(false),
+        rebuilds: Mutex::default(),
+        refuse_rebuild: Mutex::default(),
     });
     let mut replicas = Vec::new();
     let mut fakes = Vec::new();
     for (i, s) in specs.iter().enumerate() {
-        let fake = Arc::new(FakeReplica {
-            fill: s.fill,
-            ..FakeReplica::default()
-        });
-        let addr = format!(
-            "owner-loop-test-{}",
-            NEXT_ADDR.fetch_add(1, Ordering::SeqCst)
-        );
-        shoal_rpc::register_local(&addr, fake.clone());
+        let (addr, fake) = fake_replica(s.fill);
         let peer = if s.connected {
             Some(Arc::new(
                 Peer::connect(
@@ -286,6 +340,8 @@ pub(super) async fn rig(specs: &[Spec]) -> Rig {
             pinging: false,
             reconnecting: false,
             degraded: false,
+            layouts: Layouts::BOTH,
+            out_since: (s.mode == Mode::Out).then(std::time::Instant::now),
         });
         fakes.push(fake);
     }

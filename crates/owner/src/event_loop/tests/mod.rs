@@ -5,6 +5,7 @@
 //! state. Every `apply` also checks the invariants.
 
 mod fakes;
+mod reconfig;
 
 use super::replica::{Mode, ReplicaSet};
 use super::resync::{ResyncPhase, ReviveError};
@@ -460,6 +461,7 @@ async fn a_newer_owner_in_the_view_stops_the_loop() {
         rig.lp.apply(Event::View(View {
             volume: volume.clone(),
             targets: vec![],
+            repair_delay: crate::DEFAULT_REPAIR_DELAY,
         })),
         Flow::Continue
     );
@@ -467,6 +469,7 @@ async fn a_newer_owner_in_the_view_stops_the_loop() {
     let view = View {
         volume,
         targets: vec![],
+        repair_delay: crate::DEFAULT_REPAIR_DELAY,
     };
     assert_eq!(rig.lp.apply(Event::View(view)), Flow::Continue);
     assert!(matches!(rig.next_event().await, Event::Stop));

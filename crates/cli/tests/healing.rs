@@ -1,0 +1,106 @@
+//! Self-healing on real node processes: a host killed -9 for good has its
+//! components rebuilt on another host after the repair delay, while a
+//! client writes; no acknowledged write is lost and the copies agree.
+
+mod common;
+
+use common::ledger::Writer;
+use common::{components_of, wait_for, Cluster};
+use std::time::Duration;
+
+/// Time allowed for the cluster to notice a dead host, wait out the
+/// repair delay and rebuild, on a slow machine.
+const HEAL: Duration = Duration::from_secs(120);
+/// The repair delay these tests set: short, so that the rebuild starts
+/// within the test, and long enough to be seen waiting.
+const REPAIR_DELAY: &str = "3s";
+/// 4 KiB blocks the writer spreads its writes over (64 MiB).
+const BLOCKS: usize = (64 << 20) / 4096;
+
+/// The nodes of a volume's components (data and witnesses alike).
+fn nodes_of(c: &Cluster, vol: &str) -> Vec<u32> {
+    let v = c.json(&["volume", "show", vol]);
+    v["volume"]["components"]
+        .as_array()
+        .expect("components")
+        .iter()
+        .map(|x| x["node"].as_u64().expect("node") as u32)
+        .collect()
+}
+
+/// A data node of the volume other than node 1 (the owner and the
+/// writer's node).
+fn data_node_but_1(c: &Cluster, vol: &str) -> u32 {
+    let v = c.json(&["volume", "show", vol]);
+    v["volume"]["components"]
+        .as_array()
+        .expect("components")
+        .iter()
+        .filter(|x| x["role"] == "Data")
+        .map(|x| x["node"].as_u64().expect("node") as u32)
+        .find(|&n| n != 1)
+        .expect("a data copy outside node 1")
+}
+
+#[test]
+fn a_host_killed_for_good_is_rebuilt_elsewhere_under_writes() {
+    let c = Cluster::start(4);
+    c.shoal(&["cluster", "set", "repair-delay", REPAIR_DELAY]);
+    c.create_volume("v", "128M", "raid1 ftt=1");
+    let w = Writer::start(&c.nbd_addr(1), "v", vec![0; BLOCKS], 8);
+    wait_for("writes before the kill", HEAL, || match w.ledger().acks() {
+        n if n >= 2_000 => Ok(()),
+        n => Err(format!("{n} acknowledged")),
+    });
+    let victim = data_node_but_1(&c, "v");
+    let before = nodes_of(&c, "v");
+    c.signal(victim, "KILL");
+    // The copy is absent first (the repair delay is waited out), then
+    // rebuilt on the one node that held nothing of the volume.
+    c.wait_component_state("v", victim, "Absent", HEAL);
+    wait_for("the volume rebuilt away from the dead host", HEAL, || {
+        let v = c.try_json(&["volume", "show", "v"])?;
+        let comps = v["volume"]["components"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let on_victim = comps.iter().any(|x| x["node"] == victim);
+        let all_active = comps.iter().all(|x| x["state"] == "Active");
+        if !on_victim && all_active && comps.len() == before.len() {
+            Ok(())
+        } else {
+            Err(components_of(&v))
+        }
+    });
+    let spare = (1..=4).find(|n| !before.contains(n)).expect("a spare node");
+    assert!(
+        nodes_of(&c, "v").contains(&spare),
+        "rebuilt on the spare node"
+    );
+    c.wait_healthy("v", HEAL);
+    // Writes went on through the rebuild; every acknowledged one is there,
+    // read through two nodes, and the two copies agree block for block.
+    let more = w.ledger().acks();
+    wait_for("writes after the rebuild", HEAL, || {
+        match w.ledger().acks() {
+            n if n >= more + 500 => Ok(()),
+            n => Err(format!("{n} acknowledged")),
+        }
+    });
+    let ledger = w.stop(HEAL);
+    assert_eq!(ledger.errors(), 0, "writes failed during the rebuild");
+    let through1 = ledger.check(&c.nbd_addr(1), "v");
+    let through_spare = ledger.check(&c.nbd_addr(spare), "v");
+    assert!(
+        through1 == through_spare,
+        "two nodes read different versions"
+    );
+    c.verify_copies("v");
+    let logs: String = (1..=4)
+        .map(|n| std::fs::read_to_string(c.node_dir(n).join("node.log")).unwrap_or_default())
+        .collect();
+    assert!(
+        logs.contains("reconfiguration committed"),
+        "no committed reconfiguration in the logs"
+    );
+}

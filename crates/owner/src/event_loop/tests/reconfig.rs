@@ -1,0 +1,315 @@
+//! A change of layout followed by the loop: adopted from a view, the added
+//! copy brought in sync while it takes every write, committed (the dropped
+//! copy retires) or aborted (the added one retires); and the rebuild of a
+//! lost copy asked for after the repair delay, or at once for a failed
+//! device.
+
+use super::super::replica::{Layouts, Mode};
+use super::super::Flow;
+use super::fakes::{answer, copy, fake_replica, rig, standard, write, FakeReplica, Rig, SIZE};
+use crate::{ChangeEnd, Event, Target, View, REGION};
+use bytes::Bytes;
+use shoal_model::{Component, ComponentRole, ComponentState, Policy, Reconfig, Volume, BLOCK_SIZE};
+use shoal_rpc::Request;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Component 4, a data copy on node 4, added by a change.
+const ADDED: u64 = 4;
+
+/// The rig's volume as the directory has it (components 1 and 2 copies on
+/// nodes 1 and 2, 3 a witness on node 3), with `extra` components and
+/// change `reconfig`; node 4 (the added copy's) answers at `addr4`.
+fn view(rig: &Rig, extra: &[Component], reconfig: Option<Reconfig>, addr4: &str) -> View {
+    let comp = |id: u64, role, state| Component {
+        id,
+        role,
+        node: id,
+        device: 1,
+        state,
+        votes: 1,
+    };
+    let mut components = vec![
+        comp(1, ComponentRole::Data, ComponentState::Active),
+        comp(2, ComponentRole::Data, ComponentState::Active),
+        comp(3, ComponentRole::Witness, ComponentState::Active),
+    ];
+    components.extend_from_slice(extra);
+    let targets = components
+        .iter()
+        .map(|c| Target {
+            component: c.clone(),
+            addr: match rig.lp.replicas.get(c.id as usize - 1) {
+                Some(r) if c.id < ADDED => r.addr.clone(),
+                _ => addr4.to_string(),
+            },
+            node_up: true,
+        })
+        .collect();
+    View {
+        volume: Volume {
+            id: 7,
+            name: "v".into(),
+            size: SIZE,
+            policy: Policy::default(),
+            components,
+            owner: Some(1),
+            generation: rig.lp.generation,
+            problem: None,
+            wrapped_key: None,
+            reconfig,
+        },
+        targets,
+        repair_delay: Duration::from_secs(3600),
+    }
+}
+
+/// The change moving copy 2 to node 4, as begun in the directory.
+fn move_copy_2(rig: &Rig, addr4: &str) -> View {
+    let added = Component {
+        id: ADDED,
+        role: ComponentRole::Data,
+        node: 4,
+        device: 1,
+        state: ComponentState::Reconfiguring,
+        votes: 1,
+    };
+    let change = Reconfig {
+        reason: "rebuild of component 2".into(),
+        added: vec![ADDED],
+        remove: vec![2],
+        policy: None,
+    };
+    view(rig, &[added], Some(change), addr4)
+}
+
+/// A rig following the change that moves copy 2 to node 4, and node 4's
+/// fake replica.
+async fn moving() -> (Rig, Arc<FakeReplica>) {
+    let mut rig = rig(&standard()).await;
+    let (addr4, fake4) = fake_replica(4);
+    rig.fakes[0].allocate(&[(0, 2 * REGION)]);
+    let v = move_copy_2(&rig, &addr4);
+    assert_eq!(rig.lp.apply(Event::View(v)), Flow::Continue);
+    rig.fakes.push(fake4.clone());
+    (rig, fake4)
+}
+
+#[tokio::test]
+async fn an_added_copy_is_synced_then_committed_and_the_dropped_copy_retires() {
+    let (mut rig, fake4) = moving().await;
+    let added = &rig.lp.replicas[3];
+    assert_eq!(added.component, ADDED);
+    assert!(added.layouts.added() && added.mode == Mode::Out);
+    assert!(
+        !rig.lp.replicas[1].layouts.new,
+        "copy 2 leaves the new layout"
+    );
+
+    rig.tick();
+    rig.run_until(|lp| lp.change.is_none()).await;
+
+    assert_eq!(
+        *rig.dir.ends.lock().unwrap(),
+        vec![ChangeEnd {
+            added: vec![ADDED],
+            remove: vec![2],
+            commit: true
+        }]
+    );
+    // The added copy was recorded reconfiguring (as the commit wants it),
+    // never active by the owner.
+    assert_eq!(
+        rig.dir.recorded(),
+        vec![(ADDED, ComponentState::Reconfiguring)]
+    );
+    let sent = fake4.requests();
+    for region in [0, 1] {
+        assert!(
+            sent.iter().any(
+                |r| matches!(r, Request::Write { offset, seq: 0, .. } if *offset == region * REGION)
+            ),
+            "region {region} not copied: {sent:?}"
+        );
+    }
+    assert_eq!(rig.lp.replicas[3].mode, Mode::InSync);
+    assert_eq!(rig.lp.replicas[3].layouts, Layouts::BOTH);
+    assert!(rig.lp.replicas[1].layouts.retired());
+    assert_eq!(rig.lp.replicas[1].mode, Mode::Out);
+
+    // Writes go to copies 1 and 4 only, and are acknowledged.
+    let before2 = rig.requests(1).len();
+    let ack = rig.submit(write(0, BLOCK_SIZE as usize, 9));
+    rig.finish_write().await;
+    assert_eq!(answer(ack).await, Ok(Bytes::new()));
+    assert_eq!(rig.requests(1).len(), before2, "a retired copy was written");
+    assert!(matches!(
+        fake4.requests().last(),
+        Some(Request::WriteChecked { .. })
+    ));
+}
+
+#[tokio::test]
+async fn a_late_view_of_an_ended_change_is_not_adopted_again() {
+    let (mut rig, _fake4) = moving().await;
+    let addr4 = rig.lp.replicas[3].addr.clone();
+    rig.tick();
+    rig.run_until(|lp| lp.change.is_none()).await;
+    let n = rig.lp.replicas.len();
+    let stale = move_copy_2(&rig, &addr4);
+    assert_eq!(rig.lp.apply(Event::View(stale)), Flow::Continue);
+    assert!(rig.lp.change.is_none());
+    assert_eq!(rig.lp.replicas.len(), n);
+}
+
+#[tokio::test]
+async fn writes_during_the_change_reach_the_added_copy_once_revived() {
+    let (mut rig, fake4) = moving().await;
+    rig.tick();
+    rig.run_until(|lp| lp.replicas[3].mode == Mode::Resyncing)
+        .await;
+    let ack = rig.submit(write(3 * REGION, BLOCK_SIZE as usize, 5));
+    rig.finish_write().await;
+    assert_eq!(answer(ack).await, Ok(Bytes::new()));
+    assert!(
+        fake4
+            .requests()
+            .iter()
+            .any(|r| matches!(r, Request::WriteChecked { offset, .. } if *offset == 3 * REGION)),
+        "the added copy missed a client write"
+    );
+    // Copy 2 (dropped at the commit) still takes writes until then.
+    assert!(rig
+        .requests(1)
+        .iter()
+        .any(|r| matches!(r, Request::WriteChecked { .. })));
+}
+
+#[tokio::test]
+async fn a_refused_commit_aborts_and_the_added_copy_retires() {
+    let (mut rig, _fake4) = moving().await;
+    rig.dir.refuse_commit.store(true, Ordering::SeqCst);
+    rig.tick();
+    rig.run_until(|lp| lp.change.is_none()).await;
+    let ends: Vec<bool> = rig
+        .dir
+        .ends
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|e| e.commit)
+        .collect();
+    assert_eq!(ends, vec![true, false]);
+    assert!(rig.lp.replicas[3].layouts.retired());
+    assert_eq!(rig.lp.replicas[1].layouts, Layouts::BOTH);
+    assert_eq!(rig.lp.replicas[1].mode, Mode::InSync);
+}
+
+#[tokio::test]
+async fn an_added_copy_whose_host_goes_down_aborts_the_change() {
+    let (mut rig, _fake4) = moving().await;
+    let addr4 = rig.lp.replicas[3].addr.clone();
+    let mut v = move_copy_2(&rig, &addr4);
+    v.targets[3].node_up = false;
+    assert_eq!(rig.lp.apply(Event::View(v)), Flow::Continue);
+    rig.tick();
+    rig.run_until(|lp| lp.change.is_none()).await;
+    let ends: Vec<bool> = rig
+        .dir
+        .ends
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|e| e.commit)
+        .collect();
+    assert_eq!(ends, vec![false]);
+    assert!(rig.lp.replicas[3].layouts.retired());
+}
+
+#[tokio::test]
+async fn a_write_needs_a_majority_of_both_layouts() {
+    // The change adds two copies and a witness (ftt=1 to ftt=2 in spirit):
+    // the new layout has 6 votes, of which copy 1 and witness 3 are 2.
+    let mut rig = rig(&standard()).await;
+    let (addr, _f) = fake_replica(0);
+    let c = |id, role| Component {
+        id,
+        role,
+        node: id,
+        device: 1,
+        state: ComponentState::Reconfiguring,
+        votes: 1,
+    };
+    let extra = [
+        c(4, ComponentRole::Data),
+        c(5, ComponentRole::Data),
+        c(6, ComponentRole::Witness),
+    ];
+    let change = Reconfig {
+        reason: "policy raid1 ftt=2".into(),
+        added: vec![4, 5, 6],
+        remove: vec![],
+        policy: None,
+    };
+    let mut v = view(&rig, &extra, Some(change), &addr);
+    for t in &mut v.targets[3..] {
+        t.node_up = false;
+    }
+    assert_eq!(rig.lp.apply(Event::View(v)), Flow::Continue);
+    // Copy 2 fails the write: copy 1 and the witness hold 2 of 3 old
+    // votes, but only 2 of 6 new ones.
+    rig.fakes[1].answer_others(super::fakes::Answer::Err(shoal_rpc::RemoteError::Io(
+        "bad".into(),
+    )));
+    let ack = rig.submit(write(0, BLOCK_SIZE as usize, 1));
+    rig.finish_write().await;
+    rig.run_until(|lp| lp.parked.is_empty()).await;
+    assert!(
+        matches!(answer(ack).await, Err(crate::OwnerError::Unavailable(e)) if e.contains("new one")),
+        "a write acknowledged without a majority of the new layout"
+    );
+}
+
+#[tokio::test]
+async fn a_copy_on_a_dead_host_is_rebuilt_after_the_repair_delay() {
+    let mut rig = rig(&[
+        copy(1, Mode::InSync, 1),
+        copy(2, Mode::Out, 2),
+        super::fakes::witness(3),
+    ])
+    .await;
+    rig.lp.replicas[1].node_up = false;
+    rig.lp.repair_delay = Duration::from_secs(3600);
+    rig.tick();
+    assert!(rig.dir.rebuilds.lock().unwrap().is_empty(), "rebuilt early");
+    rig.lp.repair_delay = Duration::ZERO;
+    rig.tick();
+    rig.run_until(|lp| !lp.rebuild.asking).await;
+    assert_eq!(*rig.dir.rebuilds.lock().unwrap(), vec![vec![2]]);
+}
+
+#[tokio::test]
+async fn a_copy_whose_device_failed_is_rebuilt_at_once_and_a_refusal_is_kept() {
+    let mut rig = rig(&[
+        copy(1, Mode::InSync, 1),
+        copy(2, Mode::Out, 2),
+        super::fakes::witness(3),
+    ])
+    .await;
+    rig.lp.replicas[1].degraded = true;
+    rig.lp.repair_delay = Duration::from_secs(3600);
+    *rig.dir.refuse_rebuild.lock().unwrap() = Some("raid1 ftt=1 needs 3 fault domains".into());
+    rig.tick();
+    rig.run_until(|lp| !lp.rebuild.asking).await;
+    assert_eq!(*rig.dir.rebuilds.lock().unwrap(), vec![vec![2]]);
+    assert!(rig
+        .lp
+        .rebuild
+        .problem
+        .as_deref()
+        .is_some_and(|p| p.contains("fault domains")));
+    // Not asked again before the pause after a refusal.
+    rig.tick();
+    assert_eq!(rig.dir.rebuilds.lock().unwrap().len(), 1);
+}
