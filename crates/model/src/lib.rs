@@ -233,12 +233,24 @@ pub struct ClusterSettings {
     /// back within it only resyncs what it missed, instead of a full copy
     /// being made. [`MIN_REPAIR_DELAY_S`] to [`MAX_REPAIR_DELAY_S`].
     pub repair_delay_s: u64,
+    /// Static limit of the rate at which each owner copies data into a
+    /// copy being resynced or rebuilt, in MiB/s; 0: no static limit (the
+    /// copy runs as fast as the devices allow). Up to
+    /// [`MAX_RESYNC_MIB_PER_S`].
+    #[serde(default)]
+    pub resync_mib_per_s: u64,
 }
+
+/// Highest static resync limit, in MiB/s (100 GiB/s): above any device
+/// this cluster runs on; a typo beyond it is refused rather than taken as
+/// "unlimited".
+pub const MAX_RESYNC_MIB_PER_S: u64 = 100 * 1024;
 
 impl Default for ClusterSettings {
     fn default() -> Self {
         ClusterSettings {
             repair_delay_s: DEFAULT_REPAIR_DELAY_S,
+            resync_mib_per_s: 0,
         }
     }
 }

@@ -9,6 +9,7 @@
 
 pub mod api_server;
 pub mod auth;
+pub mod caretaker;
 pub mod clock;
 pub mod encryption;
 pub mod exports;
@@ -738,6 +739,9 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
     // Liveness.
     let r2 = replicas.clone();
     liveness.spawn(move || r2.devices().map(|d| liveness::device_usage(d)).collect());
+
+    // Owners for volumes that need healing, without client I/O.
+    tokio::spawn(caretaker::run(router.clone()));
 
     // Follow the directory: owners get new views; components of deleted
     // volumes are removed.

@@ -179,6 +179,10 @@ pub fn view_of(state: &ClusterState, volume: VolumeId) -> Option<View> {
         volume: v.clone(),
         targets,
         repair_delay: Duration::from_secs(state.settings.repair_delay_s),
+        resync_bytes_per_s: match state.settings.resync_mib_per_s {
+            0 => None,
+            mib => Some(mib << 20),
+        },
     })
 }
 
@@ -258,6 +262,37 @@ impl Router {
                     .collect()
             })
             .unwrap_or_default()
+    }
+
+    /// The healing status of every volume owned here now, as its owner
+    /// last reported it.
+    pub fn healing(&self) -> Vec<(VolumeId, shoal_owner::status::HealingStatus)> {
+        self.owners
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .filter(|(_, o)| o.is_running())
+                    .map(|(v, o)| (*v, o.healing()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Makes sure `volume` has an owner here, claiming it unless one runs
+    /// here already: for a volume that needs one without client I/O
+    /// (`crate::caretaker`).
+    pub async fn ensure_owned(&self, volume: VolumeId) -> Result<(), String> {
+        if self.local_owner(volume).is_some() {
+            return Ok(());
+        }
+        let generation = self
+            .dir
+            .state()
+            .volumes
+            .get(&volume)
+            .map(|v| v.generation)
+            .ok_or("volume deleted")?;
+        self.claim(volume, generation).await
     }
 
     /// Volumes owned here now.

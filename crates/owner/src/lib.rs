@@ -16,6 +16,7 @@
 
 mod event_loop;
 pub mod lease;
+pub mod status;
 pub mod throttle;
 
 use bytes::Bytes;
@@ -91,6 +92,9 @@ pub struct View {
     /// waited for before the owner rebuilds it elsewhere (the cluster's
     /// repair delay). A copy whose device failed is rebuilt at once.
     pub repair_delay: Duration,
+    /// Static limit of the copy rate of resyncs and rebuilds, in bytes per
+    /// second (None: as fast as the copies go).
+    pub resync_bytes_per_s: Option<u64>,
 }
 
 /// Why the directory did not record a change.
@@ -318,6 +322,8 @@ pub struct Owner {
     /// The volume's IOPS limit, kept here, before the loop: every I/O of
     /// the volume passes through `submit`.
     throttle: Arc<throttle::Throttle>,
+    /// What the loop reports of the volume's healing.
+    status: event_loop::SharedStatus,
 }
 
 impl Owner {
@@ -334,7 +340,8 @@ impl Owner {
         let route = ReadRoute::default();
         let lease = Arc::new(lease::Lease::default());
         let throttle = Arc::new(throttle::Throttle::new(view.volume.policy.iops_limit));
-        let shared = (route.clone(), lease.clone());
+        let status = event_loop::SharedStatus::default();
+        let shared = (route.clone(), lease.clone(), status.clone());
         let tx = event_loop::start(cfg, view, generation, control, shared).await?;
         Ok(Owner {
             tx,
@@ -342,7 +349,16 @@ impl Owner {
             route,
             lease,
             throttle,
+            status,
         })
+    }
+
+    /// The volume's healing as the loop last reported it (every tick).
+    pub fn healing(&self) -> status::HealingStatus {
+        match self.status.lock() {
+            Ok(s) => s.clone(),
+            Err(e) => e.into_inner().clone(),
+        }
     }
 
     /// The IOPS limit in force and what it has held back.

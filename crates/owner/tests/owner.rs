@@ -357,6 +357,7 @@ fn view(addrs: &[String], up: [bool; 3], gen: Generation) -> View {
             reconfig: None,
         },
         repair_delay: shoal_owner::DEFAULT_REPAIR_DELAY,
+        resync_bytes_per_s: None,
         targets: comps
             .iter()
             .zip(addrs)

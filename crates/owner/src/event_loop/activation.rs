@@ -1,17 +1,16 @@
 //! Taking over a volume: activate every reachable copy under the granted
-//! generation (fencing older owners), check the votes rule, reconcile the
-//! regions a dead predecessor may have left half-written, and start the
-//! loop. Also the activation of one copy, which reconnection and resync
-//! reuse.
+//! generation (fencing older owners), check the votes rule, wait out an
+//! older owner's read lease, and start the loop, which reconciles the
+//! regions a dead predecessor may have left half-written in the
+//! background (`super::reconcile`). Also the activation of one copy,
+//! which reconnection and resync reuse.
 
 use super::replica::{Mode, Replica, ReplicaSet};
 use super::votes::joint_majority;
-use super::{Flow, Internal, Loop, CONNECT_TIMEOUT_MS, RECONCILE_REGIONS_IN_FLIGHT};
-use crate::lease::Lease;
-use crate::{Control, Event, OwnerConfig, OwnerError, ReadRoute, View, REGION};
+use super::{Flow, Internal, Loop, Shared, CONNECT_TIMEOUT_MS};
+use crate::{Control, Event, OwnerConfig, OwnerError, View, REGION};
 use bytes::Bytes;
 use futures::future::join_all;
-use futures::stream::StreamExt;
 use shoal_model::{ComponentRole, ComponentState, Generation};
 use shoal_rpc::{Peer, PeerAuth, Request, Response, RpcError};
 use std::collections::BTreeSet;
@@ -70,31 +69,6 @@ pub(super) async fn activate(
             "unexpected reply to activate: {other:?}"
         ))),
     }
-}
-
-/// Reads `len` bytes at `offset` of one copy.
-async fn read_from(
-    r: &Replica,
-    generation: Generation,
-    offset: u64,
-    len: u32,
-    timeout: Duration,
-) -> Result<Bytes, RpcError> {
-    let p = r.peer.as_ref().ok_or(RpcError::Closed)?;
-    let read = Request::Read {
-        component: r.component,
-        generation,
-        offset,
-        len,
-    };
-    let (_, data) = p.call(&read, Bytes::new(), timeout).await?;
-    if data.len() != len as usize {
-        return Err(RpcError::Protocol(format!(
-            "short read: {} of {len} bytes",
-            data.len()
-        )));
-    }
-    Ok(data)
 }
 
 /// What activating every copy found.
@@ -189,57 +163,6 @@ fn check_votes(replicas: &[Replica]) -> Result<(), OwnerError> {
     .map_err(OwnerError::Unavailable)
 }
 
-/// Copies each dirty region from one in-sync copy to the others, a few at
-/// once, before anything is served.
-async fn reconcile(
-    replicas: &[Replica],
-    dirty: &BTreeSet<u64>,
-    (volume, size): (u64, u64),
-    generation: Generation,
-    timeout: Duration,
-) -> Result<(), OwnerError> {
-    let insync: Vec<&Replica> = replicas.iter().filter(|r| r.mode == Mode::InSync).collect();
-    let Some((src, others)) = insync.split_first() else {
-        return Ok(());
-    };
-    if others.is_empty() || dirty.is_empty() {
-        return Ok(());
-    }
-    tracing::info!(
-        volume,
-        regions = dirty.len(),
-        "reconciling regions left in flight"
-    );
-    let copy = |region: u64| async move {
-        let off = region * REGION;
-        let len = REGION.min(size - off) as u32;
-        let data = read_from(src, generation, off, len, timeout)
-            .await
-            .map_err(|e| OwnerError::Unavailable(format!("reconcile read: {e}")))?;
-        for r in others {
-            let Some(p) = &r.peer else { continue };
-            let write = Request::Write {
-                component: r.component,
-                generation,
-                offset: off,
-                seq: 0,
-            };
-            p.call(&write, data.clone(), timeout)
-                .await
-                .map_err(|e| OwnerError::Unavailable(format!("reconcile write: {e}")))?;
-        }
-        Ok::<(), OwnerError>(())
-    };
-    let regions = dirty.iter().copied().filter(|r| r * REGION < size);
-    let mut steps = futures::stream::iter(regions)
-        .map(copy)
-        .buffer_unordered(RECONCILE_REGIONS_IN_FLIGHT);
-    while let Some(step) = steps.next().await {
-        step?;
-    }
-    Ok(())
-}
-
 /// Tells every connected copy that everything before this generation is
 /// consistent now.
 fn barrier_all(replicas: &[Replica], generation: Generation) {
@@ -273,7 +196,7 @@ pub(crate) async fn start<C: Control>(
     view: View,
     generation: Generation,
     control: Arc<C>,
-    (route, lease): (ReadRoute, Arc<Lease>),
+    (route, lease, status): Shared,
 ) -> Result<mpsc::UnboundedSender<Event>, OwnerError> {
     let vol = &view.volume;
     let mut replicas: Vec<Replica> = view
@@ -311,31 +234,20 @@ pub(crate) async fn start<C: Control>(
             "waiting {older_lease:?} for an older owner's read lease to end"
         );
     }
-    let (reconciled, ()) = tokio::join!(
-        reconcile(
-            &replicas,
-            &found.dirty,
-            (vol.id, vol.size),
-            generation,
-            cfg.io_timeout,
-        ),
-        tokio::time::sleep(older_lease),
-    );
-    reconciled?;
+    tokio::time::sleep(older_lease).await;
     lease.renewed(sent);
-    // Everything before this generation is now consistent.
-    barrier_all(&replicas, generation);
 
     let (mut lp, rx) = Loop::new(
         cfg.clone(),
         control,
-        (route, lease),
+        (route, lease, status),
         vol.id,
         vol.size,
         generation,
         replicas,
     );
     lp.repair_delay = view.repair_delay;
+    lp.resync_bytes_per_s = view.resync_bytes_per_s;
     if let Some(r) = &vol.reconfig {
         // A change a dead owner began: its added components' content is
         // not trusted; they are copied to from scratch.
@@ -345,6 +257,13 @@ pub(crate) async fn start<C: Control>(
         // Unreachable but recorded active: record it absent.
         lp.replicas[i].mode = Mode::InSync;
         lp.fail(i, ComponentState::Absent);
+    }
+    // What a dead owner left in flight is reconciled while the volume
+    // serves; with nothing to reconcile, everything before this
+    // generation is consistent now.
+    lp.start_reconcile(found.dirty);
+    if lp.reconcile.is_none() {
+        barrier_all(&lp.replicas, generation);
     }
     let tx = lp.tx.clone();
     spawn_ticker(tx.clone(), cfg.tick);

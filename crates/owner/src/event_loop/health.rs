@@ -128,6 +128,11 @@ impl<C: Control> Loop<C> {
             return;
         }
         tracing::warn!(volume = self.volume, component = r.component, %state, "replica failed");
+        if self.reconcile.as_ref().is_some_and(|rc| rc.source == idx) {
+            // Reads of regions not yet reconciled have no source left: a
+            // new owner reconciles afresh (`super::reconcile`).
+            let _ = self.tx.send(Event::Stop);
+        }
         r.mode = Mode::Failing;
         r.degraded |= state == ComponentState::Degraded;
         r.peer = None;
@@ -190,12 +195,18 @@ impl<C: Control> Loop<C> {
         self.consider_resync();
         self.advance_change();
         self.consider_rebuild();
+        self.publish_status();
         Flow::Continue
     }
 
     /// Barrier: every write older than the oldest in flight is complete,
     /// and the copies may forget their regions.
     fn send_barrier(&mut self) {
+        if self.reconcile.is_some() {
+            // It would clear the marks of a dead owner's writes not yet
+            // reconciled (`super::reconcile`).
+            return;
+        }
         let upto = self
             .inflight
             .first_key_value()

@@ -121,11 +121,30 @@ impl<C: Control> Loop<C> {
         self.check_abandoned();
         if let Some((start, end)) = self.lock {
             assert!(start < end && end <= self.size, "bad lock {start}..{end}");
+            let copying = self
+                .resync
+                .as_ref()
+                .is_some_and(|rs| rs.phase == ResyncPhase::Copying);
+            let reconciling = self
+                .reconcile
+                .as_ref()
+                .and_then(|rc| rc.current)
+                .is_some_and(|r| r * crate::REGION == start);
             assert!(
-                self.resync
-                    .as_ref()
-                    .is_some_and(|rs| rs.phase == ResyncPhase::Copying),
-                "region lock held without a resync copying"
+                copying != reconciling,
+                "region lock held by neither (or both) a resync copying and a reconcile step"
+            );
+        }
+        if let Some(rc) = &self.reconcile {
+            assert!(self.resync.is_none(), "resync while reconciling");
+            assert!(
+                self.replicas[rc.source].is_data(),
+                "reconciling from a witness"
+            );
+            assert!(
+                rc.current
+                    .is_none_or(|r| rc.regions.contains(&r) && self.lock.is_some()),
+                "reconcile step without its region or lock"
             );
         }
         assert!(

@@ -376,7 +376,15 @@ impl<C: Control> Loop<C> {
     /// Reads `(offset, len)` from one in-sync copy not yet `tried`: the
     /// one on this node if there is one, else the next in turn.
     pub(super) fn read(&mut self, (offset, len): (u64, u32), tried: ReplicaSet, reply: Reply) {
-        let candidates = self.read_candidates(tried);
+        let mut candidates = self.read_candidates(tried);
+        if let Some(source) = self.pinned_source(offset, u64::from(len)) {
+            // Not yet reconciled: one version for every client.
+            candidates = if candidates.contains(source) {
+                ReplicaSet::one(source)
+            } else {
+                ReplicaSet::EMPTY
+            };
+        }
         let local = candidates
             .iter()
             .find(|&i| self.replicas[i].node == self.cfg.node);

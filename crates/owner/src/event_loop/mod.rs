@@ -6,7 +6,9 @@
 //!
 //! This file owns the state, the events and their dispatch; each concern
 //! has its own file:
-//! - `activation`: taking over the volume, reconciling a dead owner's writes;
+//! - `activation`: taking over the volume;
+//! - `reconcile`: reconciling a dead owner's writes in flight, in the
+//!   background;
 //! - `io`: client reads and writes, acknowledgements, parked writes;
 //! - `route`: the local in-sync copy published for reads around the loop;
 //! - `lease`: renewing the read lease, reads waiting for it;
@@ -25,6 +27,7 @@ mod invariants;
 mod io;
 mod lease;
 mod rebuild;
+mod reconcile;
 mod reconfig;
 mod repair;
 mod replica;
@@ -58,12 +61,12 @@ use tokio::sync::{mpsc, oneshot};
 
 type Reply = oneshot::Sender<Result<Bytes, OwnerError>>;
 
-/// Regions a new owner reconciles at once after a crash (each a 1 MiB read
-/// from one copy and a write to the others): a few at once keep the copies'
-/// devices busy instead of waiting one round trip per region (eight at a
-/// time measured faster than one: bench/RESULTS.md, 2026-12-01, what a
-/// whole-cluster crash costs at restart).
-const RECONCILE_REGIONS_IN_FLIGHT: usize = 8;
+/// The healing status the loop publishes ([`crate::status`]).
+pub(crate) type SharedStatus = Arc<std::sync::Mutex<crate::status::HealingStatus>>;
+/// What the loop shares with the [`crate::Owner`] handles: the read route,
+/// the lease and the healing status.
+pub(crate) type Shared = (ReadRoute, Arc<Lease>, SharedStatus);
+
 /// How long to wait for a TCP connection to a replica, in milliseconds.
 const CONNECT_TIMEOUT_MS: u64 = 1000;
 /// Ticks between resync attempts after a failed one.
@@ -141,9 +144,24 @@ pub(crate) enum Internal {
         region: u64,
         result: Result<Bytes, RpcError>,
     },
+    /// A region to reconcile was read from the source (or not).
+    ReconcileRead {
+        region: u64,
+        result: Result<Bytes, RpcError>,
+    },
+    /// The other copies answered a reconciled region's copy; those in
+    /// `failed` did not take it.
+    ReconcileWritten {
+        failed: Vec<(usize, RpcError)>,
+    },
+    /// A resync paused by its rate limit may copy its next region.
+    CopyPaced {
+        attempt: u64,
+    },
+    /// A region's copy was written (its bytes), or failed.
     CopyWritten {
         attempt: u64,
-        result: Result<(), RpcError>,
+        result: Result<u64, RpcError>,
     },
     /// The request to record the target active answered: the end of the
     /// attempt, or of an abandoned one's wait ([`resync::Abandoned`]).
@@ -203,6 +221,8 @@ pub(super) struct Loop<C: Control> {
     /// How long a copy whose host is down is waited for before it is
     /// rebuilt elsewhere.
     repair_delay: Duration,
+    /// Static limit of a resync's copy rate, in bytes per second.
+    resync_bytes_per_s: Option<u64>,
     rebuild: rebuild::Rebuild,
     next_seq: u64,
     /// Writes sent and not yet answered, by sequence number, with the
@@ -212,7 +232,10 @@ pub(super) struct Loop<C: Control> {
     /// Answered writes waiting for the directory to record the copies that
     /// missed them.
     parked: Vec<Parked>,
-    /// Region locked by a resync copy step; overlapping writes wait.
+    /// What a dead owner left in flight, being reconciled.
+    reconcile: Option<reconcile::Reconcile>,
+    /// Region locked by a resync or reconcile copy step; overlapping
+    /// writes wait.
     lock: Option<(u64, u64)>,
     blocked: VecDeque<(WriteOp, Reply)>,
     resync: Option<Resync>,
@@ -232,6 +255,9 @@ pub(super) struct Loop<C: Control> {
     routed: Option<Routed>,
     /// The read lease, shared with the [`crate::Owner`] handles.
     lease: Arc<Lease>,
+    /// What the loop last reported of the volume's healing, shared with
+    /// the [`crate::Owner`] handles.
+    status: SharedStatus,
     /// A renewal round is in flight.
     renewing: bool,
     /// Reads waiting for the lease to be renewed, oldest first.
@@ -252,7 +278,7 @@ impl<C: Control> Loop<C> {
     fn new(
         cfg: OwnerConfig,
         control: Arc<C>,
-        (route, lease): (ReadRoute, Arc<Lease>),
+        (route, lease, status): Shared,
         volume: u64,
         size: u64,
         generation: Generation,
@@ -275,11 +301,13 @@ impl<C: Control> Loop<C> {
             change: None,
             retired_ids: BTreeSet::new(),
             repair_delay: crate::DEFAULT_REPAIR_DELAY,
+            resync_bytes_per_s: None,
             rebuild: rebuild::Rebuild::default(),
             next_seq: 1,
             inflight: BTreeMap::new(),
             last_barrier: 0,
             parked: Vec::new(),
+            reconcile: None,
             lock: None,
             blocked: VecDeque::new(),
             resync: None,
@@ -290,6 +318,7 @@ impl<C: Control> Loop<C> {
             route,
             routed: None,
             lease,
+            status,
             renewing: false,
             lease_waiting: VecDeque::new(),
             writes: FuturesUnordered::new(),
@@ -383,6 +412,9 @@ impl<C: Control> Loop<C> {
                 result,
             } => self.copy_read(attempt, region, result),
             Internal::CopyWritten { attempt, result } => self.copy_written(attempt, result),
+            Internal::CopyPaced { attempt } => self.copy_paced(attempt),
+            Internal::ReconcileRead { region, result } => self.reconcile_read(region, result),
+            Internal::ReconcileWritten { failed } => self.reconcile_written(failed),
             Internal::ResyncDone { attempt, result } => self.resync_done(attempt, result),
             Internal::ChangeEnded {
                 end,
@@ -416,6 +448,7 @@ impl<C: Control> Loop<C> {
             let _ = self.tx.send(Event::Stop);
         }
         self.repair_delay = v.repair_delay;
+        self.resync_bytes_per_s = v.resync_bytes_per_s;
         self.follow_change(&v.volume, &v.targets);
         for t in &v.targets {
             let Some(i) = self.live_index(t.component.id) else {

@@ -12,6 +12,7 @@
 
 use super::replica::{Mode, Replica};
 use super::{Flow, Internal, Loop};
+use crate::status::{HealingStatus, ResyncStatus};
 use crate::{Control, ControlError};
 use shoal_model::{ComponentRole, Generation};
 use std::time::Instant;
@@ -106,5 +107,45 @@ impl<C: Control> Loop<C> {
             }
         }
         Flow::Continue
+    }
+}
+
+impl<C: Control> Loop<C> {
+    /// Publishes what the loop does to heal the volume: the copy under
+    /// way, the change in progress, the rebuilds waiting for the repair
+    /// delay and why lost components cannot be rebuilt.
+    pub(super) fn publish_status(&self) {
+        let now = Instant::now();
+        let resync = self.resync.as_ref().map(|rs| ResyncStatus {
+            component: self.replicas[rs.idx].component,
+            added: self.replicas[rs.idx].layouts.added(),
+            bytes_total: rs.bytes_total,
+            bytes_done: rs.bytes_done,
+            elapsed: now.saturating_duration_since(rs.started),
+        });
+        let waiting = self
+            .replicas
+            .iter()
+            .filter(|r| !r.layouts.retired() && r.layouts.new && !r.node_up && !r.degraded)
+            .filter(|r| match r.role {
+                ComponentRole::Data => r.mode == Mode::Out,
+                ComponentRole::Witness => !r.witness_ok,
+            })
+            .filter_map(|r| {
+                let since = r.out_since?;
+                let left = self
+                    .repair_delay
+                    .saturating_sub(now.saturating_duration_since(since));
+                Some((r.component, left))
+            })
+            .collect();
+        let status = HealingStatus {
+            resync,
+            change: self.change.as_ref().map(|c| c.record.reason.clone()),
+            waiting,
+            cannot_rebuild: self.rebuild.problem.clone(),
+        };
+        let mut g = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        *g = status;
     }
 }

@@ -23,7 +23,7 @@ use shoal_model::{ComponentState, Generation, BLOCK_SIZE};
 use shoal_rpc::{Peer, PendingReply, Request, Response, RpcError};
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum ResyncPhase {
@@ -44,6 +44,10 @@ pub(super) struct Resync {
     pub(super) phase: ResyncPhase,
     /// Regions left to copy, in order.
     pub(super) regions: VecDeque<u64>,
+    /// Bytes to copy in all, once planned, and copied so far.
+    pub(super) bytes_total: u64,
+    pub(super) bytes_done: u64,
+    pub(super) started: Instant,
 }
 
 /// An attempt aborted while the directory was being asked to record its
@@ -113,7 +117,7 @@ impl<C: Control> Loop<C> {
             self.resync_backoff -= 1;
             return;
         }
-        if self.resync.is_some() || self.abandoned.is_some() {
+        if self.resync.is_some() || self.abandoned.is_some() || self.reconcile.is_some() {
             return;
         }
         // A copy of the volume's layout first (it restores protection),
@@ -149,6 +153,9 @@ impl<C: Control> Loop<C> {
             source: None,
             phase: ResyncPhase::Reclaiming,
             regions: VecDeque::new(),
+            bytes_total: 0,
+            bytes_done: 0,
+            started: Instant::now(),
         });
         // A new generation fences frames of older sessions still queued
         // towards the returning replica.
@@ -292,7 +299,12 @@ impl<C: Control> Loop<C> {
                     regions = regions.len(),
                     "resync copying"
                 );
+                let size = self.size;
                 if let Some(rs) = &mut self.resync {
+                    rs.bytes_total = regions
+                        .iter()
+                        .map(|r| REGION.min(size.saturating_sub(r * REGION)))
+                        .sum();
                     rs.regions = regions.into();
                     rs.phase = ResyncPhase::Copying;
                 }
@@ -306,9 +318,41 @@ impl<C: Control> Loop<C> {
         Flow::Continue
     }
 
+    /// When the next region may start under the static rate limit: the
+    /// bytes copied so far, at the limit, take this long from the start.
+    fn paced_until(&self, rs: &Resync) -> Option<Instant> {
+        let limit = self.resync_bytes_per_s.filter(|&l| l > 0)?;
+        let due = rs.started + Duration::from_secs_f64(rs.bytes_done as f64 / limit as f64);
+        (due > Instant::now()).then_some(due)
+    }
+
+    /// The pause the rate limit asked for is over.
+    pub(super) fn copy_paced(&mut self, attempt: u64) -> Flow {
+        let copying = self
+            .resync
+            .as_ref()
+            .is_some_and(|rs| rs.attempt == attempt && rs.phase == ResyncPhase::Copying);
+        if copying && self.lock.is_none() {
+            self.copy_next();
+        }
+        Flow::Continue
+    }
+
     /// Starts copying the next region (locking it against client writes
-    /// until its copy is queued), or finishes once none is left.
+    /// until its copy is queued) once the rate limit allows, or finishes
+    /// once none is left.
     fn copy_next(&mut self) {
+        if let Some((attempt, at)) = self
+            .resync
+            .as_ref()
+            .and_then(|rs| Some((rs.attempt, self.paced_until(rs)?)))
+        {
+            self.spawn_report(async move {
+                tokio::time::sleep_until(at.into()).await;
+                Internal::CopyPaced { attempt }
+            });
+            return;
+        }
         let Some(rs) = &mut self.resync else { return };
         let size = self.size;
         let next = std::iter::from_fn(|| rs.regions.pop_front()).find(|r| r * REGION < size);
@@ -381,13 +425,14 @@ impl<C: Control> Loop<C> {
                 return Flow::Continue;
             }
         };
+        let copied = data.len() as u64;
         let sent = self.copy_request(idx, region * REGION, data);
         // The copy is queued ahead of any later write: release the region.
         self.lock = None;
         self.unblock();
         let timeout = self.cfg.io_timeout;
         self.spawn_report(async move {
-            let result = answer(sent, timeout).await.map(|_| ());
+            let result = answer(sent, timeout).await.map(|_| copied);
             Internal::CopyWritten { attempt, result }
         });
         Flow::Continue
@@ -424,7 +469,7 @@ impl<C: Control> Loop<C> {
         Some(p.send(&req, payload))
     }
 
-    pub(super) fn copy_written(&mut self, attempt: u64, result: Result<(), RpcError>) -> Flow {
+    pub(super) fn copy_written(&mut self, attempt: u64, result: Result<u64, RpcError>) -> Flow {
         let Some(idx) = self
             .resync
             .as_ref()
@@ -434,7 +479,12 @@ impl<C: Control> Loop<C> {
             return Flow::Continue;
         };
         match result {
-            Ok(()) => self.copy_next(),
+            Ok(bytes) => {
+                if let Some(rs) = &mut self.resync {
+                    rs.bytes_done += bytes;
+                }
+                self.copy_next();
+            }
             Err(e) => self.fail(idx, state_for(&e)),
         }
         Flow::Continue

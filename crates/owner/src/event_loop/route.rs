@@ -31,6 +31,10 @@ impl<C: Control> Loop<C> {
     /// What the route should hold now.
     pub(super) fn route_now(&self) -> Option<Routed> {
         let idx = self.local_copy()?;
+        if self.reconcile.as_ref().is_some_and(|rc| rc.source != idx) {
+            // Reads of regions not yet reconciled go to the source only.
+            return None;
+        }
         let conn = Arc::as_ptr(self.replicas[idx].peer.as_ref()?) as usize;
         Some(Routed {
             idx,

@@ -356,7 +356,7 @@ pub(super) async fn rig(specs: &[Spec]) -> Rig {
     // The loop holds a lease, as after its activation.
     let lease = Arc::new(crate::lease::Lease::default());
     lease.renewed(std::time::Instant::now());
-    let shared = (route.clone(), lease);
+    let shared = (route.clone(), lease, Default::default());
     let (mut lp, rx) = Loop::new(cfg, dir.clone(), shared, 7, SIZE, 1, replicas);
     lp.publish_route();
     lp.check_invariants(Flow::Continue);

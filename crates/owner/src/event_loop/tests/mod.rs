@@ -462,6 +462,7 @@ async fn a_newer_owner_in_the_view_stops_the_loop() {
             volume: volume.clone(),
             targets: vec![],
             repair_delay: crate::DEFAULT_REPAIR_DELAY,
+            resync_bytes_per_s: None,
         })),
         Flow::Continue
     );
@@ -470,6 +471,7 @@ async fn a_newer_owner_in_the_view_stops_the_loop() {
         volume,
         targets: vec![],
         repair_delay: crate::DEFAULT_REPAIR_DELAY,
+        resync_bytes_per_s: None,
     };
     assert_eq!(rig.lp.apply(Event::View(view)), Flow::Continue);
     assert!(matches!(rig.next_event().await, Event::Stop));
@@ -601,7 +603,7 @@ async fn a_late_report_of_an_aborted_resync_is_ignored() {
     for late in [
         Internal::CopyWritten {
             attempt: first,
-            result: Ok(()),
+            result: Ok(REGION),
         },
         Internal::ResyncDone {
             attempt: first,
@@ -796,7 +798,7 @@ fn replica_sets_list_their_members_in_order() {
 // The checks catch a broken state, even on the event that stops the loop.
 
 #[tokio::test]
-#[should_panic(expected = "region lock held without a resync copying")]
+#[should_panic(expected = "region lock held by neither")]
 async fn a_region_lock_without_a_resync_is_caught() {
     let mut rig = rig(&standard()).await;
     rig.lp.lock = Some((0, REGION));

@@ -62,6 +62,7 @@ fn view(rig: &Rig, extra: &[Component], reconfig: Option<Reconfig>, addr4: &str)
         },
         targets,
         repair_delay: Duration::from_secs(3600),
+        resync_bytes_per_s: None,
     }
 }
 
@@ -312,4 +313,103 @@ async fn a_copy_whose_device_failed_is_rebuilt_at_once_and_a_refusal_is_kept() {
     // Not asked again before the pause after a refusal.
     rig.tick();
     assert_eq!(rig.dir.rebuilds.lock().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn a_static_rate_limit_spaces_the_copy_steps() {
+    let mut rig = rig(&[
+        copy(1, Mode::InSync, 1),
+        copy(2, Mode::Out, 2),
+        super::fakes::witness(3),
+    ])
+    .await;
+    rig.fakes[0].allocate(&[(0, 3 * REGION)]);
+    // 10 MiB/s: each 1 MiB region is due 100 ms after the one before.
+    rig.lp.resync_bytes_per_s = Some(10 * REGION);
+    let start = std::time::Instant::now();
+    rig.tick();
+    rig.run_until(|lp| lp.resync.is_none()).await;
+    assert_eq!(rig.lp.replicas[1].mode, Mode::InSync);
+    assert!(
+        start.elapsed() >= Duration::from_millis(200),
+        "3 regions at 10 MiB/s copied in {:?}",
+        start.elapsed()
+    );
+}
+
+/// Whether `r` is a copy step of the reconciliation at `at`.
+fn is_reconcile_write(r: &Request, at: u64) -> bool {
+    matches!(r, Request::Write { offset, seq: 0, .. } if *offset == at)
+}
+
+#[tokio::test]
+async fn regions_left_in_flight_are_reconciled_while_the_volume_serves() {
+    // No copy on the owner's node: the source is the first in-sync copy.
+    let mut rig = rig(&[
+        copy(2, Mode::InSync, 2),
+        copy(3, Mode::InSync, 3),
+        super::fakes::witness(4),
+    ])
+    .await;
+    // The source's reads hang: the reconciliation stays at its first
+    // region, and a client read of a region not reconciled must wait for
+    // the source too, never read the other copy.
+    rig.fakes[0].answer_reads(super::fakes::Answer::Hang);
+    rig.lp.start_reconcile([0, 2].into_iter().collect());
+    let rc = rig.lp.reconcile.as_ref().expect("reconciling");
+    assert_eq!((rc.source, rc.current), (0, Some(0)));
+    let _pinned = rig.submit(crate::Op::Read {
+        offset: 2 * REGION + 4096,
+        len: 4096,
+    });
+    let _free = rig.submit(crate::Op::Read {
+        offset: REGION,
+        len: 4096,
+    });
+    rig.settle().await;
+    let reads_of = |rig: &Rig, i: usize, at: u64| {
+        rig.requests(i)
+            .iter()
+            .filter(|r| matches!(r, Request::Read { offset, .. } if *offset == at))
+            .count()
+    };
+    assert_eq!(
+        reads_of(&rig, 1, 2 * REGION + 4096),
+        0,
+        "read the other copy"
+    );
+    assert_eq!(reads_of(&rig, 0, 2 * REGION + 4096), 1);
+    // A region not marked may be read from either copy.
+    // No barrier while regions are left: it would clear the dead owner's
+    // marks.
+    rig.tick();
+    assert!(!rig
+        .requests(1)
+        .iter()
+        .any(|r| matches!(r, Request::Barrier { .. })));
+}
+
+#[tokio::test]
+async fn a_reconciled_region_reaches_the_other_copies_then_a_barrier_follows() {
+    let mut rig = rig(&standard()).await;
+    rig.lp.start_reconcile([0, 3].into_iter().collect());
+    assert_eq!(rig.lp.reconcile.as_ref().map(|rc| rc.source), Some(0));
+    assert!(
+        rig.route_published(),
+        "the local copy is the source: reads stay local"
+    );
+    rig.run_until(|lp| lp.reconcile.is_none()).await;
+    let sent = rig.requests(1);
+    for at in [0, 3 * REGION] {
+        assert!(
+            sent.iter().any(|r| is_reconcile_write(r, at)),
+            "region at {at} not copied: {sent:?}"
+        );
+    }
+    assert!(!sent.iter().any(|r| is_reconcile_write(r, REGION)));
+    rig.tick();
+    assert!(rig
+        .requests(1)
+        .iter()
+        .any(|r| matches!(r, Request::Barrier { .. })));
 }

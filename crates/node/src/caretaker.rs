@@ -1,0 +1,191 @@
+//! Keeps an owner on every volume that needs healing, with or without
+//! client I/O: only an owner resyncs a copy that came back, rebuilds a
+//! lost one after the repair delay, or carries a change of layout through
+//! (`docs/reconfiguration.md`), and an owner otherwise starts only when a
+//! client does I/O. Every [`CARE_INTERVAL_MS`], each node claims the
+//! volumes that have needed one for [`CARE_GRACE_S`], have no live owner,
+//! and name this node their caretaker: the node of their lowest-numbered
+//! active data copy whose node is up (one node per volume, spread over the
+//! cluster, and one that holds an up-to-date copy).
+//!
+//! Owns nothing but its timer; claims through the router like client I/O.
+
+use crate::router::Router;
+use shoal_directory::ClusterState;
+use shoal_model::{ComponentRole, ComponentState, NodeId, NodeState, Volume, VolumeId};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How often the caretaker looks for volumes without an owner, in
+/// milliseconds: a heal starts within this of its volume losing its owner
+/// (against a repair delay of a minute or more, and resyncs of seconds).
+pub const CARE_INTERVAL_MS: u64 = 1000;
+
+/// Whether `v` needs an owner to heal: a component not active or on a
+/// node that is down (the directory marks nothing itself: an owner records
+/// the copy absent), or a change of layout in progress.
+pub fn needs_owner(state: &ClusterState, v: &Volume) -> bool {
+    let up = |n: NodeId| {
+        state
+            .nodes
+            .get(&n)
+            .is_some_and(|n| n.state == NodeState::Up)
+    };
+    v.reconfig.is_some()
+        || v.components
+            .iter()
+            .any(|c| c.state != ComponentState::Active || !up(c.node))
+}
+
+/// The node that keeps an owner on `v`: the node of its lowest-numbered
+/// active data copy, if that node is up.
+pub fn caretaker(state: &ClusterState, v: &Volume) -> Option<NodeId> {
+    let up = |n: NodeId| {
+        state
+            .nodes
+            .get(&n)
+            .is_some_and(|n| n.state == NodeState::Up)
+    };
+    v.components
+        .iter()
+        .filter(|c| c.role == ComponentRole::Data && c.state == ComponentState::Active)
+        .filter(|c| v.in_old_layout(c) && up(c.node))
+        .min_by_key(|c| c.id)
+        .map(|c| c.node)
+}
+
+/// Whether `v`'s owner (if any) runs on a node the directory has up.
+fn owner_live(state: &ClusterState, v: &Volume) -> bool {
+    v.owner
+        .and_then(|o| state.nodes.get(&o))
+        .is_some_and(|n| n.state == NodeState::Up)
+}
+
+/// The volumes this node (`me`) should claim now.
+pub fn to_claim(state: &ClusterState, me: NodeId) -> Vec<VolumeId> {
+    state
+        .volumes
+        .values()
+        .filter(|v| v.problem.is_none() && needs_owner(state, v))
+        .filter(|v| !owner_live(state, v) || v.owner == Some(me))
+        .filter(|v| caretaker(state, v) == Some(me))
+        .map(|v| v.id)
+        .collect()
+}
+
+/// How long a volume must have needed an owner, as this node saw it,
+/// before its caretaker claims it, in seconds: while a cluster starts, its
+/// nodes come up one after the other, and an owner claimed before the
+/// last of them would record its copies absent and resync them needlessly.
+pub const CARE_GRACE_S: u64 = 5;
+
+/// Runs for as long as the node does.
+pub async fn run(router: Arc<Router>) {
+    let mut t = tokio::time::interval(Duration::from_millis(CARE_INTERVAL_MS));
+    t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    // Since when each volume has needed this node's care.
+    let mut since: HashMap<VolumeId, Instant> = HashMap::new();
+    loop {
+        t.tick().await;
+        let state = router.dir.state();
+        let due = to_claim(&state, router.node);
+        since.retain(|v, _| due.contains(v));
+        for volume in due {
+            let first = *since.entry(volume).or_insert_with(Instant::now);
+            if first.elapsed() < Duration::from_secs(CARE_GRACE_S) {
+                continue;
+            }
+            if let Err(e) = router.ensure_owned(volume).await {
+                tracing::debug!(volume, "caretaker cannot own the volume yet: {e}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_directory::{Command, PlannedComponent, Response};
+    use shoal_model::NodeInfo;
+
+    fn node(id: u64) -> NodeInfo {
+        NodeInfo {
+            id,
+            fault_domain: format!("node-{id}"),
+            peer_addr: format!("10.0.0.{id}:7000"),
+            api_addr: format!("10.0.0.{id}:8000"),
+            nbd_addr: format!("10.0.0.{id}:10809"),
+            state: NodeState::Up,
+        }
+    }
+
+    /// Three nodes and a raid1 ftt=1 volume: copies on 1 and 2, witness on 3.
+    fn cluster() -> (ClusterState, u64) {
+        let mut s = ClusterState::default();
+        for i in 1..=3 {
+            s.apply(&Command::RegisterNode { node: node(i) }).unwrap();
+            s.apply(&Command::RegisterDevice {
+                node: i,
+                path: "/d".into(),
+                capacity: 1 << 30,
+            })
+            .unwrap();
+        }
+        let dev = |node| s.devices.values().find(|d| d.node == node).unwrap().id;
+        let comps = [
+            (1, ComponentRole::Data),
+            (2, ComponentRole::Data),
+            (3, ComponentRole::Witness),
+        ]
+        .map(|(node, role)| PlannedComponent {
+            role,
+            node,
+            device: dev(node),
+            votes: 1,
+        });
+        let Response::Id(v) = s
+            .apply(&Command::CreateVolume {
+                name: "v".into(),
+                size: 1 << 20,
+                policy: "raid1 ftt=1".parse().unwrap(),
+                wrapped_key: None,
+                components: comps.to_vec(),
+            })
+            .unwrap()
+        else {
+            panic!("no id");
+        };
+        (s, v)
+    }
+
+    #[test]
+    fn a_healthy_volume_is_left_alone() {
+        let (s, _) = cluster();
+        for me in 1..=3 {
+            assert!(to_claim(&s, me).is_empty());
+        }
+    }
+
+    #[test]
+    fn the_node_of_the_first_live_copy_claims_a_volume_with_a_dead_copy() {
+        let (mut s, v) = cluster();
+        s.apply(&Command::SetNodeState {
+            node: 1,
+            state: NodeState::Down,
+        })
+        .unwrap();
+        // Node 1's copy is out of reach; node 2 holds the other.
+        assert_eq!(to_claim(&s, 2), vec![v]);
+        assert!(to_claim(&s, 3).is_empty());
+        // Once node 2 owns it, nobody else claims it.
+        s.apply(&Command::ClaimOwner {
+            volume: v,
+            node: 2,
+            expected_generation: s.volumes[&v].generation,
+        })
+        .unwrap();
+        assert!(to_claim(&s, 3).is_empty());
+        assert_eq!(to_claim(&s, 2), vec![v], "kept running by its caretaker");
+    }
+}

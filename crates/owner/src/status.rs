@@ -1,0 +1,75 @@
+//! What an owner reports of its volume's healing, for `shoal volume
+//! show`, the API and the metrics: published by the loop on every tick
+//! and after every step of a copy, read through any [`crate::Owner`]
+//! handle.
+
+use shoal_model::ComponentId;
+use std::time::Duration;
+
+/// The volume's healing as its owner sees it now.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HealingStatus {
+    /// The copy being brought up to date, if any.
+    pub resync: Option<ResyncStatus>,
+    /// Why the layout is changing (a change in progress), if it is.
+    pub change: Option<String>,
+    /// Components out of service whose rebuild waits for the repair
+    /// delay, with the time left.
+    pub waiting: Vec<(ComponentId, Duration)>,
+    /// Why the lost components cannot be rebuilt now (no fault domain or
+    /// space left), until a rebuild is begun.
+    pub cannot_rebuild: Option<String>,
+}
+
+/// One copy being brought up to date.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResyncStatus {
+    pub component: ComponentId,
+    /// A component a change added (a rebuild, a new policy) rather than a
+    /// copy of the layout coming back.
+    pub added: bool,
+    /// Bytes to copy in all (0 until the plan is known).
+    pub bytes_total: u64,
+    /// Bytes copied so far.
+    pub bytes_done: u64,
+    /// How long the copy has run.
+    pub elapsed: Duration,
+}
+
+impl ResyncStatus {
+    /// Bytes copied per second so far.
+    pub fn rate_bytes_per_s(&self) -> u64 {
+        let ms = self.elapsed.as_millis().max(1);
+        (u128::from(self.bytes_done) * 1000 / ms) as u64
+    }
+
+    /// Time left at the rate so far (None before the first bytes).
+    pub fn eta(&self) -> Option<Duration> {
+        let rate = self.rate_bytes_per_s();
+        if rate == 0 {
+            return None;
+        }
+        let left = self.bytes_total.saturating_sub(self.bytes_done);
+        Some(Duration::from_secs(left.div_ceil(rate)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rate_and_eta_follow_the_bytes_copied() {
+        let mut s = ResyncStatus {
+            component: 1,
+            added: true,
+            bytes_total: 100 << 20,
+            bytes_done: 0,
+            elapsed: Duration::from_secs(2),
+        };
+        assert_eq!(s.eta(), None);
+        s.bytes_done = 20 << 20;
+        assert_eq!(s.rate_bytes_per_s(), 10 << 20);
+        assert_eq!(s.eta(), Some(Duration::from_secs(8)));
+    }
+}
