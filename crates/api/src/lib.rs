@@ -12,6 +12,11 @@ use shoal_model::{
 };
 use std::time::Duration;
 
+pub mod healing;
+pub use healing::{
+    healing_text, HealingReport, ResyncKind, ResyncReport, WaitingComponent, OWNER_NOT_REACHABLE,
+};
+
 /// Body of `POST /v1/volumes`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CreateVolume {
@@ -44,6 +49,10 @@ pub struct ClusterSettingsUpdate {
     /// rebuilt elsewhere ([`ClusterSettings::repair_delay_s`]).
     #[serde(default)]
     pub repair_delay_s: Option<u64>,
+    /// Static limit of each owner's resync and rebuild copies, MiB/s; 0:
+    /// none ([`ClusterSettings::resync_mib_per_s`]).
+    #[serde(default)]
+    pub resync_mib_per_s: Option<u64>,
 }
 
 /// One volume as the API shows it.
@@ -57,6 +66,15 @@ pub struct VolumeReport {
     /// became owner); None without an owner that answered.
     #[serde(default)]
     pub throttle: Option<ThrottleReport>,
+    /// The copy being brought up to date now, as the owner reports it;
+    /// None when there is none or the owner did not answer.
+    #[serde(default)]
+    pub resync: Option<ResyncReport>,
+    /// One line for people on how the volume heals ([`healing_text`]):
+    /// "healthy", "reduced availability: rebuilding (REASON)", ...,
+    /// "inaccessible".
+    #[serde(default)]
+    pub healing: String,
 }
 
 /// The IOPS limit of a volume as its owner applies it.
@@ -115,6 +133,9 @@ pub struct Owners {
     /// The IOPS limit of each owned volume and what it held back.
     #[serde(default)]
     pub throttles: Vec<ThrottleReport>,
+    /// How each owned volume heals.
+    #[serde(default)]
+    pub healing: Vec<HealingReport>,
 }
 
 /// `GET /v1/scrub`: the counters of one node's scrubber (`POST` starts a

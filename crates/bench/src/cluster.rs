@@ -509,6 +509,8 @@ mod tests {
                 health,
                 uris: Vec::new(),
                 throttle: None,
+                resync: None,
+                healing: String::new(),
             }],
         }
     }

@@ -572,6 +572,7 @@ pub async fn up(a: UpArgs) -> Result<()> {
 async fn set_repair_delay(c: &Client, repair_delay_s: u64) -> Result<()> {
     let update = shoal_api::ClusterSettingsUpdate {
         repair_delay_s: Some(repair_delay_s),
+        ..Default::default()
     };
     let s = c
         .set_cluster_settings(&update)

@@ -129,7 +129,9 @@ enum ClusterCmd {
     Set {
         /// The setting to change.
         setting: Setting,
-        /// Its new value (repair-delay: a duration, 90s, 30m, 24h or 7d).
+        /// Its new value (repair-delay: a duration, 90s, 30m, 24h or 7d;
+        /// resync-mib-per-s: a whole number of MiB/s, 0 for no limit).
+        #[arg(allow_negative_numbers = true)]
         value: String,
         #[command(flatten)]
         target: Target,
@@ -149,6 +151,9 @@ enum Setting {
     /// How long a copy whose host is unreachable is waited for before its
     /// data is rebuilt elsewhere: 1s to 7d (default 60m).
     RepairDelay,
+    /// Static limit of each owner's resync and rebuild copies, in MiB/s:
+    /// 0 (no static limit, the default) to 102400.
+    ResyncMibPerS,
 }
 
 #[derive(Subcommand)]
@@ -699,18 +704,45 @@ async fn run(cmd: Cmd) -> Result<()> {
 
 /// The change `shoal cluster set SETTING VALUE` asks for.
 fn settings_update(setting: Setting, value: &str) -> Result<shoal_api::ClusterSettingsUpdate> {
-    Ok(match setting {
-        Setting::RepairDelay => shoal_api::ClusterSettingsUpdate {
-            repair_delay_s: Some(
-                parse_repair_delay_s(value).map_err(|e| anyhow::anyhow!("repair-delay {e}"))?,
-            ),
-        },
-    })
+    let mut u = shoal_api::ClusterSettingsUpdate::default();
+    match setting {
+        Setting::RepairDelay => {
+            let v = parse_repair_delay_s(value).map_err(|e| anyhow::anyhow!("repair-delay {e}"))?;
+            u.repair_delay_s = Some(v);
+        }
+        Setting::ResyncMibPerS => {
+            let v = parse_resync_mib_per_s(value)
+                .map_err(|e| anyhow::anyhow!("resync-mib-per-s {e}"))?;
+            u.resync_mib_per_s = Some(v);
+        }
+    }
+    Ok(u)
+}
+
+/// A static resync limit (`shoal cluster set resync-mib-per-s`): a whole
+/// number of MiB/s, 0 (no static limit) to `MAX_RESYNC_MIB_PER_S`.
+fn parse_resync_mib_per_s(s: &str) -> Result<u64, String> {
+    let max = shoal_model::MAX_RESYNC_MIB_PER_S;
+    let range = || format!("0 (no static limit) to {max}");
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!(
+            "{s:?}: expected a whole number of MiB/s, {}",
+            range()
+        ));
+    }
+    match s.parse::<u64>() {
+        Ok(v) if v <= max => Ok(v),
+        _ => Err(format!("{s:?}: out of range: {}", range())),
+    }
 }
 
 /// The cluster-wide settings for people, one `name: value` a line.
 fn show_settings(s: &shoal_model::ClusterSettings) {
     println!("repair-delay: {}", human_duration_s(s.repair_delay_s));
+    match s.resync_mib_per_s {
+        0 => println!("resync-mib-per-s: 0 (no static limit)"),
+        n => println!("resync-mib-per-s: {n}"),
+    }
 }
 
 async fn token(t: TokenCmd) -> Result<()> {
@@ -934,6 +966,35 @@ mod tests {
         }
         let e = settings_update(Setting::RepairDelay, "0s").unwrap_err();
         assert!(format!("{e:#}").starts_with("repair-delay \"0s\""), "{e:#}");
+    }
+
+    #[test]
+    fn resync_limits_parse_up_to_the_maximum() {
+        let max = shoal_model::MAX_RESYNC_MIB_PER_S;
+        for (text, v) in [("0", 0), ("50", 50), (&*max.to_string(), max)] {
+            assert_eq!(parse_resync_mib_per_s(text), Ok(v), "{text}");
+        }
+        for (text, want) in [
+            ("-5", "expected a whole number of MiB/s"),
+            ("1.5", "expected a whole number"),
+            ("fast", "expected a whole number"),
+            ("", "expected a whole number"),
+            (
+                &*(max + 1).to_string(),
+                "out of range: 0 (no static limit) to 102400",
+            ),
+            ("99999999999999999999999", "out of range"),
+        ] {
+            let e = parse_resync_mib_per_s(text).unwrap_err();
+            assert!(e.contains(want), "{text}: {e}");
+        }
+        let u = settings_update(Setting::ResyncMibPerS, "50").unwrap();
+        assert_eq!((u.repair_delay_s, u.resync_mib_per_s), (None, Some(50)));
+        let e = settings_update(Setting::ResyncMibPerS, "-1").unwrap_err();
+        assert!(
+            format!("{e:#}").starts_with("resync-mib-per-s \"-1\""),
+            "{e:#}"
+        );
     }
 
     /// The config file's keys reach the node's typed config, flags win,

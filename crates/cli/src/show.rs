@@ -1,6 +1,6 @@
 //! Tables for people.
 
-use shoal_api::{StatusReport, VolumeReport};
+use shoal_api::{ResyncKind, ResyncReport, StatusReport, VolumeReport};
 use shoal_model::{human_size, ComponentRole};
 
 pub fn status(s: &StatusReport) {
@@ -50,21 +50,29 @@ pub fn status(s: &StatusReport) {
 
 pub fn volumes(v: &[VolumeReport]) {
     println!(
-        "{:<20} {:>10} {:<22} {:<22} {:<6}",
-        "VOLUME", "SIZE", "POLICY", "HEALTH", "OWNER"
+        "{:<20} {:>10} {:<22} {:<6} HEALTH",
+        "VOLUME", "SIZE", "POLICY", "OWNER"
     );
     for r in v {
         println!(
-            "{:<20} {:>10} {:<22} {:<22} {:<6}",
+            "{:<20} {:>10} {:<22} {:<6} {}",
             r.volume.name,
             human_size(r.volume.size),
             r.volume.policy.to_string(),
-            r.health.to_string(),
             r.volume
                 .owner
                 .map(|o| o.to_string())
-                .unwrap_or_else(|| "-".into())
+                .unwrap_or_else(|| "-".into()),
+            healing_of(r)
         );
+    }
+}
+
+/// The healing line of a report (from a node that has none: its health).
+fn healing_of(r: &VolumeReport) -> String {
+    match r.healing.as_str() {
+        "" => r.health.to_string(),
+        h => h.to_string(),
     }
 }
 
@@ -76,6 +84,10 @@ pub fn volume(r: &VolumeReport) {
     println!("checksums   CRC-32C of every block, checked on every read and by the scrubber");
     println!("iops limit  {}", iops_line(r));
     println!("health      {}", r.health);
+    println!("healing     {}", healing_of(r));
+    if let Some(x) = &r.resync {
+        println!("resync      {}", resync_line(x));
+    }
     println!(
         "owner       {} (generation {})",
         v.owner
@@ -108,6 +120,36 @@ pub fn volume(r: &VolumeReport) {
     }
 }
 
+/// A copy being brought up to date, for people: "component 14
+/// (rebuild): 30 MiB of 100 MiB copied, 10 MiB/s, 7s left".
+fn resync_line(x: &ResyncReport) -> String {
+    let kind = match x.kind {
+        ResyncKind::Rebuild => "rebuild",
+        ResyncKind::Resync => "resync",
+    };
+    let eta = match x.eta_s {
+        Some(s) => format!("{} left", human_eta(s)),
+        None => "time left not known yet".into(),
+    };
+    format!(
+        "component {} ({kind}): {} of {} copied, {}/s, {eta}",
+        x.component,
+        human_size(x.bytes_copied),
+        human_size(x.bytes_to_copy),
+        human_size(x.rate_bytes_per_s),
+    )
+}
+
+/// Seconds as `45s`, `2m 05s`, `1h 02m`, `3d 04h`: the two largest units.
+fn human_eta(s: u64) -> String {
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m {:02}s", s / 60, s % 60),
+        3600..86400 => format!("{}h {:02}m", s / 3600, s % 3600 / 60),
+        _ => format!("{}d {:02}h", s / 86400, s % 86400 / 3600),
+    }
+}
+
 /// The volume's IOPS limit and what it held back, as its owner counts it.
 fn iops_line(r: &VolumeReport) -> String {
     let limit = match r.volume.policy.iops_limit {
@@ -122,5 +164,39 @@ fn iops_line(r: &VolumeReport) -> String {
             t.node
         ),
         None => limit,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_resync_reads_in_human_units() {
+        let mut x = ResyncReport {
+            component: 14,
+            kind: ResyncKind::Rebuild,
+            bytes_to_copy: 100 << 20,
+            bytes_copied: 30 << 20,
+            rate_bytes_per_s: 10 << 20,
+            eta_s: Some(7),
+        };
+        assert_eq!(
+            resync_line(&x),
+            "component 14 (rebuild): 30 MiB of 100 MiB copied, 10 MiB/s, 7s left"
+        );
+        x.kind = ResyncKind::Resync;
+        x.eta_s = None;
+        assert!(resync_line(&x).contains("(resync)"));
+        assert!(resync_line(&x).ends_with("time left not known yet"));
+    }
+
+    #[test]
+    fn times_left_keep_their_two_largest_units() {
+        assert_eq!(human_eta(0), "0s");
+        assert_eq!(human_eta(59), "59s");
+        assert_eq!(human_eta(125), "2m 05s");
+        assert_eq!(human_eta(3720), "1h 02m");
+        assert_eq!(human_eta(3 * 86400 + 4 * 3600 + 5), "3d 04h");
     }
 }

@@ -142,6 +142,18 @@ fn read_only_reads_the_settings_and_cannot_set_them(c: &Cluster, ro: &str) {
     args.extend(["-H", &ro_header]);
     let (code, body) = curl(&url, &args);
     assert_eq!(code, 403, "{body}");
+    let limit = [
+        "-X",
+        "POST",
+        "-H",
+        "content-type: application/json",
+        "-d",
+        r#"{"resync_mib_per_s":5}"#,
+        "-H",
+        &ro_header,
+    ];
+    let (code, body) = curl(&url, &limit);
+    assert_eq!(code, 403, "{body}");
     let out = c
         .cmd()
         .env("SHOAL_TOKEN", ro)
@@ -157,5 +169,9 @@ fn read_only_reads_the_settings_and_cannot_set_them(c: &Cluster, ro: &str) {
         .args(["cluster", "settings"])
         .output();
     let settings = String::from_utf8_lossy(&settings.expect("shoal").stdout).into_owned();
-    assert_eq!(settings.trim(), "repair-delay: 1h", "unchanged");
+    assert_eq!(
+        settings.trim(),
+        "repair-delay: 1h\nresync-mib-per-s: 0 (no static limit)",
+        "unchanged"
+    );
 }

@@ -103,6 +103,30 @@ fn flip_bit(path: &PathBuf, at: u64) {
     f.sync_all().expect("sync");
 }
 
+/// Nothing of `vol` is being resynced or rebuilt, as every node and the
+/// command line tell, and the metrics agree (`owner`: the owner's node).
+fn healed_in_place(c: &Cluster, vol: &str, owner: u32) {
+    for n in 1..=3 {
+        let v: serde_json::Value =
+            serde_json::from_str(&c.rest(n, &format!("/v1/volumes/{vol}"), &[])).expect("json");
+        assert!(v["resync"].is_null(), "node {n}: {v}");
+        assert_eq!(v["healing"], "healthy", "node {n}: {v}");
+    }
+    let v = c.json(&["volume", "show", vol]);
+    assert!(v["resync"].is_null() && v["healing"] == "healthy", "{v}");
+    let text = c.shoal(&["volume", "show", vol]);
+    assert!(text.contains("healing     healthy"), "{text}");
+    let status = c.shoal(&["status"]);
+    let line = status.lines().find(|l| l.starts_with(&format!("{vol} ")));
+    assert!(line.is_some_and(|l| l.ends_with(" healthy")), "{status}");
+    // Two copies and a witness, each counted on its own node only.
+    assert_eq!(c.metric(&[1, 2, 3], "shoal_components"), 3);
+    let metrics = c.rest(owner, "/metrics", &[]);
+    let left = format!("shoal_volume_resync_bytes_left{{node=\"{owner}\",volume=\"{vol}\"}} 0");
+    assert!(metrics.contains(&left), "{metrics}");
+    assert!(metrics.contains("shoal_resync_bytes_total{"), "{metrics}");
+}
+
 #[test]
 fn flipped_bits_are_detected_served_from_the_other_copy_and_repaired() {
     require("nbdcopy");
@@ -182,6 +206,7 @@ fn flipped_bits_are_detected_served_from_the_other_copy_and_repaired() {
     wait_scrub_passes(&c, &nodes, 2);
     assert_eq!(c.metric(&nodes, "shoal_scrub_bad_blocks_total"), bad_before);
     assert_eq!(c.health("rot"), "healthy");
+    healed_in_place(&c, "rot", a.0);
     sh(&format!("nbdcopy {} {}", c.uri(b.0, "rot"), back.display()));
     let got = std::fs::read(&back).expect("read back");
     assert!(got[..16 * MIB] == content[..], "data after repair");

@@ -104,3 +104,97 @@ fn a_host_killed_for_good_is_rebuilt_elsewhere_under_writes() {
         "no committed reconfiguration in the logs"
     );
 }
+
+/// The nodes of a volume's data copies and witnesses.
+fn roles(c: &Cluster, vol: &str) -> (Vec<u32>, Vec<u32>) {
+    let v = c.json(&["volume", "show", vol]);
+    let comps = v["volume"]["components"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let of = |role: &str| -> Vec<u32> {
+        comps
+            .iter()
+            .filter(|x| x["role"] == role)
+            .map(|x| x["node"].as_u64().expect("node") as u32)
+            .collect()
+    };
+    (of("Data"), of("Witness"))
+}
+
+/// The owner of a rebuild is killed -9 while it copies into the new
+/// copy (a static resync limit keeps the copy going for seconds): the
+/// next owner finds the change in the directory and carries it through
+/// (copying again from scratch, or aborting and rebuilding anew if the
+/// new copy died with the owner), while a client writes through another
+/// node; no acknowledged write is lost and the copies agree.
+#[test]
+fn an_owner_killed_mid_rebuild_leaves_the_change_to_the_next_owner() {
+    let c = Cluster::start(5);
+    c.shoal(&["cluster", "set", "repair-delay", "1s"]);
+    c.shoal(&["cluster", "set", "resync-mib-per-s", "8"]);
+    c.create_volume("v", "128M", "raid1 ftt=1");
+    let (data, witnesses) = roles(&c, "v");
+    let spares: Vec<u32> = (1..=5)
+        .filter(|n| !data.contains(n) && !witnesses.contains(n))
+        .collect();
+    let (keeper, victim, owner) = (data[0], data[1], spares[0]);
+    // The owner holds nothing of the volume; the client writes through
+    // the node of the copy that survives everything.
+    common::sh(&format!(
+        "qemu-io -f raw -c 'write -P 7 0 4k' {}",
+        c.uri(owner, "v")
+    ));
+    let w = Writer::start(&c.nbd_addr(keeper), "v", vec![0; BLOCKS], 8);
+    wait_for("writes before the kill", HEAL, || match w.ledger().acks() {
+        n if n >= 4_000 => Ok(()),
+        n => Err(format!("{n} acknowledged")),
+    });
+    c.signal(victim, "KILL");
+    let log = c.node_dir(owner).join("node.log");
+    wait_for("the owner copying into the new copy", HEAL, || {
+        let text = std::fs::read_to_string(&log).map_err(|e| e.to_string())?;
+        if text.contains("resync copying") && text.contains("following a reconfiguration") {
+            Ok(())
+        } else {
+            Err("not yet".into())
+        }
+    });
+    c.signal(owner, "KILL");
+    wait_for("the volume healed on the nodes left", HEAL, || {
+        let v = c.try_json(&["volume", "show", "v"])?;
+        let comps = v["volume"]["components"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let dead = comps
+            .iter()
+            .any(|x| x["node"] == victim || x["node"] == owner);
+        let all_active = comps.iter().all(|x| x["state"] == "Active");
+        if !dead && all_active && comps.len() == 3 && v["volume"]["reconfig"].is_null() {
+            Ok(())
+        } else {
+            Err(components_of(&v))
+        }
+    });
+    let more = w.ledger().acks();
+    wait_for("writes after the heal", HEAL, || match w.ledger().acks() {
+        n if n >= more + 500 => Ok(()),
+        n => Err(format!("{n} acknowledged")),
+    });
+    let ledger = w.stop(HEAL);
+    assert_eq!(ledger.errors(), 0, "writes failed");
+    // A node other than the dead owner took the change over from the
+    // directory (at its start, or from a view).
+    let adopted = (1..=5).filter(|&n| n != owner).any(|n| {
+        std::fs::read_to_string(c.node_dir(n).join("node.log"))
+            .unwrap_or_default()
+            .contains("following a reconfiguration")
+    });
+    assert!(adopted, "no later owner followed the change");
+    let other = spares[1];
+    let a = ledger.check(&c.nbd_addr(keeper), "v");
+    let b = ledger.check(&c.nbd_addr(other), "v");
+    assert!(a == b, "two nodes read different versions");
+    c.verify_copies("v");
+}

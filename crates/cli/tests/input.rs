@@ -319,21 +319,38 @@ fn node_refuses_an_io_wait_out_of_range() {
     }
 }
 
-/// The repair delay: `shoal up --repair-delay` and `shoal cluster set`
-/// change it; a bad value or an unknown setting is refused with a clear
-/// error and changes nothing, from the command line and over REST.
+/// The cluster settings: `shoal up --repair-delay` and `shoal cluster
+/// set` change them; a bad value or an unknown setting is refused with a
+/// clear error and changes nothing, from the command line and over REST.
 #[test]
 fn cluster_settings_are_set_and_bad_ones_refused() {
     require("curl");
     let c = Cluster::start_with(1, &["--repair-delay", "45s"]);
-    let delay = |c: &Cluster| c.json(&["cluster", "settings"])["repair_delay_s"].clone();
-    assert_eq!(delay(&c), 45, "shoal up --repair-delay");
+    let settings = |c: &Cluster| {
+        let s = c.json(&["cluster", "settings"]);
+        (s["repair_delay_s"].clone(), s["resync_mib_per_s"].clone())
+    };
+    assert_eq!(
+        settings(&c),
+        (45.into(), 0.into()),
+        "shoal up --repair-delay"
+    );
     let out = c.shoal(&["cluster", "set", "repair-delay", "30s"]);
-    assert_eq!(out.trim(), "repair-delay: 30s");
-    assert_eq!(delay(&c), 30);
+    assert_eq!(
+        out.trim(),
+        "repair-delay: 30s\nresync-mib-per-s: 0 (no static limit)"
+    );
+    let out = c.shoal(&["cluster", "set", "resync-mib-per-s", "0"]);
+    assert!(
+        out.contains("resync-mib-per-s: 0 (no static limit)"),
+        "{out}"
+    );
+    let out = c.shoal(&["cluster", "set", "resync-mib-per-s", "50"]);
+    assert!(out.contains("resync-mib-per-s: 50\n"), "{out}");
+    assert_eq!(settings(&c), (30.into(), 50.into()));
     assert_eq!(
         c.shoal(&["cluster", "settings"]).trim(),
-        "repair-delay: 30s"
+        "repair-delay: 30s\nresync-mib-per-s: 50"
     );
     let cases: &[(&[&str], &str)] = &[
         (&["cluster", "set", "repair-delay", "0s"], "out of range"),
@@ -350,8 +367,24 @@ fn cluster_settings_are_set_and_bad_ones_refused() {
             "expected a number",
         ),
         (
+            &["cluster", "set", "resync-mib-per-s", "-5"],
+            "resync-mib-per-s \"-5\": expected a whole number of MiB/s",
+        ),
+        (
+            &["cluster", "set", "resync-mib-per-s", "fast"],
+            "expected a whole number of MiB/s, 0 (no static limit) to 102400",
+        ),
+        (
+            &["cluster", "set", "resync-mib-per-s", "1.5"],
+            "expected a whole number",
+        ),
+        (
+            &["cluster", "set", "resync-mib-per-s", "102401"],
+            "out of range: 0 (no static limit) to 102400",
+        ),
+        (
             &["cluster", "set", "bogus", "1s"],
-            "possible values: repair-delay",
+            "possible values: repair-delay, resync-mib-per-s",
         ),
     ];
     for (args, want) in cases {
@@ -360,17 +393,18 @@ fn cluster_settings_are_set_and_bad_ones_refused() {
             err.contains(want),
             "shoal {args:?}: expected {want:?} in {err:?}"
         );
-        assert_eq!(delay(&c), 30, "shoal {args:?} changed the setting");
+        assert_eq!(
+            settings(&c),
+            (30.into(), 50.into()),
+            "shoal {args:?} changed a setting"
+        );
     }
-    // The node refuses what the command line would not send.
+    // The node refuses what the command line would not send, and an
+    // update with one bad value changes neither setting.
     let url = format!("{}/v1/cluster/settings", c.api(1));
     let auth = format!("Authorization: Bearer {}", c.token());
-    for (body, code, want) in [
-        (r#"{"repair_delay_s":0}"#, 400, "out of range"),
-        (r#"{"repair_delay_s":604801}"#, 400, "out of range"),
-        (r#"{"repair_delay":60}"#, 422, "unknown field"),
-    ] {
-        let (got, text) = common::curl(
+    let post = |body: &str| {
+        common::curl(
             &url,
             &[
                 "-X",
@@ -382,9 +416,35 @@ fn cluster_settings_are_set_and_bad_ones_refused() {
                 "-d",
                 body,
             ],
-        );
+        )
+    };
+    for (body, code, want) in [
+        (r#"{"repair_delay_s":0}"#, 400, "out of range"),
+        (r#"{"repair_delay_s":604801}"#, 400, "out of range"),
+        (r#"{"repair_delay":60}"#, 422, "unknown field"),
+        (r#"{"resync_mib_per_s":102401}"#, 400, "out of range"),
+        (r#"{"resync_mib_per_s":-1}"#, 422, "resync_mib_per_s"),
+        (
+            r#"{"repair_delay_s":60,"resync_mib_per_s":102401}"#,
+            400,
+            "out of range",
+        ),
+        (
+            r#"{"repair_delay_s":0,"resync_mib_per_s":20}"#,
+            400,
+            "out of range",
+        ),
+    ] {
+        let (got, text) = post(body);
         assert_eq!(got, code, "{body}: {text}");
         assert!(text.contains(want), "{body}: {text}");
-        assert_eq!(delay(&c), 30, "{body} changed the setting");
+        assert_eq!(
+            settings(&c),
+            (30.into(), 50.into()),
+            "{body} changed a setting"
+        );
     }
+    let (got, text) = post(r#"{"repair_delay_s":60,"resync_mib_per_s":20}"#);
+    assert_eq!(got, 200, "{text}");
+    assert_eq!(settings(&c), (60.into(), 20.into()), "both set at once");
 }

@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 use shoal_model::{
     check_volume_name, check_volume_size, ApiToken, CaRecord, ClusterSettings, Component,
     ComponentId, ComponentRole, ComponentState, DeviceId, DeviceInfo, DeviceState, Generation,
-    NodeId, NodeInfo, NodeState, Policy, Volume, VolumeId, MAX_REPAIR_DELAY_S, MIN_REPAIR_DELAY_S,
+    NodeId, NodeInfo, NodeState, Policy, Volume, VolumeId, MAX_REPAIR_DELAY_S,
+    MAX_RESYNC_MIB_PER_S, MIN_REPAIR_DELAY_S,
 };
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -169,6 +170,9 @@ pub enum Command {
     /// Sets the repair delay (`ClusterSettings::repair_delay_s`): refused
     /// outside `MIN_REPAIR_DELAY_S..=MAX_REPAIR_DELAY_S`.
     SetRepairDelay { repair_delay_s: u64 },
+    /// Sets the static resync limit (`ClusterSettings::resync_mib_per_s`,
+    /// 0: none): refused above `MAX_RESYNC_MIB_PER_S`.
+    SetResyncLimit { resync_mib_per_s: u64 },
 }
 
 /// A component chosen by placement, before it has an id.
@@ -242,6 +246,11 @@ pub enum StateError {
          {MAX_REPAIR_DELAY_S} s (a week)"
     )]
     RepairDelayOutOfRange(u64),
+    #[error(
+        "a resync limit of {0} MiB/s is out of range: it is 0 (no static limit) to \
+         {MAX_RESYNC_MIB_PER_S} MiB/s"
+    )]
+    ResyncLimitOutOfRange(u64),
 }
 
 /// Bytes reserved on a device for one data component of a volume.
@@ -473,6 +482,14 @@ impl ClusterState {
         Ok(Response::Ok)
     }
 
+    fn set_resync_limit(&mut self, resync_mib_per_s: u64) -> Result<Response, StateError> {
+        if resync_mib_per_s > MAX_RESYNC_MIB_PER_S {
+            return Err(StateError::ResyncLimitOutOfRange(resync_mib_per_s));
+        }
+        self.settings.resync_mib_per_s = resync_mib_per_s;
+        Ok(Response::Ok)
+    }
+
     fn apply_inner(&mut self, cmd: &Command) -> Result<Response, StateError> {
         match cmd {
             Command::SetClusterId { cluster_id } => {
@@ -659,6 +676,9 @@ impl ClusterState {
             },
             Command::SetVolumeProblem { volume, problem } => self.set_problem(*volume, problem),
             Command::SetRepairDelay { repair_delay_s } => self.set_repair_delay(*repair_delay_s),
+            Command::SetResyncLimit { resync_mib_per_s } => {
+                self.set_resync_limit(*resync_mib_per_s)
+            }
             Command::SetIopsLimit { name, iops_limit } => {
                 let id = self.volume_id_by_name(name)?;
                 if let Some(v) = self.volumes.get_mut(&id) {
@@ -1204,6 +1224,27 @@ pub(crate) mod tests {
         }
     }
 
+    #[test]
+    fn resync_limit_is_set_up_to_its_maximum_and_zero_means_none() {
+        let mut s = ClusterState::default();
+        assert_eq!(s.settings.resync_mib_per_s, 0);
+        let set = |v| Command::SetResyncLimit {
+            resync_mib_per_s: v,
+        };
+        for v in [50, MAX_RESYNC_MIB_PER_S, 0] {
+            assert_eq!(s.apply(&set(v)), Ok(Response::Ok));
+            assert_eq!(s.settings.resync_mib_per_s, v);
+        }
+        s.apply(&set(50)).unwrap();
+        let before = s.clone();
+        for v in [MAX_RESYNC_MIB_PER_S + 1, u64::MAX] {
+            let err = s.apply(&set(v)).unwrap_err();
+            assert_eq!(err, StateError::ResyncLimitOutOfRange(v));
+            assert!(err.to_string().contains("out of range"), "{err}");
+            assert_eq!(s, before);
+        }
+    }
+
     /// A snapshot written before the settings existed still loads, with
     /// the default settings.
     #[test]
@@ -1348,6 +1389,15 @@ pub(crate) mod tests {
                 MAX_REPAIR_DELAY_S + 1..=u64::MAX,
             ]
             .prop_map(|v| Command::SetRepairDelay { repair_delay_s: v }),
+            prop_oneof![
+                Just(0u64),
+                0..=MAX_RESYNC_MIB_PER_S,
+                Just(MAX_RESYNC_MIB_PER_S),
+                MAX_RESYNC_MIB_PER_S + 1..=u64::MAX,
+            ]
+            .prop_map(|v| Command::SetResyncLimit {
+                resync_mib_per_s: v
+            }),
         ]
     }
 
@@ -1394,6 +1444,7 @@ pub(crate) mod tests {
         // The settings stay in range.
         let delay = s.settings.repair_delay_s;
         assert!((MIN_REPAIR_DELAY_S..=MAX_REPAIR_DELAY_S).contains(&delay));
+        assert!(s.settings.resync_mib_per_s <= MAX_RESYNC_MIB_PER_S);
     }
 
     proptest! {

@@ -9,14 +9,17 @@ use axum::response::{IntoResponse, Response as HttpResponse};
 use axum::routing::{get, post};
 use axum::{Extension, Json};
 use shoal_api::{
-    ClusterSettingsUpdate, Connections, CopyDigest, CreateVolume, Digests, ErrorBody, Heartbeat,
-    Owners, Resize, StatusReport, ThrottleReport, VolumeReport, VolumeSettings,
+    healing_text, ClusterSettingsUpdate, Connections, CopyDigest, CreateVolume, Digests, ErrorBody,
+    HealingReport, Heartbeat, Owners, Resize, ResyncKind, ResyncReport, StatusReport,
+    ThrottleReport, VolumeReport, VolumeSettings, WaitingComponent,
 };
 use shoal_directory::{Caller, ClusterState, Command, DirectoryError, StateError};
 use shoal_model::{
-    check_volume_name, check_volume_size, ClusterSettings, NodeState, Policy, Volume,
+    check_volume_name, check_volume_size, ClusterSettings, ComponentState, NodeId, NodeState,
+    Policy, Volume, MAX_REPAIR_DELAY_S, MAX_RESYNC_MIB_PER_S, MIN_REPAIR_DELAY_S,
 };
-use std::collections::HashMap;
+use shoal_owner::status::{HealingStatus, ResyncStatus};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
@@ -65,39 +68,117 @@ pub fn report(state: &ClusterState, v: &Volume) -> VolumeReport {
         .filter(|n| n.state == NodeState::Up)
         .map(|n| format!("nbd://{}/{}", n.nbd_addr, v.name))
         .collect();
+    let health = v.health(&state.nodes);
     VolumeReport {
         volume: v.clone(),
-        health: v.health(&state.nodes),
+        health,
         uris,
         throttle: None,
+        resync: None,
+        healing: healing_text(health, None),
     }
 }
 
-/// Seconds `show` waits for the owner's node to tell what the volume's
-/// IOPS limit held back: the report goes out without it after that.
+/// Seconds a report waits for the owner's node to tell what the volume's
+/// IOPS limit held back and how it heals: the report goes out without it
+/// after that.
 const OWNER_STATS_TIMEOUT_S: u64 = 2;
 
-/// The throttle report of the volume `v`, from its owner: this node, or
-/// the owner's node through its API.
-async fn throttle_of(
+/// What node `owner` says of the volumes it owns: this node's own report,
+/// or the owner's node's through its API (None when it is down or does
+/// not answer in time).
+async fn owners_of(
     h: &Http,
     state: &ClusterState,
-    v: &Volume,
+    owner: NodeId,
     token: Option<String>,
-) -> Option<ThrottleReport> {
-    let owner = v.owner?;
-    let owners = if owner == h.router.node {
-        owners_report(h)
-    } else {
-        let api = &state.nodes.get(&owner)?.api_addr;
-        // Asked with the caller's own token: it may read this.
-        let client = shoal_api::Client::with_token(api, token);
-        tokio::time::timeout(Duration::from_secs(OWNER_STATS_TIMEOUT_S), client.owners())
-            .await
-            .ok()?
-            .ok()?
-    };
-    owners.throttles.into_iter().find(|t| t.volume == v.name)
+) -> Option<Owners> {
+    if owner == h.router.node {
+        return Some(owners_report(h));
+    }
+    let n = state
+        .nodes
+        .get(&owner)
+        .filter(|n| n.state == NodeState::Up)?;
+    // Asked with the caller's own token: it may read this.
+    let client = shoal_api::Client::with_token(&n.api_addr, token);
+    tokio::time::timeout(Duration::from_secs(OWNER_STATS_TIMEOUT_S), client.owners())
+        .await
+        .ok()?
+        .ok()
+}
+
+/// The reports of the volumes `vs`, with what their owners say (each
+/// owner's node asked once, all at the same time).
+async fn reports_with_owners(
+    h: &Http,
+    state: &ClusterState,
+    vs: &[&Volume],
+    token: Option<String>,
+) -> Vec<VolumeReport> {
+    let owners: BTreeSet<NodeId> = vs.iter().filter_map(|v| v.owner).collect();
+    let asks = owners.into_iter().map(|o| {
+        let token = token.clone();
+        async move { owners_of(h, state, o, token).await.map(|r| (o, r)) }
+    });
+    let answers: BTreeMap<NodeId, Owners> = futures::future::join_all(asks)
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    vs.iter()
+        .map(|v| with_owner(report(state, v), v.owner.and_then(|o| answers.get(&o))))
+        .collect()
+}
+
+/// A volume's report completed with its owner's (None: the owner did not
+/// answer, or there is none): the IOPS limit's counts, the copy being
+/// brought up to date, and the healing line.
+fn with_owner(mut r: VolumeReport, owners: Option<&Owners>) -> VolumeReport {
+    let name = &r.volume.name;
+    let healing = owners.and_then(|o| o.healing.iter().find(|x| &x.volume == name));
+    r.throttle = owners
+        .and_then(|o| o.throttles.iter().find(|t| &t.volume == name))
+        .cloned();
+    r.resync = healing.and_then(|x| x.resync.clone());
+    r.healing = healing_text(r.health, healing);
+    r
+}
+
+/// The owner's healing status of `volume` as the API reports it.
+fn healing_report(volume: String, node: NodeId, s: &HealingStatus) -> HealingReport {
+    HealingReport {
+        volume,
+        node,
+        resync: s.resync.as_ref().map(resync_report),
+        change: s.change.clone(),
+        waiting: s
+            .waiting
+            .iter()
+            .map(|(c, left)| WaitingComponent {
+                component: *c,
+                // Whole seconds, rounded up: "0 s left" only when due.
+                left_s: left.as_secs() + u64::from(left.subsec_nanos() > 0),
+            })
+            .collect(),
+        cannot_rebuild: s.cannot_rebuild.clone(),
+    }
+}
+
+/// One copy being brought up to date, as the API reports it.
+fn resync_report(r: &ResyncStatus) -> ResyncReport {
+    ResyncReport {
+        component: r.component,
+        kind: if r.added {
+            ResyncKind::Rebuild
+        } else {
+            ResyncKind::Resync
+        },
+        bytes_to_copy: r.bytes_total,
+        bytes_copied: r.bytes_done,
+        rate_bytes_per_s: r.rate_bytes_per_s(),
+        eta_s: r.eta().map(|d| d.as_secs()),
+    }
 }
 
 /// The REST API of plain HTTP: every call with an API token.
@@ -322,21 +403,25 @@ async fn revoke_token(
 /// with a node's devices, a few hundred bytes each.
 const API_BODY_MAX_BYTES: usize = 256 << 10;
 
-async fn status(State(h): State<Http>) -> Json<StatusReport> {
+async fn status(State(h): State<Http>, headers: HeaderMap) -> Json<StatusReport> {
     let s = h.router.dir.state();
+    let vs: Vec<&Volume> = s.volumes.values().collect();
+    let token = crate::auth::bearer(&headers).map(String::from);
     Json(StatusReport {
         cluster_id: s.cluster_id.clone(),
         leader: h.router.dir.leader(),
         voters: h.router.dir.voters(),
         nodes: s.nodes.values().cloned().collect(),
         devices: s.devices.values().cloned().collect(),
-        volumes: s.volumes.values().map(|v| report(&s, v)).collect(),
+        volumes: reports_with_owners(&h, &s, &vs, token).await,
     })
 }
 
-async fn list(State(h): State<Http>) -> Json<Vec<VolumeReport>> {
+async fn list(State(h): State<Http>, headers: HeaderMap) -> Json<Vec<VolumeReport>> {
     let s = h.router.dir.state();
-    Json(s.volumes.values().map(|v| report(&s, v)).collect())
+    let vs: Vec<&Volume> = s.volumes.values().collect();
+    let token = crate::auth::bearer(&headers).map(String::from);
+    Json(reports_with_owners(&h, &s, &vs, token).await)
 }
 
 async fn show(
@@ -347,7 +432,8 @@ async fn show(
     show_report(&h, &name, &headers).await
 }
 
-/// The volume's report, with what its owner says of its IOPS limit.
+/// The volume's report, with what its owner says of its IOPS limit and
+/// its healing.
 async fn show_report(
     h: &Http,
     name: &str,
@@ -357,10 +443,12 @@ async fn show_report(
     let v = s
         .volume_by_name(name)
         .ok_or_else(|| ApiErr(StatusCode::NOT_FOUND, format!("no volume named {name:?}")))?;
-    let mut r = report(&s, v);
     let token = crate::auth::bearer(headers).map(String::from);
-    r.throttle = throttle_of(h, &s, v, token).await;
-    Ok(Json(r))
+    let owners = match v.owner {
+        Some(o) => owners_of(h, &s, o, token).await,
+        None => None,
+    };
+    Ok(Json(with_owner(report(&s, v), owners.as_ref())))
 }
 
 async fn settings(
@@ -392,12 +480,13 @@ async fn cluster_settings(State(h): State<Http>) -> Json<ClusterSettings> {
     Json(h.router.dir.state().settings.clone())
 }
 
-/// Changes the cluster-wide settings given (the directory refuses a value
-/// out of range: 400 with why), and answers all of them.
+/// Changes the cluster-wide settings given (a value out of range: 400
+/// with why, and nothing changes), and answers all of them.
 async fn set_cluster_settings(
     State(h): State<Http>,
     Json(req): Json<ClusterSettingsUpdate>,
 ) -> Result<Json<ClusterSettings>, ApiErr> {
+    check_settings(&req)?;
     if let Some(repair_delay_s) = req.repair_delay_s {
         h.router
             .dir
@@ -405,7 +494,29 @@ async fn set_cluster_settings(
             .await?;
         wait_for(&h, |s| s.settings.repair_delay_s == repair_delay_s).await;
     }
+    if let Some(resync_mib_per_s) = req.resync_mib_per_s {
+        h.router
+            .dir
+            .propose(Command::SetResyncLimit { resync_mib_per_s })
+            .await?;
+        wait_for(&h, |s| s.settings.resync_mib_per_s == resync_mib_per_s).await;
+    }
     Ok(Json(h.router.dir.state().settings.clone()))
+}
+
+/// Refuses an update with any value out of range before one is applied
+/// (the directory checks each again), so that an update of two settings
+/// with one bad changes neither.
+fn check_settings(req: &ClusterSettingsUpdate) -> Result<(), ApiErr> {
+    if let Some(v) = req.repair_delay_s {
+        if !(MIN_REPAIR_DELAY_S..=MAX_REPAIR_DELAY_S).contains(&v) {
+            return Err(bad(StateError::RepairDelayOutOfRange(v)));
+        }
+    }
+    match req.resync_mib_per_s {
+        Some(v) if v > MAX_RESYNC_MIB_PER_S => Err(bad(StateError::ResyncLimitOutOfRange(v))),
+        _ => Ok(()),
+    }
 }
 
 async fn create(
@@ -634,6 +745,7 @@ async fn owners(State(h): State<Http>) -> Json<Owners> {
 
 fn owners_report(h: &Http) -> Owners {
     let s = h.router.dir.state();
+    let name = |v: &shoal_model::VolumeId| s.volumes.get(v).map(|v| v.name.clone());
     Owners {
         volumes: h
             .router
@@ -654,6 +766,12 @@ fn owners_report(h: &Http) -> Owners {
                     throttled_us: t.throttled_us,
                 })
             })
+            .collect(),
+        healing: h
+            .router
+            .healing()
+            .into_iter()
+            .filter_map(|(v, st)| Some(healing_report(name(&v)?, h.router.node, &st)))
             .collect(),
     }
 }
@@ -808,7 +926,7 @@ async fn metrics(State(h): State<Http>) -> String {
         &'a str,
         &'a dyn Fn(&crate::replica::Device) -> u64,
     );
-    let device_metrics: [DeviceMetric; 16] = [
+    let device_metrics: [DeviceMetric; 17] = [
         (
             "shoal_device_used_bytes",
             "gauge",
@@ -844,6 +962,12 @@ async fn metrics(State(h): State<Http>) -> String {
             "counter",
             "Bytes written to the device by owners (client writes and resync copies)",
             &|d| d.written.load(Relaxed),
+        ),
+        (
+            "shoal_device_resync_bytes_total",
+            "counter",
+            "Bytes written to the device by owners' copies (resync, rebuild, reconciliation after a crash)",
+            &|d| d.resync_written.load(Relaxed),
         ),
         (
             "shoal_device_read_blocks_total",
@@ -909,13 +1033,86 @@ async fn metrics(State(h): State<Http>) -> String {
     for (name, kind, help, f) in device_metrics {
         family(&mut out, name, kind, help, &per_device(f));
     }
+    let resync_bytes = devices.iter().map(|d| d.resync_written.load(Relaxed)).sum();
+    family(
+        &mut out,
+        "shoal_resync_bytes_total",
+        "counter",
+        "Bytes written into copies on this node by owners' resyncs and rebuilds \
+         (and reconciliations after a crash)",
+        &[(node.clone(), resync_bytes)],
+    );
+    component_metrics(&h, &node, &mut out);
     volume_metrics(&h, &node, &mut out);
     out
 }
 
-/// What the IOPS limits of the volumes owned here held back.
+/// Every state a component can be in, for `shoal_components` (a state
+/// with none is 0, not missing).
+const COMPONENT_STATES: [ComponentState; 5] = [
+    ComponentState::Active,
+    ComponentState::Absent,
+    ComponentState::Degraded,
+    ComponentState::Resyncing,
+    ComponentState::Reconfiguring,
+];
+
+/// Components placed on this node, by state, as the directory has them:
+/// each node counts its own, so a sum over the nodes counts each once.
+fn component_metrics(h: &Http, node: &str, out: &mut String) {
+    let s = h.router.dir.state();
+    let counts = components_by_state(&s, h.router.node);
+    let samples: Vec<(String, u64)> = counts
+        .into_iter()
+        .map(|(state, n)| (format!("{node},state=\"{state}\""), n))
+        .collect();
+    family(
+        out,
+        "shoal_components",
+        "gauge",
+        "Components placed on this node, by state (from the directory)",
+        &samples,
+    );
+}
+
+/// How many components of `node` are in each state (every state listed).
+fn components_by_state(s: &ClusterState, node: NodeId) -> BTreeMap<String, u64> {
+    let mut counts: BTreeMap<String, u64> = COMPONENT_STATES
+        .iter()
+        .map(|st| (st.to_string(), 0))
+        .collect();
+    let mine = s
+        .volumes
+        .values()
+        .flat_map(|v| &v.components)
+        .filter(|c| c.node == node);
+    for c in mine {
+        *counts.entry(c.state.to_string()).or_default() += 1;
+    }
+    counts
+}
+
+/// What the IOPS limits of the volumes owned here held back, and what
+/// their copies being brought up to date have left to copy.
 fn volume_metrics(h: &Http, node: &str, out: &mut String) {
-    let throttles = owners_report(h).throttles;
+    let Owners {
+        throttles, healing, ..
+    } = owners_report(h);
+    let left: Vec<(String, u64)> = healing
+        .iter()
+        .map(|x| {
+            let left = x.resync.as_ref().map_or(0, ResyncReport::bytes_left);
+            (format!("{node},volume=\"{}\"", x.volume), left)
+        })
+        .collect();
+    family(
+        out,
+        "shoal_volume_resync_bytes_left",
+        "gauge",
+        "Bytes a volume owned here still has to copy into the copy it brings up to date \
+         (0: none being copied)",
+        &left,
+    );
     let per_volume = |f: &dyn Fn(&ThrottleReport) -> u64| -> Vec<(String, u64)> {
         throttles
             .iter()
@@ -943,4 +1140,127 @@ fn volume_metrics(h: &Http, node: &str, out: &mut String) {
         "Time I/Os of a volume owned here waited for the IOPS limit, summed (since it became owner)",
         &per_volume(&|t| t.throttled_us),
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_model::{Component, ComponentRole, NodeInfo};
+
+    fn component(id: u64, node: NodeId, state: ComponentState) -> Component {
+        Component {
+            id,
+            role: ComponentRole::Data,
+            node,
+            device: node,
+            state,
+            votes: 1,
+        }
+    }
+
+    /// Volume "v" over nodes 1 to 3, node 3's copy absent, owned by 1.
+    fn state() -> ClusterState {
+        let mut s = ClusterState::default();
+        for id in 1..=3 {
+            let n = NodeInfo {
+                id,
+                fault_domain: format!("node-{id}"),
+                peer_addr: format!("10.0.0.{id}:9500"),
+                api_addr: format!("10.0.0.{id}:9400"),
+                nbd_addr: format!("10.0.0.{id}:10809"),
+                state: NodeState::Up,
+            };
+            s.nodes.insert(id, n);
+        }
+        let v = Volume {
+            id: 10,
+            name: "v".into(),
+            size: 1 << 30,
+            policy: Policy::default(),
+            components: vec![
+                component(11, 1, ComponentState::Active),
+                component(12, 2, ComponentState::Active),
+                component(13, 3, ComponentState::Absent),
+            ],
+            owner: Some(1),
+            generation: 4,
+            problem: None,
+            wrapped_key: None,
+            reconfig: None,
+        };
+        s.volumes.insert(v.id, v);
+        s
+    }
+
+    fn copying(added: bool) -> HealingStatus {
+        HealingStatus {
+            resync: Some(ResyncStatus {
+                component: 14,
+                added,
+                bytes_total: 100 << 20,
+                bytes_done: 30 << 20,
+                elapsed: Duration::from_secs(3),
+            }),
+            change: added.then(|| "rebuild of component 13".to_string()),
+            waiting: vec![(13, Duration::from_millis(4_200))],
+            cannot_rebuild: None,
+        }
+    }
+
+    #[test]
+    fn the_owners_status_reads_as_the_api_documents_it() {
+        let r = healing_report("v".into(), 1, &copying(true));
+        assert_eq!(r.waiting[0].left_s, 5, "rounded up");
+        let json = serde_json::to_value(&r.resync).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "component": 14,
+                "kind": "rebuild",
+                "bytes_to_copy": 100u64 << 20,
+                "bytes_copied": 30u64 << 20,
+                "rate_bytes_per_s": 10u64 << 20,
+                "eta_s": 7,
+            })
+        );
+        let r = healing_report("v".into(), 1, &copying(false));
+        assert_eq!(r.resync.map(|x| x.kind), Some(ResyncKind::Resync));
+        assert_eq!(r.change, None);
+    }
+
+    #[test]
+    fn a_report_takes_what_its_owner_says_or_says_the_owner_is_missing() {
+        let s = state();
+        let v = &s.volumes[&10];
+        let owners = Owners {
+            healing: vec![healing_report("v".into(), 1, &copying(true))],
+            ..Owners::default()
+        };
+        let r = with_owner(report(&s, v), Some(&owners));
+        assert_eq!(
+            r.healing,
+            "reduced availability: rebuilding (rebuild of component 13)"
+        );
+        assert_eq!(r.resync.as_ref().map(|x| x.component), Some(14));
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["resync"]["bytes_copied"], 30u64 << 20);
+        assert_eq!(json["health"], "ReducedAvailability", "unchanged");
+        assert_eq!(json["volume"]["components"][2]["state"], "Absent");
+
+        let r = with_owner(report(&s, v), None);
+        assert_eq!(r.healing, "reduced availability: owner not reachable");
+        let json = serde_json::to_value(&r).unwrap();
+        assert!(json["resync"].is_null(), "{json}");
+    }
+
+    #[test]
+    fn components_are_counted_by_state_on_their_own_node() {
+        let s = state();
+        let on3 = components_by_state(&s, 3);
+        assert_eq!(on3["absent"], 1);
+        assert_eq!(on3["active"], 0);
+        assert_eq!(on3.len(), COMPONENT_STATES.len(), "every state listed");
+        assert_eq!(components_by_state(&s, 1)["active"], 1);
+        assert_eq!(components_by_state(&s, 4).values().sum::<u64>(), 0);
+    }
 }

@@ -63,6 +63,10 @@ pub struct Device {
     /// Bytes of data written to this device by owners (client writes and
     /// resync copies): the backend side of write amplification.
     pub written: std::sync::atomic::AtomicU64,
+    /// Bytes owners copied into components here (writes and zeroings with
+    /// `seq == 0`: resyncs, rebuilds and the reconciliation after a
+    /// crash), zeroed ranges counted by their length.
+    pub resync_written: std::sync::atomic::AtomicU64,
     /// Writes (and zeroings) made durable here, and the microseconds they
     /// took from arrival to durable: the replica's share of write latency.
     pub commits: std::sync::atomic::AtomicU64,
@@ -93,6 +97,7 @@ impl Device {
             path,
             store,
             written: Default::default(),
+            resync_written: Default::default(),
             commits: Default::default(),
             commit_micros: Default::default(),
             checksum_errors: Default::default(),
@@ -105,6 +110,14 @@ impl Device {
     /// Counts a checksum failure in a store answer before passing it on,
     /// and records what an error says about the device itself (I/O error:
     /// failed; no space: full).
+    /// Counts an owner's copy (`seq == 0`) of `len` bytes.
+    fn count_copy(&self, seq: u64, len: u64) {
+        if seq == 0 {
+            self.resync_written
+                .fetch_add(len, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
     fn note<T>(&self, r: Result<T, StoreError>) -> Result<T, StoreError> {
         match &r {
             Err(StoreError::Checksum { .. }) => {
@@ -521,6 +534,7 @@ impl Replicas {
         self.mark_dirty(&d, component, offset, payload.len() as u64, generation, seq)?;
         d.written
             .fetch_add(payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        d.count_copy(seq, payload.len() as u64);
         let end = offset.saturating_add(payload.len() as u64);
         let (deps, guard) = self.seq.enter(component, offset, end, true);
         let inline = payload.len() <= INLINE_WRITE_MAX;
@@ -627,6 +641,7 @@ impl Replicas {
                 let d = self.device_of(component)?;
                 self.fence(&d, component, generation)?;
                 self.mark_dirty(&d, component, offset, len, generation, seq)?;
+                d.count_copy(seq, len);
                 let end = offset.saturating_add(len);
                 let (deps, guard) = self.seq.enter(component, offset, end, true);
                 self.apply_then_commit(d, deps, guard, false, move |d| {
@@ -933,6 +948,33 @@ mod tests {
         barrier(&r, 2, 0).await;
         r.settle_marks();
         assert_eq!(marks(&r), vec![]);
+    }
+
+    /// Owners' copies (`seq == 0`: resync, rebuild, reconciliation) are
+    /// counted apart from client writes; zeroings by their length.
+    #[tokio::test]
+    async fn copies_are_counted_apart_from_client_writes() {
+        let (_dir, r) = one_component();
+        write(&r, 1, 0, 1).await;
+        write(&r, 1, MIB, 0).await;
+        let zero = |seq| Request::WriteZeroes {
+            component: 1,
+            generation: 1,
+            offset: 2 * MIB,
+            len: 8192,
+            seq,
+        };
+        assert!(matches!(
+            call(&r, zero(0), Bytes::new()).await,
+            Response::Ok
+        ));
+        assert!(matches!(
+            call(&r, zero(2), Bytes::new()).await,
+            Response::Ok
+        ));
+        let d = r.devices().next().unwrap().clone();
+        assert_eq!(d.resync_written.load(Ordering::Relaxed), 4096 + 8192);
+        assert_eq!(d.written.load(Ordering::Relaxed), 2 * 4096);
     }
 
     /// A read never changes a replica's state: one with a newer generation
