@@ -15,7 +15,8 @@
 #   BENCH_DIR [bench/results/restart-work]   SIZE [2G]   WRITE_S [10]
 #   NET [127.0.51]   ROUNDS [3]
 # Prints one line per round: up_s, first_read_s, regions reconciled and
-# how long that took.
+# how long that took, and whether the copies agree; keeps the last round's
+# node logs in bench/results/restart-<timestamp>/.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,11 +39,22 @@ done
 now() { python3 -c 'import time; print(time.monotonic())'; }
 since() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.2f}')" "$1" "$2"; }
 
+OUT="$REPO/bench/results/restart-$(date +%Y%m%d-%H%M%S)"
+mkdir -p "$OUT"
+# The node logs of the last round, without colours.
+keep_logs() {
+  for f in "$DATA"/node*/node.log; do
+    [ -f "$f" ] || continue
+    sed 's/\x1b\[[0-9;]*m//g' "$f" >"$OUT/$(basename "$(dirname "$f")").log"
+  done
+}
 cleanup() {
+  keep_logs
   "$SHOAL_BIN" down --data "$DATA" >/dev/null 2>&1 || true
   rm -rf "$BENCH_DIR"
 }
 trap cleanup EXIT
+logs() { sed 's/\x1b\[[0-9;]*m//g' "$DATA"/node*/node.log; }
 
 round() {
   cleanup
@@ -54,7 +66,7 @@ round() {
       --size="$SIZE" --time_based --runtime=$((WRITE_S + 30)) >/dev/null 2>&1 &
   local fio=$!
   sleep "$WRITE_S"
-  kill -KILL $(cat "$DATA"/node*/node.pid)
+  kill -KILL $(for f in "$DATA"/node*/node.pid; do cat "$f"; echo; done)
   wait "$fio" 2>/dev/null || true
   local t0 t1 t2
   t0=$(now)
@@ -64,16 +76,18 @@ round() {
   t2=$(now)
   # Wait for the reconciliation to end, then compare the copies.
   local took=""
-  for _ in $(seq 1 600); do
-    took=$(grep -ho 'regions left in flight reconciled.*took=[^ ]*' "$DATA"/node*/node.log | tail -1 || true)
+  for _ in $(seq 1 240); do
+    took=$(logs | grep -o 'regions left in flight reconciled.*took=[^ ]*' | tail -1 || true)
     [ -n "$took" ] && break
-    if ! grep -q 'reconciling regions left in flight' "$DATA"/node*/node.log; then break; fi
+    [ "$(logs | grep -c 'reconciling regions left in flight' || true)" -gt 0 ] || break
     sleep 0.5
   done
   local regions
-  regions=$(grep -ho 'regions=[0-9]* "reconciling\|reconciling regions left in flight[^\n]*' "$DATA"/node*/node.log | grep -o 'regions=[0-9]*' | tail -1 || true)
-  "$SHOAL_BIN" volume verify v --data "$DATA" >/dev/null
-  echo "up_s=$(since "$t0" "$t1") first_read_s=$(since "$t1" "$t2") ${regions:-regions=?} reconcile: ${took##*took=}"
+  regions=$(logs | grep 'reconciling regions left in flight' | grep -o 'regions=[0-9]*' | tail -1 || true)
+  local verify=ok
+  "$SHOAL_BIN" volume verify v --data "$DATA" >"$OUT/verify.txt" 2>&1 || verify="FAILED ($OUT/verify.txt)"
+  echo "up_s=$(since "$t0" "$t1") first_read_s=$(since "$t1" "$t2") ${regions:-regions=0} reconcile_took=${took##*took=} verify=$verify"
+  [ "$verify" = ok ]
 }
 
 for i in $(seq 1 "$ROUNDS"); do

@@ -16,6 +16,8 @@ pub mod healing;
 pub use healing::{
     healing_text, HealingReport, ResyncKind, ResyncReport, WaitingComponent, OWNER_NOT_REACHABLE,
 };
+pub mod maintenance;
+pub use maintenance::{EnterMaintenance, MaintenanceEntered, MaintenanceReport, NodeRemoved};
 
 /// Body of `POST /v1/volumes`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -37,6 +39,19 @@ pub struct Resize {
 pub struct VolumeSettings {
     /// IOPS limit in 32 KiB units, reads and writes together; 0: none.
     pub iops_limit: Option<u32>,
+}
+
+/// Body of `POST /v1/volumes/{name}/policy` (admin): the volume's new
+/// policy, whole, in the text `volume create` takes (`"raid1 ftt=2"`;
+/// `ftt=` must be given). Answered with the volume's report: the change
+/// in progress (`volume.reconfig`), or nothing when the volume has the
+/// policy already; refused with 400 (not a policy), 404 (no such
+/// volume) or 409 (not possible now: too few fault domains or too little
+/// space, a change in progress) and why.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SetPolicy {
+    pub policy: String,
 }
 
 /// Body of `POST /v1/cluster/settings`: the cluster-wide settings to
@@ -395,6 +410,16 @@ impl Client {
         settings: &VolumeSettings,
     ) -> Result<VolumeReport, ApiError> {
         self.post(&format!("/v1/volumes/{name}/settings"), settings)
+            .await
+    }
+
+    /// Changes a volume's policy in place (`shoal volume set-policy`):
+    /// answers the volume with the change begun ([`SetPolicy`]).
+    pub async fn set_policy(&self, name: &str, policy: &str) -> Result<VolumeReport, ApiError> {
+        let body = SetPolicy {
+            policy: policy.to_string(),
+        };
+        self.post(&format!("/v1/volumes/{name}/policy"), &body)
             .await
     }
 

@@ -467,6 +467,7 @@ mod tests {
                 reserved: 0,
                 state: DeviceState::Healthy,
                 provisioned: 0,
+                maintenance: false,
             })
             .collect();
         let comp = |i: usize, role| Component {

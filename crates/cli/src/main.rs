@@ -7,6 +7,8 @@
 
 mod daemon;
 mod local;
+mod maintenance;
+mod policy;
 mod show;
 
 use anyhow::{bail, Context, Result};
@@ -74,6 +76,10 @@ enum Cmd {
     /// Cluster-wide actions and settings.
     #[command(subcommand)]
     Cluster(ClusterCmd),
+    /// A node's maintenance mode: enter (ensure-accessibility,
+    /// full-data-migration, no-data-migration), exit, status.
+    #[command(subcommand)]
+    Maintenance(maintenance::MaintenanceCmd),
     /// Certificates for NBD clients.
     #[command(subcommand)]
     Cert(CertCmd),
@@ -120,6 +126,15 @@ enum ClusterCmd {
     /// from then on (those it holds close within a second). It comes back
     /// only by joining anew, with a new data folder and a join token.
     RevokeNode {
+        id: u64,
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Remove a node for good: refused while it holds any component
+    /// (`shoal maintenance enter ID --mode full-data-migration` moves them
+    /// off). It leaves the directory and its voters, and its certificates
+    /// are revoked.
+    RemoveNode {
         id: u64,
         #[command(flatten)]
         target: Target,
@@ -238,6 +253,26 @@ enum VolumeCmd {
         /// IOPS limit (32 KiB units, reads and writes together); 0: none.
         #[arg(long)]
         iops: Option<u32>,
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Change a volume's policy in place, under I/O: copies and witnesses
+    /// added on fault domains it does not use (the space checked first),
+    /// or the surplus dropped; e.g. --policy "raid1 ftt=2".
+    SetPolicy {
+        name: String,
+        /// The new policy, whole, as `volume create --policy` takes it
+        /// (words left out take their defaults); ftt=N must be given.
+        #[arg(long)]
+        policy: String,
+        /// Wait until the change is committed, printing its progress.
+        #[arg(long)]
+        wait: bool,
+        /// How long --wait waits: 90s, 30m, 2h.
+        #[arg(long, value_parser = parse_duration_s, default_value = "1h", requires = "wait")]
+        timeout: u64,
         #[command(flatten)]
         target: Target,
         #[arg(long)]
@@ -663,6 +698,10 @@ async fn run(cmd: Cmd) -> Result<()> {
             println!("client {name}: certificates revoked");
             Ok(())
         }
+        Cmd::Maintenance(m) => maintenance::run(m).await,
+        Cmd::Cluster(ClusterCmd::RemoveNode { id, target }) => {
+            maintenance::remove_node(id, &target).await
+        }
         Cmd::Cluster(ClusterCmd::RevokeNode { id, target }) => {
             local::client(&target)?.revoke_node(id).await?;
             println!("node {id}: certificates revoked");
@@ -892,6 +931,18 @@ async fn volume(v: VolumeCmd) -> Result<()> {
             } else {
                 show::volume(&r);
             }
+        }
+        VolumeCmd::SetPolicy {
+            name,
+            policy,
+            wait,
+            timeout,
+            target,
+            json,
+        } => {
+            let c = local::client(&target)?;
+            let wait = wait.then(|| std::time::Duration::from_secs(timeout));
+            policy::set_policy(&c, &name, &policy, wait, json).await?;
         }
         VolumeCmd::Verify { name, target, json } => {
             let c = local::client(&target)?;

@@ -122,7 +122,7 @@ pub fn volume(r: &VolumeReport) {
 
 /// A copy being brought up to date, for people: "component 14
 /// (rebuild): 30 MiB of 100 MiB copied, 10 MiB/s, 7s left".
-fn resync_line(x: &ResyncReport) -> String {
+pub fn resync_line(x: &ResyncReport) -> String {
     let kind = match x.kind {
         ResyncKind::Rebuild => "rebuild",
         ResyncKind::Resync => "resync",

@@ -18,11 +18,13 @@
 //! Membership: the first node calls [`Directory::bootstrap`]; others call
 //! [`Directory::join`] through any member once their router is served. The
 //! leader adds a joining node as a learner and promotes it to voter while
-//! the cluster has fewer than 5 voters. Replacing dead voters is not done
-//! here.
+//! the cluster has fewer than 5 voters. [`Directory::remove_member`]
+//! takes a node out of the membership (a removed node; `shoal cluster
+//! remove-node`); promoting a learner in its place is not done here.
 
 pub mod state;
 
+pub mod maintenance;
 mod network;
 pub mod reconfig;
 pub use network::CONNECT_TIMEOUT;
@@ -155,6 +157,15 @@ enum WireError {
     Forbidden(String),
     /// The leader lost contact with the majority while writing.
     NoQuorum(String),
+}
+
+/// Body of `/directory/remove`: take `node_id` out of the membership.
+#[derive(Debug, Serialize, Deserialize)]
+struct RemoveRequest {
+    node_id: NodeId,
+    /// Set when a member forwards the request to the leader (one hop only).
+    #[serde(default)]
+    forwarded: bool,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -318,6 +329,10 @@ impl Directory {
             .route(
                 "/directory/propose",
                 post(h_propose).layer(limit(SMALL_BODY_MAX_BYTES)),
+            )
+            .route(
+                "/directory/remove",
+                post(h_remove).layer(limit(SMALL_BODY_MAX_BYTES)),
             )
             .with_state(self.clone())
     }
@@ -566,6 +581,96 @@ impl Directory {
         Ok(())
     }
 
+    /// Takes node `id` out of the directory's membership, through the
+    /// leader (this member or the one it knows): a voter is removed from
+    /// the voters (joint consensus; a leader that removes itself steps
+    /// down once the change is committed), a learner from the learners.
+    /// Idempotent: a node that is no member is Ok. Refused
+    /// ([`DirectoryError::State`]) for the only voter. Retries for about
+    /// 10 s while there is no leader.
+    pub async fn remove_member(&self, id: NodeId) -> Result<(), DirectoryError> {
+        let req = RemoveRequest {
+            node_id: id,
+            forwarded: false,
+        };
+        let req = &req;
+        self.retry(|| async move {
+            match self.leader() {
+                None => Err(Attempt::Retry(DirectoryError::NoLeader)),
+                Some(l) if l == self.inner.id => self.drop_member(id).await.map_err(wire),
+                Some(l) => {
+                    let addr = self
+                        .node_addr(l)
+                        .ok_or(Attempt::Retry(DirectoryError::NoLeader))?;
+                    let url = self.url(&addr, "/directory/remove");
+                    self.post_json::<_, ()>(&url, req, JOIN_TIMEOUT).await
+                }
+            }
+        })
+        .await
+    }
+
+    /// Handles a removal: on the leader removes the member, elsewhere
+    /// forwards once to the leader.
+    async fn handle_remove(&self, req: RemoveRequest) -> Result<(), WireError> {
+        match self.leader() {
+            Some(l) if l == self.inner.id => self.drop_member(req.node_id).await,
+            Some(l) if !req.forwarded => {
+                let addr = self.node_addr(l).ok_or(WireError::NotLeader)?;
+                let url = self.url(&addr, "/directory/remove");
+                let fwd = RemoveRequest {
+                    forwarded: true,
+                    ..req
+                };
+                match self.post_json::<_, ()>(&url, &fwd, JOIN_TIMEOUT).await {
+                    Ok(()) => Ok(()),
+                    Err(Attempt::Final(DirectoryError::State(s))) => Err(WireError::State(s)),
+                    Err(Attempt::Final(e) | Attempt::Retry(e)) => match e {
+                        DirectoryError::NoLeader => Err(WireError::NotLeader),
+                        e => Err(WireError::Other(e.to_string())),
+                    },
+                }
+            }
+            _ => Err(WireError::NotLeader),
+        }
+    }
+
+    /// On the leader: removes `id` from the voters or the learners.
+    async fn drop_member(&self, id: NodeId) -> Result<(), WireError> {
+        let _guard = self.inner.membership.lock().await;
+        let raft_err = |e: RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>| match e {
+            RaftError::APIError(ClientWriteError::ForwardToLeader(_)) => WireError::NotLeader,
+            e => WireError::Other(e.to_string()),
+        };
+        let membership = self
+            .inner
+            .metrics
+            .borrow()
+            .membership_config
+            .membership()
+            .clone();
+        if membership.get_node(&id).is_none() {
+            return Ok(());
+        }
+        let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
+        let change = if voters.contains(&id) {
+            if voters.len() == 1 {
+                return Err(WireError::State(state::input(format!(
+                    "node {id} is the directory's only voter: it cannot be removed"
+                ))));
+            }
+            ChangeMembers::RemoveVoters(BTreeSet::from([id]))
+        } else {
+            ChangeMembers::RemoveNodes(BTreeSet::from([id]))
+        };
+        self.inner
+            .raft
+            .change_membership(change, false)
+            .await
+            .map_err(raft_err)?;
+        Ok(())
+    }
+
     /// The latest applied cluster state.
     pub fn state(&self) -> Arc<ClusterState> {
         self.inner.state.borrow().clone()
@@ -725,6 +830,17 @@ async fn h_join(
         )))));
     }
     Ok(Json(d.handle_join(req).await))
+}
+
+async fn h_remove(
+    State(d): State<Directory>,
+    c: Option<Extension<Caller>>,
+    Json(req): Json<RemoveRequest>,
+) -> Result<Json<Result<(), WireError>>, Refused> {
+    // Any member may ask: removing a node is an admin's decision, taken
+    // on the REST API of a member, which asks its leader here.
+    caller_of(c)?;
+    Ok(Json(d.handle_remove(req).await))
 }
 
 async fn h_propose(

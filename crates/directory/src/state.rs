@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use shoal_model::{
     check_volume_name, check_volume_size, ApiToken, CaRecord, ClusterSettings, Component,
     ComponentId, ComponentRole, ComponentState, DeviceId, DeviceInfo, DeviceState, Generation,
-    NodeId, NodeInfo, NodeState, Policy, Volume, VolumeId, MAX_REPAIR_DELAY_S,
+    MaintenanceMode, NodeId, NodeInfo, NodeState, Policy, Volume, VolumeId, MAX_REPAIR_DELAY_S,
     MAX_RESYNC_MIB_PER_S, MIN_REPAIR_DELAY_S,
 };
 use std::collections::{BTreeMap, BTreeSet};
@@ -45,6 +45,36 @@ pub struct ClusterState {
     /// they existed reads with the defaults.
     #[serde(default)]
     pub settings: ClusterSettings,
+    /// Nodes in maintenance and their mode (`maintenance.rs`); their
+    /// devices are marked `maintenance` as long as they are here.
+    #[serde(default)]
+    pub maintenance: BTreeMap<NodeId, MaintenanceMode>,
+    /// Each node's process incarnation (a random number drawn at every
+    /// start, [`Command::NodeStarted`]).
+    #[serde(default)]
+    pub incarnations: BTreeMap<NodeId, u64>,
+    /// The incarnation of each volume's owner's node when it claimed the
+    /// volume: once that node runs another incarnation, the owner (and any
+    /// read lease it held) is gone for certain.
+    #[serde(default)]
+    pub owner_incarnations: BTreeMap<VolumeId, u64>,
+}
+
+impl ClusterState {
+    /// Whether the owner of `volume` is certainly gone: its node has
+    /// started again since it claimed the volume. (A node that merely
+    /// stopped answering may still run its owner.)
+    pub fn owner_restarted(&self, volume: VolumeId) -> bool {
+        let Some(v) = self.volumes.get(&volume) else {
+            return false;
+        };
+        let (Some(owner), Some(&claimed)) = (v.owner, self.owner_incarnations.get(&volume)) else {
+            return false;
+        };
+        self.incarnations
+            .get(&owner)
+            .is_some_and(|&now| claimed != 0 && now != claimed)
+    }
 }
 
 /// A change to the cluster state, the payload of a Raft log entry.
@@ -54,6 +84,9 @@ pub enum Command {
     SetClusterId { cluster_id: String },
     /// Adds or updates a node (addresses may change across restarts).
     RegisterNode { node: NodeInfo },
+    /// A node's process started, as incarnation `incarnation` (random,
+    /// non-zero): owners it ran before are gone.
+    NodeStarted { node: NodeId, incarnation: u64 },
     /// Marks a node up or down. When it goes down, its active and resyncing
     /// components become absent.
     SetNodeState { node: NodeId, state: NodeState },
@@ -173,6 +206,14 @@ pub enum Command {
     /// Sets the static resync limit (`ClusterSettings::resync_mib_per_s`,
     /// 0: none): refused above `MAX_RESYNC_MIB_PER_S`.
     SetResyncLimit { resync_mib_per_s: u64 },
+    /// Puts a node in maintenance (or changes its mode): placement puts
+    /// nothing new on it (`maintenance.rs`).
+    EnterMaintenance { node: NodeId, mode: MaintenanceMode },
+    /// Takes a node out of maintenance.
+    ExitMaintenance { node: NodeId },
+    /// Removes a node that holds no component, with its devices; its
+    /// certificates are revoked.
+    RemoveNode { node: NodeId },
 }
 
 /// A component chosen by placement, before it has an id.
@@ -190,8 +231,13 @@ pub enum Response {
     Ok,
     /// The id of the created or registered object.
     Id(u64),
-    /// The new owner generation.
-    Generation(Generation),
+    /// A claim's answer: the new owner generation, and whether the
+    /// previous owner is certainly gone ([`ClusterState::owner_restarted`],
+    /// decided as the claim is applied, so on the newest state).
+    Claimed {
+        generation: Generation,
+        previous_owner_gone: bool,
+    },
 }
 
 /// Why a command was rejected. The state is unchanged.
@@ -251,6 +297,15 @@ pub enum StateError {
          {MAX_RESYNC_MIB_PER_S} MiB/s"
     )]
     ResyncLimitOutOfRange(u64),
+    #[error("node {0} is not in maintenance")]
+    NotInMaintenance(NodeId),
+    #[error("node {0} is in maintenance: no new component is placed on it")]
+    NodeInMaintenance(NodeId),
+    #[error(
+        "node {node} holds {components} component(s) of volumes: move them off first \
+         (shoal maintenance enter {node} --mode full-data-migration)"
+    )]
+    NodeHoldsComponents { node: NodeId, components: usize },
 }
 
 /// Bytes reserved on a device for one data component of a volume.
@@ -281,10 +336,14 @@ impl ClusterState {
             .ok_or_else(|| StateError::NoSuchVolume(name.to_string()))
     }
 
-    /// A planned component's node exists and holds its device.
+    /// A planned component's node exists, is not in maintenance, and holds
+    /// its device.
     pub(crate) fn check_placed(&self, c: &PlannedComponent) -> Result<(), StateError> {
         if !self.nodes.contains_key(&c.node) {
             return Err(StateError::NoSuchNode(c.node));
+        }
+        if self.maintenance.contains_key(&c.node) {
+            return Err(StateError::NodeInMaintenance(c.node));
         }
         let d = self
             .devices
@@ -387,6 +446,7 @@ impl ClusterState {
     pub fn actor(&self, cmd: &Command) -> Option<NodeId> {
         match cmd {
             Command::RegisterNode { node } => Some(node.id),
+            Command::NodeStarted { node, .. } => Some(*node),
             Command::RegisterDevice { node, .. } => Some(*node),
             Command::ClaimOwner { node, .. } => Some(*node),
             Command::ReportDeviceUsage { device, .. } => {
@@ -510,6 +570,16 @@ impl ClusterState {
                 self.nodes.insert(node.id, node.clone());
                 Ok(Response::Ok)
             }
+            Command::NodeStarted { node, incarnation } => {
+                if !self.nodes.contains_key(node) {
+                    return Err(StateError::NoSuchNode(*node));
+                }
+                if *incarnation == 0 {
+                    return Err(input("an incarnation is never 0"));
+                }
+                self.incarnations.insert(*node, *incarnation);
+                Ok(Response::Ok)
+            }
             Command::SetNodeState { node, state } => {
                 // Liveness only: component states are the owner's to change,
                 // because only the owner knows whether a copy missed writes.
@@ -553,6 +623,7 @@ impl ClusterState {
                         reserved: 0,
                         state: DeviceState::Healthy,
                         provisioned: 0,
+                        maintenance: self.maintenance.contains_key(node),
                     },
                 );
                 Ok(Response::Id(id))
@@ -638,6 +709,7 @@ impl ClusterState {
                 // Whatever change is in progress goes with it.
                 let v = self.volumes[&id].clone();
                 self.replace_volume(Some(&v), None)?;
+                self.owner_incarnations.remove(&id);
                 Ok(Response::Ok)
             }
             Command::SetClusterCa { ca } => self.set_ca(ca),
@@ -679,6 +751,9 @@ impl ClusterState {
             Command::SetResyncLimit { resync_mib_per_s } => {
                 self.set_resync_limit(*resync_mib_per_s)
             }
+            Command::EnterMaintenance { .. }
+            | Command::ExitMaintenance { .. }
+            | Command::RemoveNode { .. } => self.apply_maintenance(cmd),
             Command::SetIopsLimit { name, iops_limit } => {
                 let id = self.volume_id_by_name(name)?;
                 if let Some(v) = self.volumes.get_mut(&id) {
@@ -730,6 +805,7 @@ impl ClusterState {
                 if !self.nodes.contains_key(node) {
                     return Err(StateError::NoSuchNode(*node));
                 }
+                let previous_owner_gone = self.owner_restarted(*volume);
                 let v = self
                     .volumes
                     .get_mut(volume)
@@ -742,7 +818,13 @@ impl ClusterState {
                 }
                 v.owner = Some(*node);
                 v.generation += 1;
-                Ok(Response::Generation(v.generation))
+                let generation = v.generation;
+                let incarnation = self.incarnations.get(node).copied().unwrap_or(0);
+                self.owner_incarnations.insert(*volume, incarnation);
+                Ok(Response::Claimed {
+                    generation,
+                    previous_owner_gone,
+                })
             }
             Command::ReleaseOwner { volume, generation } => {
                 let v = self
@@ -862,6 +944,43 @@ pub(crate) mod tests {
             Response::Id(id) => id,
             r => panic!("{r:?}"),
         }
+    }
+
+    #[test]
+    fn an_owner_is_known_gone_once_its_node_started_again() {
+        let (mut s, devs) = cluster();
+        let v = create(&mut s, &devs, "v", "raid1 ftt=1");
+        let started = |n, i| Command::NodeStarted {
+            node: n,
+            incarnation: i,
+        };
+        s.apply(&started(1, 11)).unwrap();
+        assert!(s.apply(&started(1, 0)).is_err(), "incarnation 0");
+        assert!(s.apply(&started(9, 5)).is_err(), "unknown node");
+        let claim = |g| Command::ClaimOwner {
+            volume: v,
+            node: 1,
+            expected_generation: g,
+        };
+        s.apply(&claim(0)).unwrap();
+        assert!(!s.owner_restarted(v), "the claiming incarnation runs");
+        // Merely down: its owner may still run.
+        s.apply(&Command::SetNodeState {
+            node: 1,
+            state: NodeState::Down,
+        })
+        .unwrap();
+        assert!(!s.owner_restarted(v));
+        s.apply(&started(1, 12)).unwrap();
+        assert!(
+            s.owner_restarted(v),
+            "a new incarnation of the owner's node"
+        );
+        s.apply(&claim(1)).unwrap();
+        assert!(
+            !s.owner_restarted(v),
+            "claimed again by the new incarnation"
+        );
     }
 
     #[test]
@@ -1132,7 +1251,11 @@ pub(crate) mod tests {
             node,
             expected_generation: g,
         };
-        assert_eq!(s.apply(&claim(1, 0)), Ok(Response::Generation(1)));
+        let claimed = |generation| Response::Claimed {
+            generation,
+            previous_owner_gone: false,
+        };
+        assert_eq!(s.apply(&claim(1, 0)), Ok(claimed(1)));
         assert_eq!(
             s.apply(&claim(2, 0)),
             Err(StateError::GenerationConflict {
@@ -1140,7 +1263,7 @@ pub(crate) mod tests {
                 owner: Some(1)
             })
         );
-        assert_eq!(s.apply(&claim(2, 1)), Ok(Response::Generation(2)));
+        assert_eq!(s.apply(&claim(2, 1)), Ok(claimed(2)));
         assert_eq!(s.volumes[&id].owner, Some(2));
 
         // Only the current generation may set component states.
@@ -1398,6 +1521,10 @@ pub(crate) mod tests {
             .prop_map(|v| Command::SetResyncLimit {
                 resync_mib_per_s: v
             }),
+            (1u64..6, prop::sample::select(MaintenanceMode::ALL.to_vec()))
+                .prop_map(|(node, mode)| Command::EnterMaintenance { node, mode }),
+            (1u64..6).prop_map(|node| Command::ExitMaintenance { node }),
+            (1u64..6).prop_map(|node| Command::RemoveNode { node }),
         ]
     }
 
@@ -1440,6 +1567,16 @@ pub(crate) mod tests {
         }
         for d in s.devices.values() {
             assert_eq!(d.reserved, want.get(&d.id).copied().unwrap_or(0));
+        }
+        // Maintenance is of known nodes, and their devices (only theirs)
+        // are marked; every device and component is on a known node.
+        assert!(s.maintenance.keys().all(|n| s.nodes.contains_key(n)));
+        for d in s.devices.values() {
+            assert!(s.nodes.contains_key(&d.node), "device {} orphaned", d.id);
+            assert_eq!(d.maintenance, s.maintenance.contains_key(&d.node));
+        }
+        for v in s.volumes.values() {
+            assert!(v.components.iter().all(|c| s.nodes.contains_key(&c.node)));
         }
         // The settings stay in range.
         let delay = s.settings.repair_delay_s;

@@ -128,6 +128,46 @@ async fn snapshot_catches_up_a_new_member_and_survives_restart() {
     }
 }
 
+/// A voter is removed through a member that is not the leader (the
+/// request is forwarded), then a learner-less two-voter cluster goes on
+/// deciding; removing it again is Ok, and the last voter cannot go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_voter_is_removed_through_any_member() {
+    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let mut members = Vec::new();
+    for (i, t) in dirs.iter().enumerate() {
+        members.push(start(i as NodeId + 1, t.path(), None).await);
+    }
+    let (d1, a1, _) = &members[0];
+    d1.bootstrap().await.unwrap();
+    wait_for("leader", || d1.is_leader()).await;
+    for (d, _, _) in &members[1..] {
+        d.join(&a1.to_string()).await.unwrap();
+    }
+    wait_for("three voters", || members[2].0.voters().len() == 3).await;
+    let d2 = &members[1].0;
+    d2.remove_member(3).await.unwrap();
+    wait_for("node 3 removed", || {
+        d1.voters() == vec![1, 2] && d2.members() == vec![1, 2]
+    })
+    .await;
+    d2.remove_member(3).await.unwrap();
+    d2.propose(Command::SetClusterId {
+        cluster_id: "rm".into(),
+    })
+    .await
+    .unwrap();
+    d1.remove_member(2).await.unwrap();
+    wait_for("node 2 removed", || d1.voters() == vec![1]).await;
+    let e = d1.remove_member(1).await.unwrap_err();
+    assert!(e.to_string().contains("only voter"), "{e}");
+    for (d, _, h) in members {
+        d.shutdown().await;
+        h.abort();
+        let _ = h.await;
+    }
+}
+
 /// Plain HTTP between the members of these tests (a node uses mutual TLS).
 fn plain_transport() -> Transport {
     Transport {

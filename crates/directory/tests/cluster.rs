@@ -286,7 +286,7 @@ async fn three_members_replicate_fail_over_and_persist() {
     );
     let wins = [&a, &b]
         .iter()
-        .filter(|r| matches!(r, Ok(Response::Generation(1))))
+        .filter(|r| matches!(r, Ok(Response::Claimed { generation: 1, .. })))
         .count();
     let conflicts = [&a, &b]
         .iter()

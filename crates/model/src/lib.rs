@@ -64,6 +64,56 @@ pub struct NodeInfo {
     pub state: NodeState,
 }
 
+/// How a node in maintenance is emptied before it is taken down (vSAN's
+/// three modes; `docs/reconfiguration.md`, Maintenance mode). In every
+/// mode placement puts no new component on the node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MaintenanceMode {
+    /// Moves only what the volumes need to stay accessible without the
+    /// node: the components without which a volume would lack a majority
+    /// of its votes or an in-sync data copy (an `ftt=0` volume's copy).
+    EnsureAccessibility,
+    /// Moves every component off the node (before removing it for good).
+    FullDataMigration,
+    /// Moves nothing; refused while a volume would be inaccessible
+    /// without the node.
+    NoDataMigration,
+}
+
+impl MaintenanceMode {
+    /// Every mode, in the order people read them.
+    pub const ALL: [MaintenanceMode; 3] = [
+        MaintenanceMode::EnsureAccessibility,
+        MaintenanceMode::FullDataMigration,
+        MaintenanceMode::NoDataMigration,
+    ];
+}
+
+impl fmt::Display for MaintenanceMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            MaintenanceMode::EnsureAccessibility => "ensure-accessibility",
+            MaintenanceMode::FullDataMigration => "full-data-migration",
+            MaintenanceMode::NoDataMigration => "no-data-migration",
+        })
+    }
+}
+
+impl std::str::FromStr for MaintenanceMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        MaintenanceMode::ALL
+            .into_iter()
+            .find(|m| m.to_string() == s)
+            .ok_or_else(|| {
+                format!(
+                    "unknown maintenance mode {s:?}: expected ensure-accessibility, \
+                     full-data-migration or no-data-migration"
+                )
+            })
+    }
+}
+
 /// Health of a device as last reported by its node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum DeviceState {
@@ -94,6 +144,10 @@ pub struct DeviceInfo {
     /// before any data is written.
     #[serde(default)]
     pub provisioned: u64,
+    /// Its node is in maintenance (the directory's `maintenance` map):
+    /// placement puts no new component here.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub maintenance: bool,
 }
 
 impl DeviceInfo {
@@ -507,6 +561,15 @@ mod tests {
         assert!(!v.quorum(|c| c.id == 0, |_| true));
         // Majority but the reachable copy is stale.
         assert!(!v.quorum(|c| c.id != 0, |c| c.id == 0));
+    }
+
+    #[test]
+    fn maintenance_modes_read_back_as_written() {
+        for m in MaintenanceMode::ALL {
+            assert_eq!(m.to_string().parse::<MaintenanceMode>(), Ok(m));
+        }
+        let e = "full".parse::<MaintenanceMode>().unwrap_err();
+        assert!(e.contains("full-data-migration"), "{e}");
     }
 
     #[test]

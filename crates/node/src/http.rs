@@ -189,6 +189,7 @@ pub fn routes(h: Http) -> axum::Router {
         .route("/v1/volumes/{name}", get(show).delete(delete))
         .route("/v1/volumes/{name}/resize", post(resize))
         .route("/v1/volumes/{name}/settings", post(settings))
+        .route("/v1/volumes/{name}/policy", post(set_policy))
         .route("/v1/volumes/{name}/digests", get(digests))
         .route(
             "/v1/cluster/settings",
@@ -201,6 +202,14 @@ pub fn routes(h: Http) -> axum::Router {
         .route("/v1/tokens", get(tokens).post(create_token))
         .route("/v1/tokens/{id}", axum::routing::delete(revoke_token))
         .route("/v1/nodes/{id}/revoke", post(revoke_node))
+        .route("/v1/maintenance", get(crate::maintenance::list))
+        .route(
+            "/v1/nodes/{id}/maintenance",
+            get(crate::maintenance::show)
+                .post(crate::maintenance::enter)
+                .delete(crate::maintenance::exit),
+        )
+        .route("/v1/nodes/{id}/remove", post(crate::maintenance::remove))
         .route("/v1/certs/client", post(client_cert))
         .route("/v1/certs/client/{name}/revoke", post(revoke_client))
         .route("/livez", get(livez))
@@ -471,6 +480,32 @@ async fn settings(
         })
         .await;
     }
+    show_report(&h, &name, &headers).await
+}
+
+/// Changes a volume's policy in place (`crate::policy_change`): begins
+/// the change and answers the volume's report (with the change in
+/// progress, or unchanged when it has the policy already).
+async fn set_policy(
+    State(h): State<Http>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    Json(req): Json<shoal_api::SetPolicy>,
+) -> Result<Json<VolumeReport>, ApiErr> {
+    use crate::policy_change as pc;
+    let refused = |e: pc::PolicyChangeError| {
+        let status = StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::CONFLICT);
+        ApiErr(status, e.to_string())
+    };
+    let policy = pc::parse(&req.policy).map_err(refused)?;
+    pc::change(&h.router.dir, &name, &policy)
+        .await
+        .map_err(refused)?;
+    wait_for(&h, |s| {
+        s.volume_by_name(&name)
+            .is_some_and(|v| v.reconfig.is_some() || v.policy == policy)
+    })
+    .await;
     show_report(&h, &name, &headers).await
 }
 

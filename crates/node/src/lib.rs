@@ -16,7 +16,9 @@ pub mod exports;
 pub mod flusher;
 pub mod http;
 pub mod liveness;
+pub mod maintenance;
 pub mod membership;
+pub mod policy_change;
 pub mod reader;
 pub mod rebuild;
 pub mod replica;
@@ -669,6 +671,16 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
     };
     retry("registering the node", || {
         dir.propose(Command::RegisterNode { node: me.clone() })
+    })
+    .await?;
+    // A new incarnation: owners this node ran before it started are gone,
+    // and their read leases with them (`docs/lease.md`).
+    let incarnation = rand::random::<u64>().max(1);
+    retry("recording the node's start", || {
+        dir.propose(Command::NodeStarted {
+            node: cfg.id,
+            incarnation,
+        })
     })
     .await?;
     for (path, s) in &stores {

@@ -151,7 +151,7 @@ impl Control for DirControl {
             })
             .await
         {
-            Ok(Response::Generation(g)) => Ok(g),
+            Ok(Response::Claimed { generation, .. }) => Ok(generation),
             Ok(other) => Err(ControlError::Unavailable(format!(
                 "unexpected answer {other:?}"
             ))),
@@ -183,6 +183,7 @@ pub fn view_of(state: &ClusterState, volume: VolumeId) -> Option<View> {
             0 => None,
             mib => Some(mib << 20),
         },
+        previous_owner_gone: false,
     })
 }
 
@@ -367,7 +368,7 @@ impl Router {
                 v.generation
             ));
         }
-        let gen = match self
+        let (gen, previous_owner_gone) = match self
             .dir
             .propose(Command::ClaimOwner {
                 volume,
@@ -376,7 +377,12 @@ impl Router {
             })
             .await
         {
-            Ok(Response::Generation(g)) => g,
+            // Decided by the directory as it applied the claim: a node
+            // that started again since it claimed runs no owner it had.
+            Ok(Response::Claimed {
+                generation,
+                previous_owner_gone,
+            }) => (generation, previous_owner_gone),
             Ok(other) => return Err(format!("unexpected answer {other:?}")),
             Err(e) => return Err(e.to_string()),
         };
@@ -386,6 +392,7 @@ impl Router {
         // The local copy of the directory may lag behind the claim.
         view.volume.generation = gen;
         view.volume.owner = Some(self.node);
+        view.previous_owner_gone = previous_owner_gone;
         let control = Arc::new(DirControl {
             dir: self.dir.clone(),
             node: self.node,

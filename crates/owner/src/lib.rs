@@ -95,6 +95,10 @@ pub struct View {
     /// Static limit of the copy rate of resyncs and rebuilds, in bytes per
     /// second (None: as fast as the copies go).
     pub resync_bytes_per_s: Option<u64>,
+    /// The previous owner is certainly gone (its node has started again
+    /// since it claimed the volume): no read lease it granted can still
+    /// run, so a new owner need not wait out what the copies report.
+    pub previous_owner_gone: bool,
 }
 
 /// Why the directory did not record a change.

@@ -358,6 +358,7 @@ fn view(addrs: &[String], up: [bool; 3], gen: Generation) -> View {
         },
         repair_delay: shoal_owner::DEFAULT_REPAIR_DELAY,
         resync_bytes_per_s: None,
+        previous_owner_gone: false,
         targets: comps
             .iter()
             .zip(addrs)

@@ -9,7 +9,8 @@
 //! - a RAID-1 policy with `ftt = n` gets `n + 1` data components and `n`
 //!   witnesses, one vote each, all on distinct fault domains (hence also on
 //!   distinct nodes);
-//! - only nodes that are `Up` and devices that are `Healthy` are used; a
+//! - only nodes that are `Up` and devices that are `Healthy` are used, and
+//!   no device of a node in maintenance (`DeviceInfo::maintenance`); a
 //!   fault domain counts only if it has such a node with such a device;
 //! - a data component needs a device with `free() >= size * reserve_pct /
 //!   100`; thin volumes (`reserve_pct = 0`) need only some free space;
@@ -53,6 +54,16 @@ pub enum PlacementError {
         volume: VolumeId,
         component: ComponentId,
     },
+    /// A policy change was asked of a volume already being reconfigured.
+    #[error("volume {volume} is already being reconfigured ({reason}): one change at a time")]
+    ChangeInProgress { volume: String, reason: String },
+    /// A policy change would keep no active data copy.
+    #[error("volume {volume} would keep no active data copy")]
+    NoCopyInSync { volume: String },
+    /// A policy change would leave an even number of votes (components of
+    /// more than one vote), which the votes rule cannot split.
+    #[error("the new layout of volume {volume} would carry {votes} votes; it needs an odd number")]
+    EvenVotes { volume: String, votes: u32 },
 }
 
 fn no_space_text(needed: u64, domain: &str) -> String {
@@ -112,7 +123,7 @@ impl<'a> Domain<'a> {
 }
 
 /// Usable fault domains by name: those with an `Up` node that has a
-/// `Healthy` device.
+/// `Healthy` device, not in maintenance.
 fn usable<'a>(nodes: &'a [NodeInfo], devices: &'a [DeviceInfo]) -> BTreeMap<&'a str, Domain<'a>> {
     let mut by_id: BTreeMap<NodeId, &NodeInfo> = BTreeMap::new();
     for n in nodes {
@@ -129,7 +140,7 @@ fn usable<'a>(nodes: &'a [NodeInfo], devices: &'a [DeviceInfo]) -> BTreeMap<&'a 
     devs.dedup_by_key(|d| d.id);
     let mut out: BTreeMap<&str, Domain> = BTreeMap::new();
     for d in devs {
-        if d.state != DeviceState::Healthy {
+        if d.state != DeviceState::Healthy || d.maintenance {
             continue;
         }
         let Some(n) = by_id.get(&d.node) else {
@@ -312,6 +323,9 @@ pub fn replacement(
         votes: old.votes.max(1),
     })
 }
+
+mod policy_change;
+pub use policy_change::{policy_change, PolicyChange};
 
 #[cfg(test)]
 mod tests;

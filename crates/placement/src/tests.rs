@@ -23,6 +23,7 @@ fn dev(id: DeviceId, node: NodeId, capacity: u64, used: u64) -> DeviceInfo {
         reserved: 0,
         state: DeviceState::Healthy,
         provisioned: 0,
+        maintenance: false,
     }
 }
 
@@ -220,6 +221,28 @@ fn replacement_falls_back_to_another_device_of_the_same_host() {
     assert_eq!((r.node, r.device, r.role), (1, 11, failed.role));
 }
 
+#[test]
+fn a_node_in_maintenance_gets_no_new_component() {
+    let (nodes, mut devs) = cluster(4);
+    let policy = pol("ftt=1");
+    let vol = volume_from(&place(&policy, G, &nodes, &devs).unwrap(), policy, G);
+    // Node 1 (the roomiest) in maintenance: a new volume avoids it, and
+    // its copy of `vol` moves to the one domain left (node 4).
+    devs[0].maintenance = true;
+    let p = place(&policy, G, &nodes, &devs).unwrap();
+    assert!(p.iter().all(|p| p.node != 1), "{p:?}");
+    let on1 = vol.components.iter().find(|c| c.node == 1).unwrap().id;
+    let r = replacement(&policy, &vol, on1, &nodes, &devs).unwrap();
+    assert_eq!((r.node, r.device), (4, 14));
+    // With node 4 in maintenance too, neither fits.
+    devs[3].maintenance = true;
+    assert!(matches!(
+        place(&policy, G, &nodes, &devs),
+        Err(PlacementError::NotEnoughFaultDomains { have: 2, .. })
+    ));
+    assert!(replacement(&policy, &vol, on1, &nodes, &devs).is_err());
+}
+
 #[derive(Debug, Clone)]
 struct Cluster {
     nodes: Vec<NodeInfo>,
@@ -259,6 +282,7 @@ fn arb_cluster() -> impl Strategy<Value = Cluster> {
                         _ => DeviceState::Healthy,
                     },
                     provisioned: 0,
+                    maintenance: false,
                 });
             }
         }
@@ -272,6 +296,7 @@ fn arb_cluster() -> impl Strategy<Value = Cluster> {
             reserved: 0,
             state: DeviceState::Healthy,
             provisioned: 0,
+            maintenance: false,
         });
         Cluster { nodes, devices }
     })

@@ -227,7 +227,16 @@ pub(crate) async fn start<C: Control>(
     // Nothing is served while an older owner's lease may still run; the
     // reconciliation of what it left in flight meanwhile changes nothing
     // a client could have seen acknowledged.
-    let older_lease = Duration::from_millis(u64::from(found.lease_ms));
+    let older_lease = if view.previous_owner_gone {
+        tracing::info!(
+            volume = vol.id,
+            "the previous owner's node has started again since it claimed the volume: \
+             no lease of it can run"
+        );
+        Duration::ZERO
+    } else {
+        Duration::from_millis(u64::from(found.lease_ms))
+    };
     if !older_lease.is_zero() {
         tracing::info!(
             volume = vol.id,

@@ -463,6 +463,7 @@ async fn a_newer_owner_in_the_view_stops_the_loop() {
             targets: vec![],
             repair_delay: crate::DEFAULT_REPAIR_DELAY,
             resync_bytes_per_s: None,
+            previous_owner_gone: false,
         })),
         Flow::Continue
     );
@@ -472,6 +473,7 @@ async fn a_newer_owner_in_the_view_stops_the_loop() {
         targets: vec![],
         repair_delay: crate::DEFAULT_REPAIR_DELAY,
         resync_bytes_per_s: None,
+        previous_owner_gone: false,
     };
     assert_eq!(rig.lp.apply(Event::View(view)), Flow::Continue);
     assert!(matches!(rig.next_event().await, Event::Stop));

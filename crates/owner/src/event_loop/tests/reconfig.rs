@@ -63,6 +63,7 @@ fn view(rig: &Rig, extra: &[Component], reconfig: Option<Reconfig>, addr4: &str)
         targets,
         repair_delay: Duration::from_secs(3600),
         resync_bytes_per_s: None,
+        previous_owner_gone: false,
     }
 }
 

@@ -1,0 +1,279 @@
+use super::*;
+use shoal_model::{ComponentRole, NodeInfo, NodeState, VolumeId};
+use std::sync::Mutex;
+
+fn node(id: u64) -> NodeInfo {
+    NodeInfo {
+        id,
+        fault_domain: format!("node-{id}"),
+        peer_addr: format!("10.0.0.{id}:7000"),
+        api_addr: format!("10.0.0.{id}:8000"),
+        nbd_addr: format!("10.0.0.{id}:10809"),
+        state: NodeState::Up,
+    }
+}
+
+fn pol(s: &str) -> Policy {
+    s.parse().unwrap()
+}
+
+/// `n` nodes with a 1 GiB device each and volume "v" of 64 MiB under
+/// `policy`, placed as `volume create` places it.
+fn cluster(n: u64, policy: &str) -> (ClusterState, VolumeId) {
+    let mut s = ClusterState::default();
+    for i in 1..=n {
+        s.apply(&Command::RegisterNode { node: node(i) }).unwrap();
+        s.apply(&Command::RegisterDevice {
+            node: i,
+            path: "/d".into(),
+            capacity: 1 << 30,
+        })
+        .unwrap();
+    }
+    let policy = pol(policy);
+    let nodes: Vec<_> = s.nodes.values().cloned().collect();
+    let devices: Vec<_> = s.devices.values().cloned().collect();
+    let components = shoal_placement::place(&policy, 64 << 20, &nodes, &devices)
+        .unwrap()
+        .into_iter()
+        .map(|p| PlannedComponent {
+            role: p.role,
+            node: p.node,
+            device: p.device,
+            votes: p.votes,
+        })
+        .collect();
+    let Response::Id(v) = s
+        .apply(&Command::CreateVolume {
+            name: "v".into(),
+            size: 64 << 20,
+            policy,
+            wrapped_key: policy.encrypt.then(|| "key".to_string()),
+            components,
+        })
+        .unwrap()
+    else {
+        panic!("no id");
+    };
+    (s, v)
+}
+
+/// The begin `plan` answers, or a panic.
+fn begin(s: &ClusterState, policy: &str) -> Command {
+    match plan(s, "v", &pol(policy)).unwrap() {
+        Plan::Begin(cmd) => cmd,
+        Plan::Unchanged => panic!("nothing to change"),
+    }
+}
+
+/// Commits the change in progress on `v`, as its owner would.
+fn commit(s: &mut ClusterState, v: VolumeId) {
+    let vol = &s.volumes[&v];
+    let r = vol.reconfig.clone().expect("a change in progress");
+    s.apply(&Command::CommitReconfig {
+        volume: v,
+        generation: vol.generation,
+        added: r.added,
+        remove: r.remove,
+    })
+    .unwrap();
+}
+
+fn counts(s: &ClusterState, v: VolumeId) -> (usize, usize) {
+    let cs = &s.volumes[&v].components;
+    let data = cs.iter().filter(|c| c.role == ComponentRole::Data).count();
+    (data, cs.len() - data)
+}
+
+#[test]
+fn up_down_and_to_ftt0_and_back_each_apply_and_commit() {
+    let (mut s, v) = cluster(5, "raid1 ftt=1");
+    let cmd = begin(&s, "raid1 ftt=2");
+    let Command::BeginReconfig {
+        add,
+        remove,
+        policy,
+        reason,
+        generation,
+        ..
+    } = &cmd
+    else {
+        panic!("{cmd:?}");
+    };
+    assert_eq!(reason, "policy raid1 ftt=2");
+    assert_eq!(*policy, Some(pol("raid1 ftt=2")));
+    assert_eq!(*generation, s.volumes[&v].generation);
+    assert!(remove.is_empty());
+    let mut added: Vec<(u64, ComponentRole)> = add.iter().map(|a| (a.node, a.role)).collect();
+    added.sort_by_key(|a| a.0);
+    assert_eq!(
+        added.iter().map(|a| a.0).collect::<Vec<_>>(),
+        vec![4, 5],
+        "the two unused nodes"
+    );
+    s.apply(&cmd).unwrap();
+    // One change at a time.
+    let e = plan(&s, "v", &pol("raid1 ftt=1")).unwrap_err();
+    assert!(matches!(e, PolicyChangeError::InProgress { .. }), "{e}");
+    assert_eq!(e.http_status(), 409);
+    commit(&mut s, v);
+    assert_eq!(counts(&s, v), (3, 2));
+    assert_eq!(s.volumes[&v].policy.ftt, 2);
+    for (policy, want) in [
+        ("raid1 ftt=1", (2, 1)),
+        ("ftt=0", (1, 0)),
+        ("raid1 ftt=1", (2, 1)),
+    ] {
+        let cmd = begin(&s, policy);
+        s.apply(&cmd).unwrap();
+        commit(&mut s, v);
+        assert_eq!(counts(&s, v), want, "{policy}");
+        assert_eq!(s.volumes[&v].policy, pol(policy));
+        let mut nodes: Vec<u64> = s.volumes[&v].components.iter().map(|c| c.node).collect();
+        nodes.sort();
+        nodes.dedup();
+        assert_eq!(nodes.len(), want.0 + want.1, "distinct nodes");
+    }
+}
+
+#[test]
+fn the_same_policy_changes_nothing_and_other_words_change_only_the_policy() {
+    let (s, _) = cluster(5, "raid1 ftt=1");
+    assert_eq!(plan(&s, "v", &pol("raid1 ftt=1")), Ok(Plan::Unchanged));
+    let Command::BeginReconfig { add, remove, .. } = begin(&s, "raid1 ftt=1 reserve=100 iops=50")
+    else {
+        panic!("not a begin");
+    };
+    assert!(add.is_empty() && remove.is_empty());
+}
+
+#[test]
+fn refusals_say_why() {
+    let (mut s, _) = cluster(5, "raid1 ftt=1");
+    let e = plan(&s, "v", &pol("raid1 ftt=3")).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "cannot change volume v to raid1 ftt=3: raid1 ftt=3 needs 7 fault domains; the cluster has 5"
+    );
+    assert_eq!(e.http_status(), 409);
+    let e = plan(&s, "w", &pol("raid1 ftt=2")).unwrap_err();
+    assert_eq!(e, PolicyChangeError::NoSuchVolume("w".into()));
+    assert_eq!(e.http_status(), 404);
+    // Space: the new copy reserves the whole volume, and no device left
+    // has it.
+    for d in s.devices.values_mut().filter(|d| d.node >= 4) {
+        d.used = d.capacity - (1 << 20);
+    }
+    let e = plan(&s, "v", &pol("raid1 ftt=2 reserve=100")).unwrap_err();
+    assert!(e.to_string().contains("not enough space"), "{e}");
+    // Encryption stays as it was.
+    let e = plan(&s, "v", &pol("raid1 ftt=1 encrypt=on")).unwrap_err();
+    assert_eq!(e.http_status(), 400);
+    assert!(e.to_string().contains("cannot change"), "{e}");
+    let (s, _) = cluster(5, "raid1 ftt=1 encrypt=on");
+    let e = plan(&s, "v", &pol("raid1 ftt=2")).unwrap_err();
+    assert!(e.to_string().contains("keep encrypt=on"), "{e}");
+    assert!(matches!(
+        plan(&s, "v", &pol("raid1 ftt=2 encrypt=on")),
+        Ok(Plan::Begin(_))
+    ));
+    // A volume no owner can serve is left as it is.
+    let (mut s, v) = cluster(5, "raid1 ftt=1");
+    s.volumes.get_mut(&v).unwrap().problem = Some("copies refused".into());
+    let e = plan(&s, "v", &pol("raid1 ftt=2")).unwrap_err();
+    assert!(matches!(e, PolicyChangeError::Inaccessible { .. }), "{e}");
+    assert_eq!(e.http_status(), 409);
+}
+
+#[test]
+fn the_text_is_a_whole_policy_with_its_ftt() {
+    assert_eq!(parse("raid1 ftt=2"), Ok(pol("raid1 ftt=2")));
+    assert_eq!(parse("FTT=0,reserve=10"), Ok(pol("ftt=0 reserve=10")));
+    for (text, want) in [
+        ("raid1 ftt=2 fast=yes", "unknown policy word \"fast=yes\""),
+        ("raid5 ftt=1", "raid5 is not available yet"),
+        ("raid1 ftt=4", "out of range"),
+        ("checksum=off ftt=1", "checksum=off is not supported"),
+        ("raid1 reserve=50", "add ftt=N"),
+        ("", "unknown policy word"),
+    ] {
+        let e = parse(text).unwrap_err();
+        assert!(e.to_string().contains(want), "{text:?}: {e}");
+        assert_eq!(e.http_status(), 400, "{text:?}");
+    }
+}
+
+/// A proposer over a state in a mutex: the first `conflicts` proposals
+/// find the generation raised by the owner (as a resync raises it) and
+/// are refused; later ones apply.
+fn proposer(
+    s: Arc<Mutex<ClusterState>>,
+    conflicts: usize,
+) -> impl Fn(Command) -> std::future::Ready<Result<Response, DirectoryError>> {
+    let left = Mutex::new(conflicts);
+    move |cmd| {
+        let mut st = s.lock().unwrap();
+        let mut left = left.lock().unwrap();
+        if *left > 0 {
+            *left -= 1;
+            let Command::BeginReconfig { volume, .. } = &cmd else {
+                panic!("{cmd:?}");
+            };
+            let g = st.volumes[volume].generation;
+            st.apply(&Command::ClaimOwner {
+                volume: *volume,
+                node: 1,
+                expected_generation: g,
+            })
+            .unwrap();
+        }
+        std::future::ready(st.apply(&cmd).map_err(DirectoryError::State))
+    }
+}
+
+#[tokio::test]
+async fn a_generation_moved_by_the_owner_is_planned_again_once() {
+    let (s, v) = cluster(5, "raid1 ftt=1");
+    let s = Arc::new(Mutex::new(s));
+    let state = || Arc::new(s.lock().unwrap().clone());
+    let r = change_with(state, proposer(s.clone(), 1), "v", &pol("raid1 ftt=2")).await;
+    let Ok(Outcome::Begun { add, remove }) = r else {
+        panic!("{r:?}");
+    };
+    assert_eq!((add.len(), remove.len()), (2, 0));
+    assert!(s.lock().unwrap().volumes[&v].reconfig.is_some());
+    // Twice: refused with why.
+    let (s, _) = cluster(5, "raid1 ftt=1");
+    let s = Arc::new(Mutex::new(s));
+    let state = || Arc::new(s.lock().unwrap().clone());
+    let r = change_with(state, proposer(s.clone(), 2), "v", &pol("raid1 ftt=2")).await;
+    let e = r.unwrap_err();
+    assert!(e.to_string().contains("generation conflict"), "{e}");
+    assert_eq!(e.http_status(), 409);
+    // The same policy: nothing proposed (a proposal would fail here).
+    let r = change_with(
+        state,
+        |_| std::future::ready(Err(DirectoryError::NoLeader)),
+        "v",
+        &pol("raid1 ftt=1"),
+    )
+    .await;
+    assert_eq!(r, Ok(Outcome::Unchanged));
+}
+
+#[tokio::test]
+async fn a_begin_applied_twice_stands() {
+    let (s, v) = cluster(5, "raid1 ftt=1");
+    let s = Arc::new(Mutex::new(s));
+    let state = || Arc::new(s.lock().unwrap().clone());
+    // The first answer was lost: the proposal is applied, then applied
+    // again and refused as a change in progress.
+    let propose = |cmd: Command| {
+        let mut st = s.lock().unwrap();
+        st.apply(&cmd).unwrap();
+        std::future::ready(st.apply(&cmd).map_err(DirectoryError::State))
+    };
+    let r = change_with(state, propose, "v", &pol("raid1 ftt=2")).await;
+    assert!(matches!(r, Ok(Outcome::Begun { .. })), "{r:?}");
+    assert!(s.lock().unwrap().volumes[&v].reconfig.is_some());
+}
