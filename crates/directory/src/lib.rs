@@ -518,22 +518,32 @@ impl Directory {
         match self.leader() {
             Some(l) if l == self.inner.id => self.add_member(req.node_id, req.addr).await,
             Some(l) if !req.forwarded => {
-                let addr = self.node_addr(l).ok_or(WireError::NotLeader)?;
-                let url = self.url(&addr, "/directory/join");
                 let fwd = JoinRequest {
                     forwarded: true,
                     ..req
                 };
-                match self.post_json::<_, ()>(&url, &fwd, JOIN_TIMEOUT).await {
-                    Ok(()) => Ok(()),
-                    Err(Attempt::Final(DirectoryError::State(s))) => Err(WireError::State(s)),
-                    Err(Attempt::Final(e) | Attempt::Retry(e)) => match e {
-                        DirectoryError::NoLeader => Err(WireError::NotLeader),
-                        e => Err(WireError::Other(e.to_string())),
-                    },
-                }
+                self.forward_to(l, "/directory/join", &fwd).await
             }
             _ => Err(WireError::NotLeader),
+        }
+    }
+
+    /// Hands a membership request on to the leader `l`, once.
+    async fn forward_to<R: Serialize>(
+        &self,
+        l: NodeId,
+        path: &str,
+        fwd: &R,
+    ) -> Result<(), WireError> {
+        let addr = self.node_addr(l).ok_or(WireError::NotLeader)?;
+        let url = self.url(&addr, path);
+        match self.post_json::<_, ()>(&url, fwd, JOIN_TIMEOUT).await {
+            Ok(()) => Ok(()),
+            Err(Attempt::Final(DirectoryError::State(s))) => Err(WireError::State(s)),
+            Err(Attempt::Final(e) | Attempt::Retry(e)) => match e {
+                DirectoryError::NoLeader => Err(WireError::NotLeader),
+                e => Err(WireError::Other(e.to_string())),
+            },
         }
     }
 
@@ -616,20 +626,11 @@ impl Directory {
         match self.leader() {
             Some(l) if l == self.inner.id => self.drop_member(req.node_id).await,
             Some(l) if !req.forwarded => {
-                let addr = self.node_addr(l).ok_or(WireError::NotLeader)?;
-                let url = self.url(&addr, "/directory/remove");
                 let fwd = RemoveRequest {
                     forwarded: true,
                     ..req
                 };
-                match self.post_json::<_, ()>(&url, &fwd, JOIN_TIMEOUT).await {
-                    Ok(()) => Ok(()),
-                    Err(Attempt::Final(DirectoryError::State(s))) => Err(WireError::State(s)),
-                    Err(Attempt::Final(e) | Attempt::Retry(e)) => match e {
-                        DirectoryError::NoLeader => Err(WireError::NotLeader),
-                        e => Err(WireError::Other(e.to_string())),
-                    },
-                }
+                self.forward_to(l, "/directory/remove", &fwd).await
             }
             _ => Err(WireError::NotLeader),
         }

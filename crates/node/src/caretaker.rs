@@ -106,57 +106,12 @@ pub async fn run(router: Arc<Router>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shoal_directory::{Command, PlannedComponent, Response};
-    use shoal_model::NodeInfo;
-
-    fn node(id: u64) -> NodeInfo {
-        NodeInfo {
-            id,
-            fault_domain: format!("node-{id}"),
-            peer_addr: format!("10.0.0.{id}:7000"),
-            api_addr: format!("10.0.0.{id}:8000"),
-            nbd_addr: format!("10.0.0.{id}:10809"),
-            state: NodeState::Up,
-        }
-    }
+    use crate::testing::mirrored;
+    use shoal_directory::Command;
 
     /// Three nodes and a raid1 ftt=1 volume: copies on 1 and 2, witness on 3.
     fn cluster() -> (ClusterState, u64) {
-        let mut s = ClusterState::default();
-        for i in 1..=3 {
-            s.apply(&Command::RegisterNode { node: node(i) }).unwrap();
-            s.apply(&Command::RegisterDevice {
-                node: i,
-                path: "/d".into(),
-                capacity: 1 << 30,
-            })
-            .unwrap();
-        }
-        let dev = |node| s.devices.values().find(|d| d.node == node).unwrap().id;
-        let comps = [
-            (1, ComponentRole::Data),
-            (2, ComponentRole::Data),
-            (3, ComponentRole::Witness),
-        ]
-        .map(|(node, role)| PlannedComponent {
-            role,
-            node,
-            device: dev(node),
-            votes: 1,
-        });
-        let Response::Id(v) = s
-            .apply(&Command::CreateVolume {
-                name: "v".into(),
-                size: 1 << 20,
-                policy: "raid1 ftt=1".parse().unwrap(),
-                wrapped_key: None,
-                components: comps.to_vec(),
-            })
-            .unwrap()
-        else {
-            panic!("no id");
-        };
-        (s, v)
+        mirrored(3)
     }
 
     #[test]

@@ -26,6 +26,8 @@ pub mod ring;
 pub mod router;
 pub mod scrub;
 pub mod space;
+#[cfg(test)]
+mod testing;
 pub mod tuning;
 
 pub use tuning::NodeTuning;

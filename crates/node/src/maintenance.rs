@@ -557,60 +557,15 @@ pub async fn remove(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shoal_directory::{PlannedComponent, Response};
-    use shoal_model::{ComponentRole, NodeInfo};
-
-    fn node(id: u64) -> NodeInfo {
-        NodeInfo {
-            id,
-            fault_domain: format!("node-{id}"),
-            peer_addr: format!("10.0.0.{id}:7000"),
-            api_addr: format!("10.0.0.{id}:8000"),
-            nbd_addr: format!("10.0.0.{id}:10809"),
-            state: NodeState::Up,
-        }
-    }
-
-    fn create(s: &mut ClusterState, name: &str, policy: &str, on: &[(u64, ComponentRole)]) -> u64 {
-        let components = on
-            .iter()
-            .map(|&(node, role)| PlannedComponent {
-                role,
-                node,
-                // Device i is node i's (registered in that order).
-                device: node,
-                votes: 1,
-            })
-            .collect();
-        let Response::Id(v) = s
-            .apply(&Command::CreateVolume {
-                name: name.into(),
-                size: 1 << 20,
-                policy: policy.parse().unwrap(),
-                wrapped_key: None,
-                components,
-            })
-            .unwrap()
-        else {
-            panic!("no id");
-        };
-        v
-    }
+    use crate::testing::create;
+    use shoal_directory::PlannedComponent;
+    use shoal_model::ComponentRole;
 
     /// `n` nodes with a device each (device i on node i); a `raid1
     /// ftt=1` volume "mirror" with copies on nodes 1 and 2 and its
     /// witness on node 3, and an `ftt=0` volume "single" on node 3.
     fn cluster(n: u64) -> (ClusterState, u64, u64) {
-        let mut s = ClusterState::default();
-        for i in 1..=n {
-            s.apply(&Command::RegisterNode { node: node(i) }).unwrap();
-            s.apply(&Command::RegisterDevice {
-                node: i,
-                path: "/d".into(),
-                capacity: 1 << 30,
-            })
-            .unwrap();
-        }
+        let mut s = crate::testing::nodes(n);
         use ComponentRole::*;
         let m = create(
             &mut s,

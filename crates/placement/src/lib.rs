@@ -182,15 +182,33 @@ pub fn place(
         });
     }
     let need = reserved_bytes(policy, size);
-    let mut ranked: Vec<&Domain> = domains.values().collect();
-    ranked.sort_by_key(|d| (Reverse(d.headroom), Reverse(d.free), d.name));
-    let mut out = Vec::with_capacity(needed);
+    let ranked: Vec<&Domain> = domains.values().collect();
+    fill(
+        ranked,
+        (policy.copies(), policy.witnesses()),
+        need,
+        |_, _| true,
+    )
+}
+
+/// Places `data` copies and then `witnesses` on distinct domains among
+/// `domains`, on devices `ok` accepts: data where there is the most room
+/// (`need` bytes free on the device), witnesses on the least loaded
+/// domains left. `place` and the policy change share it.
+pub(crate) fn fill<'a>(
+    mut domains: Vec<&'a Domain<'a>>,
+    (data, witnesses): (usize, usize),
+    need: u64,
+    ok: impl Fn(&DeviceInfo, NodeId) -> bool,
+) -> Result<Vec<Planned>, PlacementError> {
+    domains.sort_by_key(|d| (Reverse(d.headroom), Reverse(d.free), d.name));
+    let mut out = Vec::with_capacity(data + witnesses);
     let mut taken: BTreeSet<&str> = BTreeSet::new();
-    for dom in &ranked {
-        if out.len() == policy.copies() {
+    for dom in &domains {
+        if out.len() == data {
             break;
         }
-        if let Some((dev, node)) = dom.best(|d, _| fits(d, need)) {
+        if let Some((dev, node)) = dom.best(|d, n| ok(d, n) && fits(d, need)) {
             taken.insert(dom.name);
             out.push(Planned {
                 role: ComponentRole::Data,
@@ -200,8 +218,8 @@ pub fn place(
             });
         }
     }
-    if out.len() < policy.copies() {
-        let domain = ranked
+    if out.len() < data {
+        let domain = domains
             .iter()
             .find(|d| !taken.contains(d.name))
             .map(|d| d.name.to_string())
@@ -211,14 +229,14 @@ pub fn place(
             domain,
         });
     }
-    let mut rest: Vec<&Domain> = ranked
+    let mut rest: Vec<&Domain> = domains
         .into_iter()
         .filter(|d| !taken.contains(d.name))
         .collect();
     rest.sort_by_key(|d| (d.load, d.name));
-    for dom in rest.into_iter().take(policy.witnesses()) {
-        // Every usable domain has at least one device.
-        if let Some((dev, node)) = dom.best(|_, _| true) {
+    for dom in rest.into_iter().take(witnesses) {
+        // Every domain given has a device `ok` accepts.
+        if let Some((dev, node)) = dom.best(&ok) {
             out.push(Planned {
                 role: ComponentRole::Witness,
                 node,

@@ -19,7 +19,7 @@
 //!   include an active one;
 //! - a volume with a change in progress is refused: one change at a time.
 
-use crate::{fits, policy_name, reserved_bytes, usable, Domain, PlacementError, Planned};
+use crate::{policy_name, reserved_bytes, usable, Domain, PlacementError, Planned};
 use shoal_model::{
     Component, ComponentId, ComponentRole, ComponentState, DeviceInfo, DeviceState, NodeId,
     NodeInfo, NodeState, Policy, Volume,
@@ -184,7 +184,7 @@ fn added(
     let spare = |dev: &DeviceInfo, n: NodeId| {
         !used_nodes.contains(&n) && !volume.components.iter().any(|c| c.device == dev.id)
     };
-    let mut free: Vec<&Domain> = domains
+    let free: Vec<&Domain> = domains
         .values()
         .filter(|d| !used_domains.contains(d.name))
         .filter(|d| d.best(spare).is_some())
@@ -196,51 +196,7 @@ fn added(
             have: used_domains.len() + free.len(),
         });
     }
-    free.sort_by_key(|d| (Reverse(d.headroom), Reverse(d.free), d.name));
-    let mut out = Vec::with_capacity(data + witnesses);
-    let mut taken: BTreeSet<&str> = BTreeSet::new();
-    for dom in &free {
-        if out.len() == data {
-            break;
-        }
-        if let Some((dev, node)) = dom.best(|d, n| spare(d, n) && fits(d, need)) {
-            taken.insert(dom.name);
-            out.push(Planned {
-                role: ComponentRole::Data,
-                node,
-                device: dev.id,
-                votes: 1,
-            });
-        }
-    }
-    if out.len() < data {
-        let domain = free
-            .iter()
-            .find(|d| !taken.contains(d.name))
-            .map(|d| d.name.to_string())
-            .unwrap_or_default();
-        return Err(PlacementError::NoSpace {
-            needed: need,
-            domain,
-        });
-    }
-    let mut rest: Vec<&Domain> = free
-        .into_iter()
-        .filter(|d| !taken.contains(d.name))
-        .collect();
-    rest.sort_by_key(|d| (d.load, d.name));
-    for dom in rest.into_iter().take(witnesses) {
-        // Every domain left has a spare device (filtered above).
-        if let Some((dev, node)) = dom.best(spare) {
-            out.push(Planned {
-                role: ComponentRole::Witness,
-                node,
-                device: dev.id,
-                votes: 1,
-            });
-        }
-    }
-    Ok(out)
+    crate::fill(free, (data, witnesses), need, spare)
 }
 
 #[cfg(test)]

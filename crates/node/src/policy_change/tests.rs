@@ -1,17 +1,6 @@
 use super::*;
-use shoal_model::{ComponentRole, NodeInfo, NodeState, VolumeId};
+use shoal_model::{ComponentRole, VolumeId};
 use std::sync::Mutex;
-
-fn node(id: u64) -> NodeInfo {
-    NodeInfo {
-        id,
-        fault_domain: format!("node-{id}"),
-        peer_addr: format!("10.0.0.{id}:7000"),
-        api_addr: format!("10.0.0.{id}:8000"),
-        nbd_addr: format!("10.0.0.{id}:10809"),
-        state: NodeState::Up,
-    }
-}
 
 fn pol(s: &str) -> Policy {
     s.parse().unwrap()
@@ -20,16 +9,7 @@ fn pol(s: &str) -> Policy {
 /// `n` nodes with a 1 GiB device each and volume "v" of 64 MiB under
 /// `policy`, placed as `volume create` places it.
 fn cluster(n: u64, policy: &str) -> (ClusterState, VolumeId) {
-    let mut s = ClusterState::default();
-    for i in 1..=n {
-        s.apply(&Command::RegisterNode { node: node(i) }).unwrap();
-        s.apply(&Command::RegisterDevice {
-            node: i,
-            path: "/d".into(),
-            capacity: 1 << 30,
-        })
-        .unwrap();
-    }
+    let mut s = crate::testing::nodes(n);
     let policy = pol(policy);
     let nodes: Vec<_> = s.nodes.values().cloned().collect();
     let devices: Vec<_> = s.devices.values().cloned().collect();

@@ -1,5 +1,5 @@
 use super::*;
-use crate::place;
+use crate::{fits, place};
 use proptest::prelude::*;
 use shoal_model::Reconfig;
 

@@ -275,12 +275,7 @@ async fn a_write_needs_a_majority_of_both_layouts() {
 
 #[tokio::test]
 async fn a_copy_on_a_dead_host_is_rebuilt_after_the_repair_delay() {
-    let mut rig = rig(&[
-        copy(1, Mode::InSync, 1),
-        copy(2, Mode::Out, 2),
-        super::fakes::witness(3),
-    ])
-    .await;
+    let mut rig = rig(&super::returning()).await;
     rig.lp.replicas[1].node_up = false;
     rig.lp.repair_delay = Duration::from_secs(3600);
     rig.tick();
@@ -293,12 +288,7 @@ async fn a_copy_on_a_dead_host_is_rebuilt_after_the_repair_delay() {
 
 #[tokio::test]
 async fn a_copy_whose_device_failed_is_rebuilt_at_once_and_a_refusal_is_kept() {
-    let mut rig = rig(&[
-        copy(1, Mode::InSync, 1),
-        copy(2, Mode::Out, 2),
-        super::fakes::witness(3),
-    ])
-    .await;
+    let mut rig = rig(&super::returning()).await;
     rig.lp.replicas[1].degraded = true;
     rig.lp.repair_delay = Duration::from_secs(3600);
     *rig.dir.refuse_rebuild.lock().unwrap() = Some("raid1 ftt=1 needs 3 fault domains".into());
@@ -318,12 +308,7 @@ async fn a_copy_whose_device_failed_is_rebuilt_at_once_and_a_refusal_is_kept() {
 
 #[tokio::test]
 async fn a_static_rate_limit_spaces_the_copy_steps() {
-    let mut rig = rig(&[
-        copy(1, Mode::InSync, 1),
-        copy(2, Mode::Out, 2),
-        super::fakes::witness(3),
-    ])
-    .await;
+    let mut rig = rig(&super::returning()).await;
     rig.fakes[0].allocate(&[(0, 3 * REGION)]);
     // 10 MiB/s: each 1 MiB region is due 100 ms after the one before.
     rig.lp.resync_bytes_per_s = Some(10 * REGION);
