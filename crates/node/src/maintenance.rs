@@ -139,31 +139,8 @@ fn begin_for(
     node: NodeId,
     mode: MaintenanceMode,
 ) -> Result<Command, String> {
-    let nodes: Vec<_> = state.nodes.values().cloned().collect();
-    let devices: Vec<_> = state.devices.values().cloned().collect();
-    // Replacements chosen so far join the volume placement sees, so that
-    // the next one avoids their fault domains too.
-    let mut seen = v.clone();
-    let mut add = Vec::with_capacity(comps.len());
-    for (k, &id) in comps.iter().enumerate() {
-        let p = shoal_placement::replacement(&v.policy, &seen, id, &nodes, &devices)
-            .map_err(|e| format!("no place for a replacement of component {id}: {e}"))?;
-        seen.components.push(Component {
-            // Never a real id: ids count up from 1.
-            id: u64::MAX - k as u64,
-            role: p.role,
-            node: p.node,
-            device: p.device,
-            state: ComponentState::Reconfiguring,
-            votes: p.votes,
-        });
-        add.push(shoal_directory::PlannedComponent {
-            role: p.role,
-            node: p.node,
-            device: p.device,
-            votes: p.votes,
-        });
-    }
+    let add = crate::rebuild::replacements(state, v, comps)
+        .map_err(|(id, e)| format!("no place for a replacement of component {id}: {e}"))?;
     Ok(Command::BeginReconfig {
         volume: v.id,
         generation: v.generation,

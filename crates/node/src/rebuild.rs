@@ -26,6 +26,41 @@ pub enum RebuildError {
     },
 }
 
+/// A new home for each of `comps` of `v` (same role, a fault domain the
+/// volume does not use), the replacements apart from each other too: the
+/// ones chosen so far join the volume placement sees. Rebuilds and
+/// maintenance moves place their replacements so.
+pub fn replacements(
+    state: &ClusterState,
+    v: &shoal_model::Volume,
+    comps: &[ComponentId],
+) -> Result<Vec<PlannedComponent>, (ComponentId, PlacementError)> {
+    let nodes: Vec<_> = state.nodes.values().cloned().collect();
+    let devices: Vec<_> = state.devices.values().cloned().collect();
+    let mut seen = v.clone();
+    let mut add = Vec::with_capacity(comps.len());
+    for (k, &id) in comps.iter().enumerate() {
+        let p = shoal_placement::replacement(&v.policy, &seen, id, &nodes, &devices)
+            .map_err(|e| (id, e))?;
+        seen.components.push(Component {
+            // Never a real id: ids count up from 1.
+            id: u64::MAX - k as u64,
+            role: p.role,
+            node: p.node,
+            device: p.device,
+            state: ComponentState::Reconfiguring,
+            votes: p.votes,
+        });
+        add.push(PlannedComponent {
+            role: p.role,
+            node: p.node,
+            device: p.device,
+            votes: p.votes,
+        });
+    }
+    Ok(add)
+}
+
 /// The command that begins rebuilding `lost` components of `volume`
 /// elsewhere, under the owner's `generation`.
 pub fn plan(
@@ -49,35 +84,8 @@ pub fn plan(
     if lost.is_empty() {
         return Err(RebuildError::Nothing);
     }
-    let nodes: Vec<_> = state.nodes.values().cloned().collect();
-    let devices: Vec<_> = state.devices.values().cloned().collect();
-    // Replacements chosen so far join the volume placement sees, so that
-    // the next one avoids their fault domains as well.
-    let mut seen = v.clone();
-    let mut add = Vec::with_capacity(lost.len());
-    for (k, &id) in lost.iter().enumerate() {
-        let p = shoal_placement::replacement(&v.policy, &seen, id, &nodes, &devices).map_err(
-            |error| RebuildError::Placement {
-                component: id,
-                error,
-            },
-        )?;
-        seen.components.push(Component {
-            // Never a real id: ids count up from 1.
-            id: u64::MAX - k as u64,
-            role: p.role,
-            node: p.node,
-            device: p.device,
-            state: ComponentState::Reconfiguring,
-            votes: p.votes,
-        });
-        add.push(PlannedComponent {
-            role: p.role,
-            node: p.node,
-            device: p.device,
-            votes: p.votes,
-        });
-    }
+    let add = replacements(state, v, &lost)
+        .map_err(|(component, error)| RebuildError::Placement { component, error })?;
     let names: Vec<String> = lost.iter().map(|id| id.to_string()).collect();
     Ok(Command::BeginReconfig {
         volume,
