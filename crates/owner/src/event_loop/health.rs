@@ -192,6 +192,7 @@ impl<C: Control> Loop<C> {
         self.expire_parked();
         self.ping_witnesses();
         self.reconnect_lost();
+        self.probe_down();
         self.consider_resync();
         self.advance_change();
         self.consider_rebuild();
@@ -295,6 +296,55 @@ impl<C: Control> Loop<C> {
             r.out_since = None;
         } else {
             r.out_since.get_or_insert_with(Instant::now);
+        }
+        Flow::Continue
+    }
+
+    /// Probes the in-sync copies whose node the directory has down, at
+    /// most one probe each at a time: a volume without I/O would
+    /// otherwise never find its copy gone (nothing fails), and never
+    /// rebuild it. The directory's word alone takes no copy out of
+    /// service (it may be this very node, just resumed); a probe that
+    /// fails does, as a failed write would.
+    fn probe_down(&mut self) {
+        let due: ReplicaSet = (0..self.replicas.len())
+            .filter(|&i| {
+                let r = &self.replicas[i];
+                r.is_data() && r.mode == Mode::InSync && !r.node_up && !r.probing
+            })
+            .collect();
+        for idx in due.iter() {
+            let r = &mut self.replicas[idx];
+            r.probing = true;
+            let sent = r
+                .peer
+                .as_ref()
+                .map(|p| p.send(&Request::Ping, Bytes::new()));
+            let timeout = self.cfg.io_timeout;
+            self.spawn_report(async move {
+                let result = match sent {
+                    Some(Ok(p)) => p.wait(timeout).await.map(|_| ()),
+                    Some(Err(e)) => Err(e),
+                    None => Err(RpcError::Closed),
+                };
+                Internal::Probed { idx, result }
+            });
+        }
+    }
+
+    pub(super) fn probed(&mut self, idx: usize, result: Result<(), RpcError>) -> Flow {
+        self.replicas[idx].probing = false;
+        match result {
+            Err(e) if is_stale(&e) => return Flow::Stop,
+            Err(e) if self.replicas[idx].mode == Mode::InSync => {
+                tracing::warn!(
+                    volume = self.volume,
+                    component = self.replicas[idx].component,
+                    "a copy whose node is down does not answer: {e}"
+                );
+                self.fail(idx, ComponentState::Absent);
+            }
+            Err(_) | Ok(()) => {}
         }
         Flow::Continue
     }

@@ -120,6 +120,12 @@ pub(crate) enum Internal {
         idx: usize,
         result: Result<Arc<Peer>, RpcError>,
     },
+    /// A probe of in-sync replica `idx`, whose node the directory has
+    /// down, ended.
+    Probed {
+        idx: usize,
+        result: Result<(), RpcError>,
+    },
     /// The reconnection of in-sync replica `idx` ended.
     Reconnected {
         idx: usize,
@@ -403,6 +409,7 @@ impl<C: Control> Loop<C> {
             Internal::Tick => self.tick(),
             Internal::WitnessPing { idx, result } => self.witness_pinged(idx, result),
             Internal::Reconnected { idx, peer } => self.reconnected(idx, peer),
+            Internal::Probed { idx, result } => self.probed(idx, result),
             Internal::Reclaimed { attempt, result } => self.reclaimed(attempt, result),
             Internal::Revived { attempt, peer } => self.revived(attempt, peer),
             Internal::ResyncPlan { attempt, regions } => self.planned(attempt, regions),

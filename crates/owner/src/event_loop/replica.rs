@@ -83,6 +83,9 @@ pub(super) struct Replica {
     pub(super) pinging: bool,
     /// A reconnection of this in-sync copy is under way.
     pub(super) reconnecting: bool,
+    /// A probe of this in-sync copy, whose node the directory has down, is
+    /// in flight (`Loop::probe_down`).
+    pub(super) probing: bool,
     /// Its device reported an I/O error (the directory says `Degraded`):
     /// a resync is tried only every [`super::DEGRADED_RETRY_TICKS`], since
     /// its store refuses everything until the node reopens it.
@@ -110,6 +113,7 @@ impl Replica {
             witness_ok: false,
             pinging: false,
             reconnecting: false,
+            probing: false,
             degraded: t.component.state == ComponentState::Degraded,
             layouts: Layouts::of(volume, &t.component),
             out_since: Some(Instant::now()),
@@ -132,6 +136,7 @@ impl Replica {
             witness_ok: false,
             pinging: false,
             reconnecting: false,
+            probing: false,
             degraded: self.degraded,
             layouts: self.layouts,
             out_since: self.out_since,

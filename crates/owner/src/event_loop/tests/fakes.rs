@@ -339,6 +339,7 @@ pub(super) async fn rig(specs: &[Spec]) -> Rig {
             mode: s.mode,
             pinging: false,
             reconnecting: false,
+            probing: false,
             degraded: false,
             layouts: Layouts::BOTH,
             out_since: (s.mode == Mode::Out).then(std::time::Instant::now),

@@ -399,3 +399,18 @@ async fn a_reconciled_region_reaches_the_other_copies_then_a_barrier_follows() {
         .iter()
         .any(|r| matches!(r, Request::Barrier { .. })));
 }
+
+#[tokio::test]
+async fn an_idle_owner_takes_out_a_copy_whose_node_is_down_only_if_it_does_not_answer() {
+    let mut rig = rig(&standard()).await;
+    rig.lp.replicas[1].node_up = false;
+    // It still answers (the directory's word alone is not enough).
+    rig.tick();
+    rig.run_until(|lp| !lp.replicas[1].probing).await;
+    assert_eq!(rig.lp.replicas[1].mode, Mode::InSync);
+    // It stops answering: out, and recorded absent, with no I/O at all.
+    rig.fakes[1].answer_others(super::fakes::Answer::Hang);
+    rig.tick();
+    rig.run_until(|lp| lp.replicas[1].mode == Mode::Out).await;
+    assert_eq!(rig.dir.recorded(), vec![(2, ComponentState::Absent)]);
+}
