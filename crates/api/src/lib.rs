@@ -272,6 +272,10 @@ pub enum ApiError {
     /// The server refused the request; the message says why.
     #[error("{0}")]
     Refused(String),
+    /// The server cannot answer yet (503: no directory leader, a cluster
+    /// being founded); the same request may succeed later.
+    #[error("{0}")]
+    Unavailable(String),
     #[error("cannot reach the Shoal API at {url}: {reason}")]
     Unreachable { url: String, reason: String },
     #[error("unexpected answer from {url}: {reason}")]
@@ -349,6 +353,9 @@ impl Client {
             let msg = serde_json::from_str::<ErrorBody>(&text)
                 .map(|e| e.error)
                 .unwrap_or(text);
+            if status == reqwest::StatusCode::SERVICE_UNAVAILABLE {
+                return Err(ApiError::Unavailable(msg));
+            }
             return Err(ApiError::Refused(msg));
         }
         serde_json::from_str(&text).map_err(|e| ApiError::Protocol {

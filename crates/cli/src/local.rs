@@ -448,7 +448,8 @@ pub async fn up(a: UpArgs) -> Result<()> {
             wait_api(&n.api, Duration::from_secs(a.timeout)).await?;
             take_admin_token(n, &data, Duration::from_secs(a.timeout)).await?;
             let admin = Client::with_token(&n.api, self::token(&a.target));
-            client_credentials(&admin, "shoal-up", &client_tls_dir(&data))
+            let limit = Duration::from_secs(a.timeout);
+            client_credentials_when_ready(&admin, "shoal-up", &client_tls_dir(&data), limit)
                 .await
                 .context("writing the NBD client credentials")?;
         }
@@ -660,6 +661,32 @@ pub async fn client_credentials(c: &Client, name: &str, dir: &Path) -> Result<()
         .context("asking the cluster for a client certificate")?;
     shoal_tls::ClientCredentials::save(dir, &answer.ca_pem, &answer.cert_pem, &req.key_pem)?;
     Ok(())
+}
+
+/// [`client_credentials`] from a cluster just founded: asked again while
+/// the node answers that it cannot yet (its directory has not recorded the
+/// cluster CA), at most `limit`.
+async fn client_credentials_when_ready(
+    c: &Client,
+    name: &str,
+    dir: &Path,
+    limit: Duration,
+) -> Result<()> {
+    let deadline = Instant::now() + limit;
+    loop {
+        match client_credentials(c, name, dir).await {
+            Err(e) if Instant::now() < deadline && is_unavailable(&e) => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            r => return r,
+        }
+    }
+}
+
+/// Whether the API answered that it cannot serve yet.
+fn is_unavailable(e: &anyhow::Error) -> bool {
+    e.chain()
+        .any(|c| matches!(c.downcast_ref(), Some(shoal_api::ApiError::Unavailable(_))))
 }
 
 /// The cluster key of a local cluster, in its folder (mode 0600): it wraps

@@ -12,8 +12,8 @@ use crate::router::Router;
 use bytes::Bytes;
 use shoal_model::{ComponentId, DeviceId, Generation};
 use shoal_owner::lease::Grants;
-use shoal_rpc::{Handler, RemoteError, Reply, Request, Response};
-use shoal_store::StoreError;
+use shoal_rpc::{Handler, RegionSet, RemoteError, Reply, Request, Response};
+use shoal_store::{StoreError, Tracked};
 
 /// The component store the node runs on: the log-structured store
 /// (`docs/store-log-format.md`).
@@ -430,6 +430,77 @@ impl Replicas {
         }
     }
 
+    /// Settles the writes older than `upto`, which are complete on every
+    /// copy in service. With `track` (a copy is out of service), their
+    /// regions are tracked on the device first, so a returning copy gets
+    /// them; regions that cannot be tracked stay dirty, and are reported
+    /// to it all the same. Without, every copy is in sync: nothing is
+    /// tracked any more.
+    fn barrier(&self, d: &Device, c: ComponentId, upto: (Generation, u64), track: bool) {
+        let mut m = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
+        if !track {
+            if let Err(e) = d.note(d.store.untrack_all(c)) {
+                tracing::warn!(component = c, "emptying the tracked regions: {e}");
+            }
+        }
+        let Some(e) = m.writes.get_mut(&c) else {
+            return;
+        };
+        if track {
+            let settled: Vec<u32> = e
+                .iter()
+                .filter(|(_, v)| **v < upto)
+                .filter_map(|(r, _)| u32::try_from(*r).ok())
+                .collect();
+            if let Err(err) = d.note(d.store.track_regions(c, &settled)) {
+                tracing::warn!(component = c, "tracking settled regions: {err}");
+                return;
+            }
+        }
+        e.retain(|_, v| *v >= upto);
+    }
+
+    /// The regions a returning copy may lack: tracked, or dirty (a write
+    /// no barrier covered yet, or marked on the device before this node
+    /// started). A region only marked is not: its writes were settled by
+    /// a barrier, which tracked them if a copy was out.
+    fn tracked(&self, d: &Device, c: ComponentId) -> Result<RegionSet, RemoteError> {
+        let m = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
+        let tracked = d
+            .store
+            .tracked_regions(c)
+            .ok_or(RemoteError::NoSuchComponent(c))?;
+        let Tracked::Regions(tracked) = tracked else {
+            return Ok(RegionSet::All);
+        };
+        let dirty = m.writes.get(&c).into_iter().flat_map(|e| e.keys().copied());
+        let all = tracked.into_iter().map(u64::from).chain(dirty);
+        Ok(RegionSet::from_regions(all))
+    }
+
+    /// Adds `regions` (those within the component) to its tracked set.
+    fn track(&self, d: &Device, c: ComponentId, regions: &RegionSet) -> Result<(), RemoteError> {
+        let size = d
+            .store
+            .component(c)
+            .ok_or(RemoteError::NoSuchComponent(c))?
+            .size;
+        if !regions.is_ordered() {
+            return Err(RemoteError::BadRequest("regions out of order".into()));
+        }
+        let r = match regions {
+            RegionSet::All => d.store.track_all(c),
+            RegionSet::Runs(_) => {
+                let v: Vec<u32> = regions
+                    .regions(size.div_ceil(REGION))
+                    .filter_map(|r| u32::try_from(r).ok())
+                    .collect();
+                d.store.track_regions(c, &v)
+            }
+        };
+        d.note(r).map_err(remote)
+    }
+
     /// Runs `apply` once the earlier overlapping writes are done, releases
     /// the writes behind it, then waits for durability. Small writes only
     /// copy into the store's open batch: they run on the async worker, with
@@ -559,12 +630,18 @@ impl Replicas {
                     .get(&device)
                     .cloned()
                     .ok_or(RemoteError::NoSuchDevice(device))?;
-                let new = d.store.component(component).is_none();
+                let before = d.store.component(component);
                 d.store
                     .create_component(component, volume, size)
                     .map_err(remote)?;
-                if new {
+                if before.is_none() {
                     self.leases.created(component, std::time::Instant::now());
+                }
+                // A copy created empty (or never activated since: the
+                // create may have been durable without the track) lacks
+                // every region: a resync must copy them all.
+                if size > 0 && before.is_none_or(|c| c.generation == 0) {
+                    d.note(d.store.track_all(component)).map_err(remote)?;
                 }
                 self.placement
                     .lock()
@@ -692,15 +769,26 @@ impl Replicas {
                 component,
                 generation,
                 seq,
+                track,
             } => {
                 let d = self.device_of(component)?;
                 self.fence(&d, component, generation)?;
-                if let Ok(mut m) = self.dirty.lock() {
-                    if let Some(e) = m.writes.get_mut(&component) {
-                        e.retain(|_, v| *v >= (generation, seq));
-                    }
-                }
+                self.barrier(&d, component, (generation, seq), track);
                 done(Ok(Response::Ok))
+            }
+            Request::TrackedRegions { component } => {
+                let d = self.device_of(component)?;
+                done(self.tracked(&d, component).map(Response::Tracked))
+            }
+            Request::Track {
+                component,
+                generation,
+                regions,
+            } => {
+                let d = self.device_of(component)?;
+                self.fence(&d, component, generation)?;
+                self.track(&d, component, &regions)?;
+                Self::durable(d, Response::Ok)
             }
             Request::Digest { component } => {
                 let d = self.device_of(component)?;
@@ -876,12 +964,100 @@ mod tests {
     }
 
     async fn barrier(r: &Replicas, generation: Generation, seq: u64) {
+        tracking_barrier(r, generation, seq, false).await;
+    }
+
+    async fn tracking_barrier(r: &Replicas, generation: Generation, seq: u64, track: bool) {
         let req = Request::Barrier {
             component: 1,
             generation,
             seq,
+            track,
         };
         assert!(matches!(call(r, req, Bytes::new()).await, Response::Ok));
+    }
+
+    async fn tracked(r: &Replicas) -> RegionSet {
+        let req = Request::TrackedRegions { component: 1 };
+        match call(r, req, Bytes::new()).await {
+            Response::Tracked(set) => set,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn runs(v: &[(u64, u64)]) -> RegionSet {
+        RegionSet::Runs(v.to_vec())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tracking_barrier_keeps_what_it_settles_until_one_without_and_across_a_restart() {
+        let (dir, path, r) = one_component_at();
+        write(&r, 1, 0, 1).await;
+        write(&r, 1, 2 * MIB, 2).await;
+        // Writes no barrier covered are reported already.
+        assert_eq!(tracked(&r).await, runs(&[(0, 1), (2, 1)]));
+        tracking_barrier(&r, 1, 3, true).await;
+        r.settle_marks();
+        assert_eq!(marks(&r), vec![], "settled and unmarked");
+        assert_eq!(tracked(&r).await, runs(&[(0, 1), (2, 1)]), "tracked");
+        // A later write syncs the log; the node dies; its device reopens.
+        write(&r, 1, 3 * MIB, 3).await;
+        let copy = dir.path().join("copy.img");
+        std::fs::copy(&path, &copy).unwrap();
+        drop(r);
+        let r = replicas(&copy);
+        assert_eq!(tracked(&r).await, runs(&[(0, 1), (2, 2)]));
+        // Every copy in sync again: the set is emptied.
+        barrier(&r, 2, 0).await;
+        r.settle_marks();
+        assert_eq!(tracked(&r).await, runs(&[]));
+    }
+
+    #[tokio::test]
+    async fn a_copy_created_empty_reports_every_region_until_in_sync() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dev.img");
+        Store::create(&path, 64 * MIB, "t")
+            .unwrap()
+            .close()
+            .unwrap();
+        let r = replicas(&path);
+        let create = Request::CreateComponent {
+            component: 1,
+            volume: 1,
+            device: 1,
+            size: 8 * MIB,
+        };
+        assert!(matches!(
+            call(&r, create.clone(), Bytes::new()).await,
+            Response::Ok
+        ));
+        assert_eq!(tracked(&r).await, RegionSet::All);
+        barrier(&r, 1, 0).await;
+        assert_eq!(tracked(&r).await, runs(&[]));
+        // Created again once activated: it keeps its data, and its set.
+        assert!(matches!(call(&r, create, Bytes::new()).await, Response::Ok));
+        assert_eq!(tracked(&r).await, runs(&[]));
+    }
+
+    #[tokio::test]
+    async fn a_seed_is_tracked_and_fenced() {
+        let (_dir, r) = one_component();
+        let track = |generation| Request::Track {
+            component: 1,
+            generation,
+            regions: runs(&[(1, 2), (6, 100)]),
+        };
+        assert!(matches!(
+            call(&r, track(2), Bytes::new()).await,
+            Response::Ok
+        ));
+        // Cut at the component's end (8 regions).
+        assert_eq!(tracked(&r).await, runs(&[(1, 2), (6, 2)]));
+        assert!(matches!(
+            call(&r, track(1), Bytes::new()).await,
+            Response::Err(RemoteError::StaleGeneration { have: 2, got: 1 })
+        ));
     }
 
     fn marks(r: &Replicas) -> Vec<(u64, Vec<u32>)> {
@@ -937,6 +1113,7 @@ mod tests {
             component: 1,
             generation: 1,
             seq: 9,
+            track: false,
         };
         let resp = call(&r, old, Bytes::new()).await;
         assert!(

@@ -105,9 +105,18 @@ impl Mem {
                     })?;
                 (Response::Ok, Bytes::new())
             }
+            // Keeps no tracked regions: a returning copy is copied in full.
+            Request::TrackedRegions { .. } => {
+                (Response::Tracked(shoal_rpc::RegionSet::All), Bytes::new())
+            }
             Request::Flush {
                 component,
                 generation,
+            }
+            | Request::Track {
+                component,
+                generation,
+                ..
             }
             | Request::Barrier {
                 component,

@@ -3,7 +3,7 @@
 /// "SHRP" read as little-endian u32.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"SHRP");
 /// Wire version; a peer refuses frames of another version.
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 /// Header size in bytes.
 pub const HEADER_LEN: usize = 32;
 /// Largest body accepted, in bytes: bodies are small typed messages.

@@ -20,7 +20,10 @@ mod server;
 
 pub use frame::{FrameError, Header, HEADER_LEN, MAGIC, MAX_BODY, MAX_PAYLOAD, VERSION};
 pub use limits::{AddressSlot, PerAddress};
-pub use message::{RemoteError, Request, Response, VolumeOp, MAX_LEASE_MS};
+pub use message::{
+    RegionSet, RemoteError, Request, Response, VolumeOp, MAX_LEASE_MS, MAX_REGION_RUNS,
+    REGION_BYTES,
+};
 pub use peer::{register_local, Peer, PendingReply};
 pub use server::{serve, Handler, Reply};
 

@@ -66,11 +66,16 @@ pub enum Request {
     /// The allocated (offset, len) ranges of a component, for resync.
     AllocatedRanges { component: ComponentId },
     /// Every write with a smaller `seq` is complete on all replicas: forget
-    /// their regions.
+    /// their regions. With `track`, a copy of the volume is out of service:
+    /// the replica first adds those regions to the component's tracked set
+    /// (durable, kept until a barrier without `track`), so that the copy
+    /// gets only them when it returns ([`Request::TrackedRegions`]);
+    /// without it, the tracked set is emptied (every copy is in sync).
     Barrier {
         component: ComponentId,
         generation: Generation,
         seq: u64,
+        track: bool,
     },
     /// CRC-32C of a component's whole logical contents, to check that
     /// replicas are identical. Answered with [`Response::Digest`].
@@ -106,6 +111,93 @@ pub enum Request {
         generation: Generation,
         lease_ms: u32,
     },
+    /// The regions a copy of this component's volume that was out of
+    /// service may lack: the component's tracked regions (see
+    /// [`Request::Barrier`]) and those of writes no barrier covered yet
+    /// (regions marked on the device when the node started count as such).
+    /// Answered with
+    /// [`Response::Tracked`]. Reads only.
+    TrackedRegions { component: ComponentId },
+    /// Adds `regions` to the component's tracked set (fenced by
+    /// `generation`): sent to a resync target before it is copied to, so
+    /// that once in sync it remembers the regions written since its peers
+    /// started tracking, as they do.
+    Track {
+        component: ComponentId,
+        generation: Generation,
+        regions: RegionSet,
+    },
+}
+
+/// A set of a component's regions ([`REGION_BYTES`] each).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RegionSet {
+    /// Every region of the component.
+    All,
+    /// Runs of regions, (first region, count), ascending and disjoint; at
+    /// most [`MAX_REGION_RUNS`] (a larger set is sent as `All`).
+    Runs(Vec<(u64, u64)>),
+}
+
+/// Bytes of one region of a [`RegionSet`]: the owner's resync unit and the
+/// store's mark unit.
+pub const REGION_BYTES: u64 = 1 << 20;
+
+/// The most runs a [`RegionSet`] carries, so that its body stays far
+/// below [`crate::MAX_BODY`] (a run takes at most 20 bytes).
+pub const MAX_REGION_RUNS: usize = 16_384;
+
+impl RegionSet {
+    /// The set of `regions` (any order, repeats allowed); `All` past
+    /// [`MAX_REGION_RUNS`] runs.
+    pub fn from_regions(regions: impl IntoIterator<Item = u64>) -> RegionSet {
+        let mut sorted: Vec<u64> = regions.into_iter().collect();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for r in sorted {
+            match runs.last_mut() {
+                Some((first, count)) if *first + *count == r => *count += 1,
+                _ => {
+                    if runs.len() == MAX_REGION_RUNS {
+                        return RegionSet::All;
+                    }
+                    runs.push((r, 1));
+                }
+            }
+        }
+        RegionSet::Runs(runs)
+    }
+
+    /// Whether the runs are ascending and disjoint, as a set built by
+    /// [`RegionSet::from_regions`] is: one from a peer that is not is
+    /// refused.
+    pub fn is_ordered(&self) -> bool {
+        match self {
+            RegionSet::All => true,
+            RegionSet::Runs(v) => v
+                .windows(2)
+                .all(|w| w[0].0.checked_add(w[0].1).is_some_and(|end| end <= w[1].0)),
+        }
+    }
+
+    /// The regions of the set below `limit` regions, ascending, each
+    /// once (`All`: every one). A set from a peer is not trusted to be in
+    /// order: runs are cut at `limit` and where an earlier one ended, so
+    /// that at most `limit` regions come out, whatever it holds.
+    pub fn regions(&self, limit: u64) -> impl Iterator<Item = u64> + '_ {
+        let runs: Box<dyn Iterator<Item = (u64, u64)>> = match self {
+            RegionSet::All => Box::new(std::iter::once((0, limit))),
+            RegionSet::Runs(v) => Box::new(v.iter().copied()),
+        };
+        let mut next = 0u64;
+        runs.flat_map(move |(first, count)| {
+            let start = first.max(next).min(limit);
+            let end = first.saturating_add(count).min(limit).max(start);
+            next = next.max(end);
+            start..end
+        })
+    }
 }
 
 /// The longest read lease an owner may ask for, in milliseconds; also the
@@ -166,6 +258,8 @@ pub enum Response {
     /// Answer to [`Request::Repair`]: whether the block was replaced (false
     /// when it had been rewritten since it was found bad).
     Repaired(bool),
+    /// Answer to [`Request::TrackedRegions`].
+    Tracked(RegionSet),
 }
 
 /// An error the remote side reports; callers branch on it.
@@ -256,11 +350,47 @@ mod tests {
         ]
     }
 
+    #[test]
+    fn a_region_set_past_its_run_bound_is_all_and_a_peer_s_runs_stop_at_the_limit() {
+        let every_other = (0..2 * MAX_REGION_RUNS as u64 + 2).step_by(2);
+        assert_eq!(RegionSet::from_regions(every_other), RegionSet::All);
+        let huge = RegionSet::Runs(vec![(3, u64::MAX), (u64::MAX - 1, u64::MAX), (0, u64::MAX)]);
+        assert_eq!(huge.regions(6).collect::<Vec<_>>(), vec![3, 4, 5]);
+        let overlapping = RegionSet::Runs(vec![(1, 3), (2, 3), (0, 1)]);
+        assert_eq!(
+            overlapping.regions(10).collect::<Vec<_>>(),
+            vec![1, 2, 3, 4]
+        );
+        assert!(!overlapping.is_ordered());
+        assert!(!huge.is_ordered());
+        assert!(RegionSet::Runs(vec![(0, 2), (2, 1), (9, 1)]).is_ordered());
+        assert_eq!(RegionSet::All.regions(3).collect::<Vec<_>>(), vec![0, 1, 2]);
+    }
+
     proptest! {
         #[test]
         fn requests_round_trip(r in req()) {
             let b = postcard::to_stdvec(&r).unwrap();
             prop_assert_eq!(postcard::from_bytes::<Request>(&b).unwrap(), r);
+        }
+
+        #[test]
+        fn region_sets_hold_exactly_their_regions(
+            v in proptest::collection::vec(0u64..4096, 0..512),
+            limit in 0u64..5000,
+        ) {
+            let set = RegionSet::from_regions(v.iter().copied());
+            let RegionSet::Runs(runs) = &set else {
+                return Err(TestCaseError::fail("512 regions are far from the run bound"));
+            };
+            prop_assert!(runs.windows(2).all(|w| w[0].0 + w[0].1 < w[1].0), "disjoint, apart, ascending");
+            prop_assert!(set.is_ordered());
+            let mut want: Vec<u64> = v.into_iter().filter(|&r| r < limit).collect();
+            want.sort_unstable();
+            want.dedup();
+            prop_assert_eq!(set.regions(limit).collect::<Vec<_>>(), want);
+            let b = postcard::to_stdvec(&Response::Tracked(set.clone())).unwrap();
+            prop_assert_eq!(postcard::from_bytes::<Response>(&b).unwrap(), Response::Tracked(set));
         }
 
         #[test]

@@ -20,7 +20,7 @@ pub mod log;
 pub use direct::AlignedBuf;
 pub use format::MIN_CAPACITY;
 pub use group::{Durable, GroupCommit, SyncFailure};
-pub use log::{LogConfig, LogStats, LogStore, ReadAnswer, ReadPlan, ReadReq};
+pub use log::{LogConfig, LogStats, LogStore, ReadAnswer, ReadPlan, ReadReq, Tracked};
 
 use shoal_model::human_size;
 use std::fs::File;

@@ -948,6 +948,8 @@ pub struct NetCluster {
 const FORM: Duration = Duration::from_secs(90);
 /// Longest a command line call may take before it counts as hung.
 const CLI_LIMIT: Duration = Duration::from_secs(60);
+/// Longest a `qemu-io` run may take (writing up to a few hundred MiB).
+const QEMU_IO_LIMIT: Duration = Duration::from_secs(120);
 
 impl NetCluster {
     /// Hosts 1..=n, node 1 founds the cluster, the others join with a
@@ -1186,6 +1188,55 @@ impl NetCluster {
     pub fn verify(&self, volume: &str, node: u32) -> Result<(), String> {
         self.shoal(node, node, &["volume", "verify", volume])
             .map(|_| ())
+    }
+
+    /// The sum of metric `name` (every label set) in node `node`'s
+    /// `/metrics`, asked from its host.
+    pub fn metric(&self, node: u32, name: &str) -> Result<u64, String> {
+        let url = format!("{}/metrics", self.api(node));
+        let auth = format!("Authorization: Bearer {}", self.token);
+        let mut curl = self.hosts.cmd(node, "curl");
+        curl.args(["-sS", "--fail-with-body", "-H", &auth, &url]);
+        let body = exec(&mut curl)?;
+        let mut total = 0;
+        for line in body.lines() {
+            if line.starts_with(&format!("{name}{{")) || line.starts_with(&format!("{name} ")) {
+                let v = line.rsplit(' ').next().unwrap_or("");
+                total += v.parse::<u64>().map_err(|e| format!("{line}: {e}"))?;
+            }
+        }
+        Ok(total)
+    }
+
+    /// `qemu-io` on `host` against `volume` through node `node`'s NBD
+    /// server, running `commands` (each a `-c` argument); its output.
+    pub fn qemu_io(
+        &self,
+        host: u32,
+        node: u32,
+        volume: &str,
+        commands: &[&str],
+    ) -> Result<String, String> {
+        let mut q = self.hosts.cmd(host, "qemu-io");
+        q.args([
+            "-f",
+            "raw",
+            &format!("nbd://{}/{volume}", self.nbd_addr(node)),
+        ]);
+        for c in commands {
+            q.args(["-c", c]);
+        }
+        let out = run_bounded(&mut q, QEMU_IO_LIMIT)?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // qemu-io may exit 0 after a command failed: its words tell.
+        if !out.status.success() || text.contains("failed") {
+            return Err(format!("qemu-io {commands:?}: {}: {text}", out.status));
+        }
+        Ok(text)
     }
 
     /// The last `lines` lines of node `node`'s log.

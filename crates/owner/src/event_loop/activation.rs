@@ -164,14 +164,16 @@ fn check_votes(replicas: &[Replica]) -> Result<(), OwnerError> {
 }
 
 /// Tells every connected copy that everything before this generation is
-/// consistent now.
-fn barrier_all(replicas: &[Replica], generation: Generation) {
+/// consistent now (tracking the regions it settles if a copy is out,
+/// `super::delta`).
+fn barrier_all(replicas: &[Replica], generation: Generation, track: bool) {
     for r in replicas {
         if let Some(p) = &r.peer {
             let barrier = Request::Barrier {
                 component: r.component,
                 generation,
                 seq: 0,
+                track,
             };
             let _ = p.send(&barrier, Bytes::new());
         }
@@ -272,7 +274,7 @@ pub(crate) async fn start<C: Control>(
     // generation is consistent now.
     lp.start_reconcile(found.dirty);
     if lp.reconcile.is_none() {
-        barrier_all(&lp.replicas, generation);
+        barrier_all(&lp.replicas, generation, lp.tracking());
     }
     let tx = lp.tx.clone();
     spawn_ticker(tx.clone(), cfg.tick);

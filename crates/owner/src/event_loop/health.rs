@@ -214,10 +214,14 @@ impl<C: Control> Loop<C> {
             .map_or(self.next_seq, |(&seq, _)| seq);
         let moved =
             upto > self.last_barrier + 1 || (upto > self.last_barrier && self.inflight.is_empty());
-        if !moved {
+        // Once every copy is in sync again, one barrier (a repeat if need
+        // be) empties the tracked sets, writes or not.
+        let track = self.tracking();
+        if !moved && track == self.last_track {
             return;
         }
         self.last_barrier = upto;
+        self.last_track = track;
         for i in self.targets().iter() {
             let r = &self.replicas[i];
             if let Some(p) = &r.peer {
@@ -226,6 +230,7 @@ impl<C: Control> Loop<C> {
                         component: r.component,
                         generation: self.generation,
                         seq: upto,
+                        track,
                     },
                     Bytes::new(),
                 );

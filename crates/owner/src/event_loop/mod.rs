@@ -15,6 +15,8 @@
 //! - `health`: failed copies, the directory's marks, barriers, witness
 //!   pings, reconnection (the tick);
 //! - `resync`: bringing a returning copy (or an added one) up to date;
+//! - `delta`: what a returning copy gets: the regions tracked while it was
+//!   out;
 //! - `reconfig`: following a change of layout, committing or aborting it;
 //! - `rebuild`: asking for lost components to be rebuilt elsewhere;
 //! - `votes`: the votes rule, in both layouts during a change;
@@ -22,6 +24,7 @@
 //! - `invariants`: what must hold after every event.
 
 mod activation;
+mod delta;
 mod health;
 mod invariants;
 mod io;
@@ -235,6 +238,8 @@ pub(super) struct Loop<C: Control> {
     /// copies each was sent to.
     inflight: BTreeMap<u64, ReplicaSet>,
     last_barrier: u64,
+    /// Whether the last barrier asked the copies to track (`delta`).
+    last_track: bool,
     /// Answered writes waiting for the directory to record the copies that
     /// missed them.
     parked: Vec<Parked>,
@@ -312,6 +317,7 @@ impl<C: Control> Loop<C> {
             next_seq: 1,
             inflight: BTreeMap::new(),
             last_barrier: 0,
+            last_track: false,
             parked: Vec::new(),
             reconcile: None,
             lock: None,

@@ -14,14 +14,15 @@
 //! degraded) only then, and no other attempt starts meanwhile.
 
 use super::activation::activate;
+use super::delta;
 use super::health::state_for;
 use super::replica::Mode;
 use super::{Flow, Internal, Loop, DEGRADED_RETRY_TICKS, RESYNC_RETRY_TICKS};
 use crate::{Control, ControlError, REGION};
 use bytes::Bytes;
 use shoal_model::{ComponentState, Generation, BLOCK_SIZE};
-use shoal_rpc::{Peer, PendingReply, Request, Response, RpcError};
-use std::collections::{BTreeSet, VecDeque};
+use shoal_rpc::{Peer, PendingReply, Request, RpcError};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -67,29 +68,6 @@ pub(crate) enum ReviveError {
     Activate(RpcError),
     #[error("{0}")]
     Record(ControlError),
-}
-
-/// The regions allocated on either side, from the answers to their
-/// `AllocatedRanges` queries.
-async fn plan(
-    queries: [Result<PendingReply, RpcError>; 2],
-    timeout: Duration,
-) -> Result<Vec<u64>, RpcError> {
-    let mut regions = BTreeSet::new();
-    for q in queries {
-        let (resp, _) = q?.wait(timeout).await?;
-        let Response::Ranges(v) = resp else {
-            return Err(RpcError::Protocol("expected ranges".into()));
-        };
-        for (off, len) in v {
-            let mut r = off / REGION;
-            while r * REGION < off + len {
-                regions.insert(r);
-                r += 1;
-            }
-        }
-    }
-    Ok(regions.into_iter().collect())
 }
 
 /// Waits for a request sent (or not) to a copy.
@@ -273,16 +251,16 @@ impl<C: Control> Loop<C> {
         let target = &mut self.replicas[idx];
         target.mode = Mode::Resyncing;
         target.peer = Some(peer.clone());
-        let query = |component| Request::AllocatedRanges { component };
-        let s = &self.replicas[src];
-        let q_src = match &s.peer {
-            Some(p) => p.send(&query(s.component), Bytes::new()),
-            None => Err(RpcError::Closed),
-        };
-        let q_dst = peer.send(&query(self.replicas[idx].component), Bytes::new());
-        let timeout = self.cfg.io_timeout;
+        let queries = self.ask_plan(idx, src);
+        let seeded = (self.replicas[idx].component, self.generation);
+        let (timeout, limit) = (self.cfg.io_timeout, self.size.div_ceil(REGION));
         self.spawn_report(async move {
-            let regions = plan([q_src, q_dst], timeout).await;
+            let regions = async {
+                let regions = delta::plan(queries, limit, timeout).await?;
+                delta::seed(peer, seeded, &regions, timeout).await?;
+                Ok(regions)
+            }
+            .await;
             Internal::ResyncPlan { attempt, regions }
         });
         Flow::Continue

@@ -1,12 +1,14 @@
-//! Checkpoints: the components, the index, the used segments (live count
-//! and header map) and the log position, written to the inactive slot of
+//! Checkpoints: the components (with their marked and tracked regions),
+//! the index, the used segments (live count and header map) and the log
+//! position, written to the inactive slot of
 //! two. Order: body, flush, header copy 0, flush, header copy 1, flush; so
 //! a valid header copy always names a durable body, and the slot written
 //! last is the one with the highest seq among valid copies.
 
-use super::format::{CkptHeader, BLOCK, BLOCK_U64};
+use super::format::{self, CkptHeader, BLOCK, BLOCK_U64, CKPT_TRACKED_ALL};
 use super::index::BlockIndex;
 use super::segment::SegState;
+use super::track::{TrackSet, Tracked};
 use super::{byte_off, lock, BlockDevice, Comp, LogStore, Result, State};
 use crate::direct::AlignedBuf;
 use crate::{StoreError, MAX_SIZE};
@@ -157,16 +159,39 @@ pub(super) struct CkptInFlight {
     rec: Vec<u32>,
 }
 
-/// One component as a checkpoint body records it: id, volume, size,
-/// generation, marked regions (ascending), index.
-type CompRecord<'a> = (u64, u64, u64, u64, Vec<u32>, &'a BlockIndex);
+/// What a checkpoint body records of one component before its index.
+struct CompHead {
+    id: u64,
+    volume: u64,
+    size: u64,
+    generation: u64,
+    /// Marked regions, ascending.
+    marks: Vec<u32>,
+    tracked: Tracked,
+}
+
+impl CompHead {
+    fn of(id: u64, c: &Comp) -> CompHead {
+        CompHead {
+            id,
+            volume: c.volume,
+            size: c.size,
+            generation: c.generation,
+            marks: c.marks.iter().copied().collect(),
+            tracked: c.tracked.to_tracked(),
+        }
+    }
+}
+
+/// One component as a checkpoint body records it.
+type CompRecord<'a> = (CompHead, &'a BlockIndex);
 
 /// What a checkpoint body holds, copied under the lock (a copy of an
 /// index costs far less than encoding it: about 1/10 here).
 struct Snapshot {
-    /// (id, volume, size, generation, marked regions, index) per
-    /// component.
-    comps: Vec<(u64, u64, u64, u64, Vec<u32>, BlockIndex)>,
+    /// Per component, and its index (in the same order).
+    heads: Vec<CompHead>,
+    indexes: Vec<BlockIndex>,
     /// (segment, live blocks, header bitmap) per recorded segment.
     segs: Vec<(u32, u32, Vec<u64>)>,
 }
@@ -300,14 +325,12 @@ impl LogStore {
         let slot = 1 - st.active_slot;
         let seq = st.ckpt_seq + 1;
         let snap = Snapshot {
-            comps: st
+            heads: st
                 .comps
                 .iter()
-                .map(|(&id, c)| {
-                    let marks = c.marks.iter().copied().collect();
-                    (id, c.volume, c.size, c.generation, marks, c.index.clone())
-                })
+                .map(|(&id, c)| CompHead::of(id, c))
                 .collect(),
+            indexes: st.comps.values().map(|c| c.index.clone()).collect(),
             segs: Self::seg_records(st)
                 .into_iter()
                 .map(|s| (s, st.segs.live(s), st.segs.bitmap(s).to_vec()))
@@ -345,11 +368,7 @@ impl LogStore {
         self.write_sealed(false)?;
         self.wait_written(w.target)?;
         self.flush_written()?;
-        let comps = w
-            .snap
-            .comps
-            .iter()
-            .map(|(i, v, s, g, m, x)| (*i, *v, *s, *g, m.clone(), x));
+        let comps = w.snap.heads.into_iter().zip(w.snap.indexes.iter());
         let segs = w.snap.segs.iter().map(|(s, l, b)| (*s, *l, &b[..]));
         self.write_ckpt(comps, segs, w.hdr, w.base)
     }
@@ -438,10 +457,10 @@ impl LogStore {
         let slot = 1 - st.active_slot;
         let seq = st.ckpt_seq + 1;
         let base = self.sb.slot_block(slot) * BLOCK_U64;
-        let comps = st.comps.iter().map(|(&id, c)| {
-            let marks = c.marks.iter().copied().collect();
-            (id, c.volume, c.size, c.generation, marks, &c.index)
-        });
+        let comps = st
+            .comps
+            .iter()
+            .map(|(&id, c)| (CompHead::of(id, c), &c.index));
         let recs = Self::seg_records(st);
         let segs = recs
             .iter()
@@ -528,23 +547,18 @@ impl LogStore {
             .collect()
     }
 
-    /// Body: component count (u64); per component id, volume, size,
-    /// generation, count of marked regions (u64 each), the marked regions
-    /// (u32 each, ascending) and its index; count of segment records
-    /// (u64); per record segment (u32), live blocks (u32), header bitmap.
+    /// Body: component count (u64); per component (by id) its head
+    /// ([`encode_head`](Self::encode_head)) and its index; count of
+    /// segment records (u64); per record segment (u32), live blocks
+    /// (u32), header bitmap.
     fn encode_parts<'a>(
         comps: impl ExactSizeIterator<Item = CompRecord<'a>>,
         segs: impl ExactSizeIterator<Item = (u32, u32, &'a [u64])>,
         w: &mut dyn FnMut(&[u8]) -> io::Result<()>,
     ) -> io::Result<()> {
         w(&(comps.len() as u64).to_le_bytes())?;
-        for (id, volume, size, generation, marks, index) in comps {
-            for v in [id, volume, size, generation, marks.len() as u64] {
-                w(&v.to_le_bytes())?;
-            }
-            for r in marks {
-                w(&r.to_le_bytes())?;
-            }
+        for (head, index) in comps {
+            Self::encode_head(&head, w)?;
             index.encode(|b| w(b))?;
         }
         w(&(segs.len() as u64).to_le_bytes())?;
@@ -554,6 +568,28 @@ impl LogStore {
             for word in bitmap {
                 w(&word.to_le_bytes())?;
             }
+        }
+        Ok(())
+    }
+
+    /// A component's head: id, volume, size, generation, count of marked
+    /// regions (u64 each), the marked regions (u32 each, ascending), count
+    /// of tracked regions (u64; [`CKPT_TRACKED_ALL`] for `All`, then no
+    /// regions follow), the tracked regions (u32 each, ascending).
+    fn encode_head(h: &CompHead, w: &mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
+        let (ntracked, tracked): (u64, &[u32]) = match &h.tracked {
+            Tracked::All => (CKPT_TRACKED_ALL, &[]),
+            Tracked::Regions(r) => (r.len() as u64, r),
+        };
+        for v in [h.id, h.volume, h.size, h.generation, h.marks.len() as u64] {
+            w(&v.to_le_bytes())?;
+        }
+        for r in &h.marks {
+            w(&r.to_le_bytes())?;
+        }
+        w(&ntracked.to_le_bytes())?;
+        for r in tracked {
+            w(&r.to_le_bytes())?;
         }
         Ok(())
     }
@@ -625,6 +661,12 @@ pub(super) fn load(dev: &dyn BlockDevice, sb: &super::LogSuper) -> Result<Loaded
 
 type Parsed = (BTreeMap<u64, Comp>, Vec<(u32, u32, Vec<u64>)>);
 
+/// What the rest of a body may still hold of marked and tracked regions.
+struct RegionsLeft {
+    marks: u64,
+    tracked: u64,
+}
+
 fn parse_body(r: &mut BodyReader<'_>, sb: &super::LogSuper) -> Result<Parsed> {
     let bad = |m: String| StoreError::Corrupt(m);
     let n = r.u64()?;
@@ -633,37 +675,17 @@ fn parse_body(r: &mut BodyReader<'_>, sb: &super::LogSuper) -> Result<Parsed> {
     }
     let mut comps = BTreeMap::new();
     let mut prev = 0u64;
-    let mut marks_left = super::format::max_marks(sb.nsegs, sb.seg_blocks, sb.max_components);
+    let mut left = RegionsLeft {
+        marks: format::max_marks(sb.nsegs, sb.seg_blocks, sb.max_components),
+        tracked: format::max_tracked(sb.nsegs, sb.seg_blocks, sb.max_components),
+    };
     for _ in 0..n {
-        let (id, volume, size, generation) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?);
-        if id <= prev || size > MAX_SIZE {
-            return Err(bad(format!("component {id} of size {size}")));
+        let (id, comp) = parse_comp(r, &mut left)?;
+        if id <= prev {
+            return Err(bad(format!("component {id} after {prev}")));
         }
         prev = id;
-        let nmarks = r.u64()?;
-        if nmarks > marks_left {
-            return Err(bad(format!("component {id} with {nmarks} marked regions")));
-        }
-        marks_left -= nmarks;
-        let mut marks = BTreeSet::new();
-        for _ in 0..nmarks {
-            let m = r.u32()?;
-            if marks.last().is_some_and(|&l| l >= m) {
-                return Err(bad(format!("component {id}: marked regions out of order")));
-            }
-            marks.insert(m);
-        }
-        let index = BlockIndex::decode(|b| r.read(b))?;
-        comps.insert(
-            id,
-            Comp {
-                volume,
-                size,
-                generation,
-                index,
-                marks,
-            },
-        );
+        comps.insert(id, comp);
     }
     let nrec = r.u64()?;
     if nrec > sb.nsegs as u64 {
@@ -686,4 +708,209 @@ fn parse_body(r: &mut BodyReader<'_>, sb: &super::LogSuper) -> Result<Parsed> {
         segs.push((s, live, bits));
     }
     Ok((comps, segs))
+}
+
+/// One component: its head (see `encode_head`) and its index.
+fn parse_comp(r: &mut BodyReader<'_>, left: &mut RegionsLeft) -> Result<(u64, Comp)> {
+    let (id, volume, size, generation) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+    if size > MAX_SIZE {
+        return Err(StoreError::Corrupt(format!(
+            "component {id} of size {size}"
+        )));
+    }
+    let nmarks = r.u64()?;
+    let marks = parse_regions(r, id, "marked", nmarks, &mut left.marks)?;
+    let tracked = match r.u64()? {
+        CKPT_TRACKED_ALL => TrackSet::All,
+        n => TrackSet::Regions(parse_regions(r, id, "tracked", n, &mut left.tracked)?),
+    };
+    let index = BlockIndex::decode(|b| r.read(b))?;
+    let comp = Comp {
+        volume,
+        size,
+        generation,
+        index,
+        marks,
+        tracked,
+    };
+    Ok((id, comp))
+}
+
+/// `n` regions (u32 each, strictly ascending) of component `id`, taken
+/// from what the body may still hold (`left`).
+fn parse_regions(
+    r: &mut BodyReader<'_>,
+    id: u64,
+    what: &str,
+    n: u64,
+    left: &mut u64,
+) -> Result<BTreeSet<u32>> {
+    let bad = |m: String| StoreError::Corrupt(format!("component {id}: {m}"));
+    if n > *left {
+        return Err(bad(format!(
+            "{n} {what} regions, more than the device keeps"
+        )));
+    }
+    *left -= n;
+    let mut set = BTreeSet::new();
+    for _ in 0..n {
+        let x = r.u32()?;
+        if set.last().is_some_and(|&l| l >= x) {
+            return Err(bad(format!("{what} regions out of order")));
+        }
+        set.insert(x);
+    }
+    Ok(set)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::format::{ckpt_body_max, max_marks, max_tracked, LogSuper, REGION_BLOCKS};
+    use super::super::FaultyDevice;
+    use super::*;
+
+    /// The largest body a device of `sb`'s geometry can need: every block
+    /// of its segments mapped at the costliest encoding (one block per
+    /// region: 13 bytes), every component in the table, the most marked
+    /// and tracked regions at once, every segment recorded.
+    fn worst_case(sb: &LogSuper) -> Snapshot {
+        let comps = sb.max_components as u64;
+        let blocks = sb.nsegs as u64 * sb.seg_blocks as u64;
+        let marks = max_marks(sb.nsegs, sb.seg_blocks, sb.max_components);
+        let tracked = max_tracked(sb.nsegs, sb.seg_blocks, sb.max_components);
+        // Component i gets every `comps`-th block, mark and tracked region.
+        let share = |n: u64, i: u64| (0..n).filter(move |k| k % comps == i);
+        let heads = (0..comps)
+            .map(|i| CompHead {
+                id: i + 1,
+                volume: 1,
+                size: MAX_SIZE,
+                generation: 7,
+                marks: share(marks, i).map(|k| k as u32).collect(),
+                tracked: Tracked::Regions(share(tracked, i).map(|k| k as u32).collect()),
+            })
+            .collect();
+        let indexes = (0..comps)
+            .map(|i| {
+                let mut ix = BlockIndex::new();
+                for k in share(blocks, i) {
+                    ix.set(k * REGION_BLOCKS, k as u32 + 1);
+                }
+                ix
+            })
+            .collect();
+        let words = (sb.seg_blocks as usize).div_ceil(64);
+        let segs = (0..sb.nsegs)
+            .map(|s| (s, sb.seg_blocks - 1, vec![u64::MAX; words]))
+            .collect();
+        Snapshot {
+            heads,
+            indexes,
+            segs,
+        }
+    }
+
+    /// The worst-case body is exactly what the slot is sized for, fits
+    /// its slot and reads back: marks and tracked regions both at their
+    /// bounds (tracking never fails for want of room, so both can be).
+    #[test]
+    fn the_worst_case_body_fits_its_slot_and_reads_back() {
+        for (size, seg, comps) in [
+            (1u64 << 20, 16, 8),
+            (64 << 20, 64, 1024),
+            (256 << 20, 1024, 64),
+        ] {
+            let sb = LogSuper::new(size, 1, "c", seg, comps, 900).unwrap();
+            let Snapshot {
+                heads,
+                indexes,
+                segs,
+            } = worst_case(&sb);
+            let dev = FaultyDevice::new(sb.device_size);
+            let at = sb.slot_block(0) * BLOCK_U64 + 2 * BLOCK_U64;
+            let mut w = BodyWriter::new(&dev, at, sb.body_capacity());
+            let seg_refs = segs.iter().map(|(s, l, b)| (*s, *l, &b[..]));
+            LogStore::encode_parts(
+                heads.into_iter().zip(indexes.iter()),
+                seg_refs,
+                &mut |b: &[u8]| w.put(b),
+            )
+            .unwrap();
+            let (len, crc) = w.finish().unwrap();
+            let max = ckpt_body_max(sb.nsegs, sb.seg_blocks, sb.max_components);
+            assert_eq!(len, max, "{size} B: the bound is exact");
+            assert!(len <= sb.body_capacity());
+            let mut r = BodyReader {
+                dev: &dev,
+                at,
+                left: len,
+                buf: AlignedBuf::zeroed(chunk_for(len)),
+                pos: 0,
+                filled: 0,
+                crc: 0,
+            };
+            let (comps, segs_back) = parse_body(&mut r, &sb).unwrap();
+            assert_eq!(r.crc, crc);
+            assert_eq!(segs_back, segs);
+            let listed: u64 = comps.values().map(|c| c.tracked.listed()).sum();
+            let marked: usize = comps.values().map(|c| c.marks.len()).sum();
+            assert_eq!(
+                listed,
+                max_tracked(sb.nsegs, sb.seg_blocks, sb.max_components)
+            );
+            assert_eq!(
+                marked as u64,
+                max_marks(sb.nsegs, sb.seg_blocks, sb.max_components)
+            );
+        }
+    }
+
+    /// A body naming more tracked regions than the device keeps, or out
+    /// of order, is refused as corrupt, never loaded.
+    #[test]
+    fn bodies_past_the_tracked_bound_are_refused() {
+        let sb = LogSuper::new(1 << 20, 1, "c", 16, 8, 900).unwrap();
+        let max = max_tracked(sb.nsegs, sb.seg_blocks, sb.max_components);
+        for (regions, what) in [
+            (
+                (0..=max as u32).collect::<Vec<_>>(),
+                "more than the device keeps",
+            ),
+            (vec![3, 2], "out of order"),
+        ] {
+            let head = CompHead {
+                id: 1,
+                volume: 1,
+                size: 1 << 20,
+                generation: 0,
+                marks: vec![],
+                tracked: Tracked::Regions(regions),
+            };
+            let dev = FaultyDevice::new(sb.device_size);
+            let mut body = Vec::new();
+            let index = BlockIndex::new();
+            LogStore::encode_parts(
+                std::iter::once((head, &index)),
+                std::iter::empty(),
+                &mut |b: &[u8]| {
+                    body.extend_from_slice(b);
+                    Ok(())
+                },
+            )
+            .unwrap();
+            body.resize(body.len().div_ceil(BLOCK) * BLOCK, 0);
+            dev.write_at(&body, 0).unwrap();
+            let mut r = BodyReader {
+                dev: &dev,
+                at: 0,
+                left: body.len() as u64,
+                buf: AlignedBuf::zeroed(chunk_for(body.len() as u64)),
+                pos: 0,
+                filled: 0,
+                crc: 0,
+            };
+            let e = parse_body(&mut r, &sb).err().expect("refused");
+            assert!(e.to_string().contains(what), "{e}");
+        }
+    }
 }

@@ -1,4 +1,4 @@
-//! Byte layout of a log-structured Shoal device, format version 3 (see
+//! Byte layout of a log-structured Shoal device, format version 4 (see
 //! `docs/store-log-format.md`). Pure encoding, decoding and geometry; no I/O.
 //! All integers are little-endian; CRC is CRC-32C.
 
@@ -8,7 +8,7 @@ use crate::StoreError;
 /// Unit of data, of checksums and of device I/O.
 pub const BLOCK: usize = 4096;
 pub const BLOCK_U64: u64 = BLOCK as u64;
-pub const LOG_VERSION: u32 = 3;
+pub const LOG_VERSION: u32 = 4;
 pub const BATCH_MAGIC: &[u8; 8] = b"SHOALLOG";
 pub const CKPT_MAGIC: &[u8; 8] = b"SHOALCKP";
 /// Fixed part of a batch header; entries follow.
@@ -20,11 +20,17 @@ pub const MAX_ENTRIES: usize = (BLOCK - 4 - HDR_FIXED) / ENTRY_SIZE;
 pub const REGION_BLOCKS: u64 = 256;
 /// Worst-case bytes of one mapped block in a checkpoint body.
 pub const CKPT_BYTES_PER_BLOCK: u64 = 13;
-/// Bytes of one component record in a checkpoint body (without its
-/// marks).
-pub const CKPT_COMP_BYTES: u64 = 48;
+/// Bytes of one component record in a checkpoint body without its marked
+/// and tracked regions and its index's regions: id, volume, size,
+/// generation, mark count, tracked count, index region count (u64 each).
+pub const CKPT_COMP_BYTES: u64 = 56;
 /// Bytes of one marked region in a checkpoint body.
 pub const CKPT_BYTES_PER_MARK: u64 = 4;
+/// Bytes of one tracked region in a checkpoint body.
+pub const CKPT_BYTES_PER_TRACKED: u64 = 4;
+/// The tracked count of a component record whose tracked set is `All`
+/// (no regions follow it).
+pub const CKPT_TRACKED_ALL: u64 = u64::MAX;
 /// Fewest segments a device may have.
 pub const MIN_SEGMENTS: u32 = 12;
 pub const MAX_CLUSTER_ID: usize = crate::format::MAX_CLUSTER_ID;
@@ -87,6 +93,7 @@ pub fn ckpt_body_max(nsegs: u32, seg_blocks: u32, max_components: u32) -> u64 {
         + nsegs as u64 * (8 + 8 * words)
         + CKPT_BYTES_PER_BLOCK * nsegs as u64 * seg_blocks as u64
         + CKPT_BYTES_PER_MARK * max_marks(nsegs, seg_blocks, max_components)
+        + CKPT_BYTES_PER_TRACKED * max_tracked(nsegs, seg_blocks, max_components)
 }
 
 /// Most regions a device keeps marked at once (all components): one per
@@ -95,6 +102,17 @@ pub fn ckpt_body_max(nsegs: u32, seg_blocks: u32, max_components: u32) -> u64 {
 /// device can only need more with more space than it has.
 pub fn max_marks(nsegs: u32, seg_blocks: u32, max_components: u32) -> u64 {
     (nsegs as u64 * seg_blocks as u64).div_ceil(REGION_BLOCKS) + max_components as u64
+}
+
+/// Most regions a device keeps tracked one by one (all components): half
+/// of [`max_marks`]. A component whose tracked set would pass it is
+/// tracked as a whole instead (`Tracked::All`, no region in this count).
+/// Marks and tracked regions together never pass `max_marks`
+/// when a mark is made, so marks always have at least the other half;
+/// tracking never fails for want of room, so both may be at their bound
+/// at once (the checkpoint slot holds both).
+pub fn max_tracked(nsegs: u32, seg_blocks: u32, max_components: u32) -> u64 {
+    max_marks(nsegs, seg_blocks, max_components) / 2
 }
 
 /// The fixed header of a log device (two copies: blocks 0 and 1).
@@ -308,6 +326,13 @@ pub enum Entry {
     /// `region·256 ..`) of `comp`: writes to it may be in flight in the
     /// cluster, so its copies may differ after a crash.
     Mark { comp: u64, region: u64, on: bool },
+    /// Region `region` of `comp` is tracked: written while another copy
+    /// of its volume was out of service (see `LogStore::track_regions`).
+    Track { comp: u64, region: u64 },
+    /// Every region of `comp` is tracked (its set collapsed to `All`).
+    TrackAll { comp: u64 },
+    /// No region of `comp` is tracked any more.
+    UntrackAll { comp: u64 },
 }
 
 const K_DATA: u8 = 1;
@@ -318,6 +343,9 @@ const K_PUT2: u8 = 5;
 const K_DELETE: u8 = 6;
 const K_MARK: u8 = 7;
 const K_UNMARK: u8 = 8;
+const K_TRACK: u8 = 9;
+const K_TRACK_ALL: u8 = 10;
+const K_UNTRACK_ALL: u8 = 11;
 
 impl Entry {
     /// Entry slots it takes in a header.
@@ -342,6 +370,9 @@ impl Entry {
             Entry::Mark { comp, region, on } => {
                 (if on { K_MARK } else { K_UNMARK }, 0, comp, region)
             }
+            Entry::Track { comp, region } => (K_TRACK, 0, comp, region),
+            Entry::TrackAll { comp } => (K_TRACK_ALL, 0, comp, 0),
+            Entry::UntrackAll { comp } => (K_UNTRACK_ALL, 0, comp, 0),
         };
         b[0] = kind;
         put32(b, 4, a);
@@ -461,6 +492,9 @@ impl BatchHeader {
                     region: y,
                     on: e[0] == K_MARK,
                 },
+                K_TRACK => Entry::Track { comp: x, region: y },
+                K_TRACK_ALL => Entry::TrackAll { comp: x },
+                K_UNTRACK_ALL => Entry::UntrackAll { comp: x },
                 _ => return None,
             };
             entries.push(entry);
@@ -585,6 +619,37 @@ mod tests {
             LogSuper::decode(&v1),
             Err(StoreError::BadFormat(_))
         ));
+        // So is every earlier log version (3: marks but no tracked
+        // regions), even with a valid checksum, and so are its batch and
+        // checkpoint headers.
+        for old in 2..LOG_VERSION {
+            let mut b = sb.encode(0);
+            put32(&mut b, 8, old);
+            seal_crc(&mut b);
+            let e = LogSuper::decode(&b).unwrap_err();
+            assert!(
+                e.to_string()
+                    .contains(&format!("format version {old} is not supported")),
+                "{e}"
+            );
+        }
+        let mut h = vec![0u8; BLOCK];
+        BatchHeader {
+            uuid: 1,
+            seq: 2,
+            epoch: 3,
+            durable_seq: 1,
+            ckpt_seq: 1,
+            seg: 0,
+            off: 0,
+            next_seg: 1,
+            entries: vec![Entry::TrackAll { comp: 1 }],
+        }
+        .encode_into(&mut h);
+        assert!(BatchHeader::decode(&h).is_some());
+        put32(&mut h, 8, 3);
+        seal_crc(&mut h);
+        assert_eq!(BatchHeader::decode(&h), None);
     }
 
     #[test]
@@ -627,6 +692,12 @@ mod tests {
                     region: u64::MAX,
                     on: false,
                 },
+                Entry::Track {
+                    comp: 11,
+                    region: 12,
+                },
+                Entry::TrackAll { comp: 13 },
+                Entry::UntrackAll { comp: u64::MAX },
                 Entry::Data {
                     comp: u64::MAX,
                     block: u64::MAX,
@@ -665,7 +736,11 @@ mod tests {
             body_crc: 9,
         };
         let mut b = c.encode(0);
-        assert_eq!(CkptHeader::decode(&b), Some(c));
+        assert_eq!(CkptHeader::decode(&b), Some(c.clone()));
+        let mut v3 = b.clone();
+        put32(&mut v3, 8, 3);
+        seal_crc(&mut v3);
+        assert_eq!(CkptHeader::decode(&v3), None, "a version 3 checkpoint");
         b[50] ^= 1;
         assert_eq!(CkptHeader::decode(&b), None);
     }

@@ -1,4 +1,4 @@
-//! # The log-structured component store (format version 3)
+//! # The log-structured component store (format version 4)
 //!
 //! One store per device, holding many components. Every change is a
 //! sequential append to the log: a *batch* is one header block (what
@@ -9,7 +9,11 @@
 //! lives in memory; checkpoints of it go to two alternating slots, and
 //! opening replays the batches written after the newest checkpoint.
 //! A cleaner moves the live blocks of mostly-dead segments so they can be
-//! reused. Layout, invariants and crash handling: `docs/store-log-format.md`.
+//! reused. Per component the store also keeps two sets of 1 MiB regions
+//! for the cluster, logged and checkpointed like the rest: *marked* regions
+//! (writes may be in flight, [`LogStore::mark_regions`]) and *tracked* ones
+//! (written while another copy was out of service, `track.rs`). Layout,
+//! invariants and crash handling: `docs/store-log-format.md`.
 //!
 //! A block whose data and checksum disagree is never returned: reads fail
 //! with [`StoreError::Checksum`], so the caller repairs it from a copy.
@@ -27,9 +31,11 @@ mod scrub;
 mod segment;
 #[cfg(test)]
 mod tests;
+mod track;
 pub mod uring;
 
 pub use device::{BlockDevice, FaultyDevice, FileDevice, SimRng};
+pub use track::Tracked;
 pub use uring::{open_file_device, UringDevice};
 
 use crate::direct::AlignedBuf;
@@ -365,6 +371,8 @@ struct Comp {
     index: BlockIndex,
     /// Regions marked by the cluster (see [`LogStore::mark_regions`]).
     marks: BTreeSet<u32>,
+    /// Regions tracked for delta resync (see [`LogStore::track_regions`]).
+    tracked: track::TrackSet,
 }
 
 impl Comp {
@@ -1451,6 +1459,7 @@ impl LogStore {
                     generation: 0,
                     index: BlockIndex::new(),
                     marks: BTreeSet::new(),
+                    tracked: Default::default(),
                 },
             );
         }
@@ -1533,7 +1542,8 @@ impl LogStore {
         }
     }
 
-    /// Deletes a component and frees its blocks.
+    /// Deletes a component and frees its blocks; its marked and tracked
+    /// regions go with it.
     pub fn delete_component(&self, id: u64) -> Result<()> {
         self.fail_check()?;
         {
@@ -1557,8 +1567,10 @@ impl LogStore {
     /// write in flight in the cluster) is marked on at least the copy that
     /// has the write. The cluster marks before it writes and unmarks
     /// ([`unmark_regions`](Self::unmark_regions)) once the writes there
-    /// are on every copy. `NoSpace` if the device has
-    /// [`max_marks`](format::max_marks) regions marked already.
+    /// are on every copy. `NoSpace` if the regions marked and tracked
+    /// (one by one, [`track_regions`](Self::track_regions)) on the device
+    /// would pass [`max_marks`](format::max_marks): tracked regions take
+    /// at most half of it, so marks always have the other half.
     pub fn mark_regions(&self, id: u64, offset: u64, len: u64) -> Result<()> {
         self.fail_check()?;
         let mut st = self.lock_state();
@@ -1577,8 +1589,9 @@ impl LogStore {
             return Ok(());
         }
         let marked: u64 = st.comps.values().map(|c| c.marks.len() as u64).sum();
+        let tracked = track::listed_total(&st.comps);
         let max = format::max_marks(self.sb.nsegs, self.sb.seg_blocks, self.sb.max_components);
-        if marked + new.len() as u64 > max {
+        if marked + tracked + new.len() as u64 > max {
             return Err(StoreError::NoSpace);
         }
         self.log_marks(&mut st, id, new, true)

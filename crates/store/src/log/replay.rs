@@ -76,6 +76,10 @@ pub(super) fn recover(dev: &dyn BlockDevice, sb: &LogSuper) -> Result<(State, u6
         cleaning: None,
     };
     replay(dev, sb, &mut st, &hdr)?;
+    let max = super::format::max_tracked(sb.nsegs, sb.seg_blocks, sb.max_components);
+    if super::track::enforce_bound(&mut st.comps, max) > 0 {
+        tracing::warn!("more regions tracked than the bound after replay: the largest sets now track every region");
+    }
     let last = st.seq - 1;
     Ok((st, last))
 }
@@ -329,6 +333,7 @@ fn apply(st: &mut State, h: &BatchHeader) {
                             generation,
                             index: super::index::BlockIndex::new(),
                             marks: Default::default(),
+                            tracked: Default::default(),
                         },
                     );
                 }
@@ -344,6 +349,11 @@ fn apply(st: &mut State, h: &BatchHeader) {
                     } else {
                         c.marks.remove(&r);
                     }
+                }
+            }
+            Entry::Track { comp, .. } | Entry::TrackAll { comp } | Entry::UntrackAll { comp } => {
+                if let Some(c) = st.comps.get_mut(&comp) {
+                    c.tracked.apply(e);
                 }
             }
         }

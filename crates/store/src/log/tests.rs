@@ -653,6 +653,282 @@ fn marks_survive_power_cuts_checkpoints_and_reopens() {
     assert_eq!(marked as u64, max);
 }
 
+/// Power cut that keeps none of the writes not yet flushed.
+fn cut_unflushed(d: &Arc<FaultyDevice>, s: LogStore) -> (Arc<FaultyDevice>, LogStore) {
+    let img = d.power_cut_with(|_, _, _| 0);
+    drop(s);
+    let d = Arc::new(FaultyDevice::from_image(img));
+    let s = reopen(&d);
+    (d, s)
+}
+
+/// Entries in the open batch (what the last calls logged since a sync).
+fn open_entries(s: &LogStore) -> Vec<Entry> {
+    s.lock_state().batch.entries.clone()
+}
+
+fn regions(r: std::ops::Range<u32>) -> Tracked {
+    Tracked::Regions(r.collect())
+}
+
+#[test]
+fn tracked_regions_survive_power_cuts_checkpoints_and_reopens() {
+    let (d, s) = mem_store(16, 64);
+    s.create_component(1, 1, 8 * M).unwrap();
+    s.create_component(2, 1, M).unwrap();
+    assert_eq!(s.tracked_regions(1), Some(regions(0..0)));
+    assert_eq!(s.tracked_regions(9), None);
+    assert!(matches!(
+        s.track_regions(9, &[0]),
+        Err(StoreError::NoSuchComponent(9))
+    ));
+    assert!(matches!(
+        s.track_all(9),
+        Err(StoreError::NoSuchComponent(9))
+    ));
+    s.untrack_all(9).unwrap();
+    s.sync().unwrap();
+    // Empty sets and absent components log nothing.
+    s.untrack_all(1).unwrap();
+    s.track_regions(1, &[]).unwrap();
+    assert_eq!(open_entries(&s), vec![]);
+    // One entry per region newly tracked, ascending, whatever the order.
+    s.track_regions(1, &[5, 1, 5, 3]).unwrap();
+    let track = |comp, region| Entry::Track { comp, region };
+    assert_eq!(
+        open_entries(&s),
+        vec![track(1, 1), track(1, 3), track(1, 5)]
+    );
+    s.track_regions(2, &[0]).unwrap();
+    s.sync().unwrap();
+    // Already tracked regions cost nothing; marks are another set.
+    s.track_regions(1, &[3, 1]).unwrap();
+    assert_eq!(open_entries(&s), vec![]);
+    assert!(s.marked_regions().is_empty());
+    let one = Tracked::Regions(vec![1, 3, 5]);
+    // A power cut: the sets come back from the log tail.
+    let img = d.power_cut(&mut SimRng::new(1));
+    drop(s);
+    let d = Arc::new(FaultyDevice::from_image(img));
+    let s = reopen(&d);
+    assert_eq!(s.tracked_regions(1), Some(one.clone()));
+    assert_eq!(s.tracked_regions(2), Some(regions(0..1)));
+    // All: one entry; then tracking that component costs nothing.
+    s.track_all(2).unwrap();
+    assert_eq!(open_entries(&s), vec![Entry::TrackAll { comp: 2 }]);
+    s.sync().unwrap();
+    s.track_all(2).unwrap();
+    s.track_regions(2, &[7]).unwrap();
+    assert_eq!(open_entries(&s), vec![]);
+    // From a checkpoint (nothing after it).
+    s.checkpoint().unwrap();
+    let (d, s) = cut_unflushed(&d, s);
+    assert_eq!(s.tracked_regions(1), Some(one.clone()));
+    assert_eq!(s.tracked_regions(2), Some(Tracked::All));
+    // Untrack-all: one entry whatever the size, durable with a sync.
+    s.untrack_all(1).unwrap();
+    assert_eq!(open_entries(&s), vec![Entry::UntrackAll { comp: 1 }]);
+    s.sync().unwrap();
+    let (d, s) = cut_unflushed(&d, s);
+    assert_eq!(s.tracked_regions(1), Some(regions(0..0)));
+    // One never synced may be lost: the set stays, never the other way.
+    s.untrack_all(2).unwrap();
+    assert_eq!(s.tracked_regions(2), Some(regions(0..0)));
+    let (d, s) = cut_unflushed(&d, s);
+    assert_eq!(s.tracked_regions(2), Some(Tracked::All));
+    s.check().unwrap();
+    // Deleting a component drops its set (a new one starts empty); a
+    // clean close keeps the others.
+    s.track_regions(1, &[7]).unwrap();
+    s.delete_component(2).unwrap();
+    assert_eq!(s.tracked_regions(2), None);
+    s.create_component(2, 1, M).unwrap();
+    assert_eq!(s.tracked_regions(2), Some(regions(0..0)));
+    s.close().unwrap();
+    let s = reopen(&d);
+    assert_eq!(s.tracked_regions(1), Some(regions(7..8)));
+    assert_eq!(s.tracked_regions(2), Some(regions(0..0)));
+}
+
+/// Tracked regions live in log entries of segments the cleaner frees, so
+/// a segment is freed only by a checkpoint, which records every set.
+#[test]
+fn tracked_regions_survive_segment_cleaning() {
+    let (d, s) = mem_store(16, 64);
+    let per = s.capacity() * 4 / 5 / B;
+    s.create_component(1, 1, 64 * M).unwrap();
+    s.create_component(2, 1, per * B).unwrap();
+    // The track entries share a batch with data that the cleaner moves.
+    s.track_regions(1, &[0, 9, 63]).unwrap();
+    let first = pattern(1, BLOCK);
+    s.write(1, 0, &first).unwrap();
+    s.sync().unwrap();
+    let d0 = s.locate(1, 0).unwrap();
+    let h0 = s.lock_state().segs.header_of(d0).unwrap();
+    let header_at = |dev: &FaultyDevice| {
+        let mut b = vec![0u8; BLOCK];
+        dev.read_at(&mut b, h0 as u64 * B).unwrap();
+        BatchHeader::decode(&b)
+    };
+    let old = header_at(&d).expect("the batch of the track entries");
+    assert!(old.entries.contains(&Entry::Track {
+        comp: 1,
+        region: 63
+    }));
+    // Moved away, and its segment freed by the checkpoint that follows.
+    s.relocate_segment_of(1, 0).unwrap();
+    assert_ne!(s.locate(1, 0), Some(d0));
+    // Scattered overwrites (the cleaner moves what they leave live) and
+    // more regions tracked, until the log has gone round the device.
+    let mut rng = SimRng::new(2);
+    let mut want = vec![0, 9, 63];
+    for round in 0..8u32 {
+        for k in 0..per {
+            let b = rng.below(per);
+            s.write(2, b * B, &noise(round as u64 * per + k, BLOCK))
+                .unwrap();
+        }
+        // Within the bound: six regions tracked one by one here.
+        s.track_regions(1, &[20 + round % 3]).unwrap();
+        want.push(20 + round % 3);
+        s.sync().unwrap();
+    }
+    want.sort_unstable();
+    want.dedup();
+    assert!(
+        header_at(&d).is_none_or(|h| h.seq != old.seq),
+        "the segment was never reused"
+    );
+    assert!(s.stats().cleaned_segments > 8, "{:?}", s.stats());
+    let want = Tracked::Regions(want);
+    assert_eq!(s.tracked_regions(1), Some(want.clone()));
+    let img = d.power_cut(&mut SimRng::new(3));
+    drop(s);
+    let d = Arc::new(FaultyDevice::from_image(img));
+    let s = reopen(&d);
+    s.check().unwrap();
+    assert_eq!(s.tracked_regions(1), Some(want));
+    assert_eq!(read_vec(&s, 1, 0, BLOCK), first);
+}
+
+/// Regions tracked one by one, device-wide.
+fn listed(s: &LogStore) -> u64 {
+    s.components()
+        .iter()
+        .map(|c| match s.tracked_regions(c.id) {
+            Some(Tracked::Regions(r)) => r.len() as u64,
+            _ => 0,
+        })
+        .sum()
+}
+
+#[test]
+fn tracked_regions_collapse_past_the_bound_and_marks_keep_half() {
+    let (d, s) = mem_store(16, 64);
+    let sb = &s.sb;
+    let max = format::max_marks(sb.nsegs, sb.seg_blocks, sb.max_components);
+    let half = format::max_tracked(sb.nsegs, sb.seg_blocks, sb.max_components);
+    assert_eq!(half, max / 2);
+    let half32 = half as u32;
+    for id in 1..=4 {
+        s.create_component(id, 1, (max + 8) * M).unwrap();
+    }
+    // Up to the bound, region by region.
+    s.track_regions(1, &(0..half32 - 1).collect::<Vec<_>>())
+        .unwrap();
+    s.track_regions(2, &[0]).unwrap();
+    assert_eq!(listed(&s), half);
+    // Past it, the component tracking more collapses to All (one entry)
+    // and gives its regions back.
+    s.sync().unwrap();
+    s.track_regions(2, &[1]).unwrap();
+    assert_eq!(open_entries(&s), vec![Entry::TrackAll { comp: 2 }]);
+    assert_eq!(s.tracked_regions(2), Some(Tracked::All));
+    assert_eq!(listed(&s), half - 1);
+    // So does a set past the bound on its own.
+    s.track_regions(3, &(0..half32 + 1).collect::<Vec<_>>())
+        .unwrap();
+    assert_eq!(s.tracked_regions(3), Some(Tracked::All));
+    s.track_regions(4, &[0]).unwrap();
+    assert_eq!(listed(&s), half);
+    // Marks get the rest of `max_marks`: at least the other half.
+    s.mark_regions(1, 0, (max - half) * M).unwrap();
+    let r = s.mark_regions(1, (max - half) * M, 1);
+    assert!(matches!(r, Err(StoreError::NoSpace)), "{r:?}");
+    // Untracking gives marks room again.
+    s.untrack_all(1).unwrap();
+    assert_eq!(listed(&s), 1);
+    s.mark_regions(1, 0, (max - 1) * M).unwrap();
+    // Tracking is never refused for room: with the marks at their bound
+    // it goes up to its own, and both survive a reopen (the checkpoint
+    // slot holds both at once).
+    s.track_regions(1, &(0..half32 - 1).collect::<Vec<_>>())
+        .unwrap();
+    assert_eq!(listed(&s), half);
+    let marked =
+        |s: &LogStore| -> u64 { s.marked_regions().iter().map(|(_, r)| r.len() as u64).sum() };
+    assert_eq!(marked(&s), max - 1);
+    let before: Vec<_> = (1..=4).map(|id| s.tracked_regions(id)).collect();
+    s.close().unwrap();
+    let s = reopen(&d);
+    assert_eq!(
+        (1..=4).map(|id| s.tracked_regions(id)).collect::<Vec<_>>(),
+        before
+    );
+    assert_eq!((marked(&s), listed(&s)), (max - 1, half));
+    // From the log tail too.
+    s.untrack_all(4).unwrap();
+    s.track_regions(2, &[5]).unwrap();
+    s.sync().unwrap();
+    let (_, s) = cut_unflushed(&d, s);
+    assert_eq!(s.tracked_regions(4), Some(regions(0..0)));
+    assert_eq!(s.tracked_regions(2), Some(Tracked::All));
+    assert_eq!(listed(&s), half - 1);
+}
+
+/// A device of format version 3 (marks, no tracked regions) is refused
+/// with `BadFormat`, never misread or reformatted.
+#[test]
+fn refuses_devices_of_format_version_3() {
+    let dir = TempDir::new().unwrap();
+    let p = dev_path(&dir);
+    let s = new_store(&dir);
+    s.create_component(1, 1, M).unwrap();
+    s.write(1, 0, b"data").unwrap();
+    drop(s);
+    // Both superblock copies say version 3, with valid checksums.
+    let f = OpenOptions::new().read(true).write(true).open(&p).unwrap();
+    for copy in 0..2u64 {
+        let mut b = vec![0u8; BLOCK];
+        f.read_exact_at(&mut b, copy * B).unwrap();
+        b[8..12].copy_from_slice(&3u32.to_le_bytes());
+        let crc = crc32c::crc32c(&b[..BLOCK - 4]);
+        b[BLOCK - 4..].copy_from_slice(&crc.to_le_bytes());
+        f.write_all_at(&b, copy * B).unwrap();
+    }
+    drop(f);
+    for r in [
+        LogStore::open(&p),
+        LogStore::open_or_create(&p, MIN_CAPACITY, "test"),
+        LogStore::create(&p, MIN_CAPACITY, "test"),
+    ] {
+        let e = r.unwrap_err();
+        assert!(matches!(e, StoreError::BadFormat(_)), "{e}");
+        assert!(
+            e.to_string().contains(
+                "format version 3 is not supported by the log store (it reads version 4)"
+            ),
+            "{e}"
+        );
+    }
+    let mut v = [0u8; 4];
+    std::fs::File::open(&p)
+        .unwrap()
+        .read_exact_at(&mut v, 8)
+        .unwrap();
+    assert_eq!(u32::from_le_bytes(v), 3, "left as it was");
+}
+
 #[test]
 fn no_space_changes_nothing_and_freeing_helps() {
     let (d, s) = mem_store(16, 40);
@@ -1051,6 +1327,16 @@ enum Op {
         c: usize,
         size: u64,
     },
+    Track {
+        c: usize,
+        regions: Vec<u32>,
+    },
+    TrackAll {
+        c: usize,
+    },
+    UntrackAll {
+        c: usize,
+    },
     Sync,
     Reopen,
 }
@@ -1072,6 +1358,9 @@ fn arb_op() -> impl Strategy<Value = Op> {
         2 => (0usize..3, arb_off(), 1u64..3 * M).prop_map(|(c, off, len)| Op::Trim { c, off, len }),
         2 => (0usize..3, arb_off(), 1u64..3 * M).prop_map(|(c, off, len)| Op::Zeroes { c, off, len }),
         1 => (0usize..3, 0u64..6 * M).prop_map(|(c, size)| Op::Resize { c, size }),
+        2 => (0usize..3, prop::collection::vec(0u32..8, 0..4))
+            .prop_map(|(c, regions)| Op::Track { c, regions }),
+        1 => (0usize..6).prop_map(|c| if c < 3 { Op::UntrackAll { c } } else { Op::TrackAll { c: c - 3 } }),
         1 => Just(Op::Sync),
         1 => Just(Op::Reopen),
     ]
@@ -1093,10 +1382,15 @@ proptest! {
         let dir = TempDir::new().unwrap();
         let mut s = new_store(&dir);
         let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
+        let mut tracked: BTreeMap<u64, Tracked> = BTreeMap::new();
         for (i, size) in SIZES.iter().enumerate() {
             s.create_component(i as u64 + 1, 9, *size).unwrap();
             model.insert(i as u64 + 1, vec![0u8; *size as usize]);
+            tracked.insert(i as u64 + 1, Tracked::Regions(vec![]));
         }
+        let tracked_now = |s: &LogStore| -> BTreeMap<u64, Tracked> {
+            (1..=SIZES.len() as u64).map(|id| (id, s.tracked_regions(id).unwrap())).collect()
+        };
         for op in ops {
             match op {
                 Op::Write { c, off, len, seed } => {
@@ -1132,18 +1426,38 @@ proptest! {
                     s.resize_component(id, size).unwrap();
                     model.get_mut(&id).unwrap().resize(size as usize, 0);
                 }
+                Op::Track { c, ref regions } => {
+                    let id = c as u64 + 1;
+                    s.track_regions(id, regions).unwrap();
+                    if let Some(Tracked::Regions(t)) = tracked.get_mut(&id) {
+                        t.extend(regions);
+                        t.sort_unstable();
+                        t.dedup();
+                    }
+                }
+                Op::TrackAll { c } => {
+                    s.track_all(c as u64 + 1).unwrap();
+                    tracked.insert(c as u64 + 1, Tracked::All);
+                }
+                Op::UntrackAll { c } => {
+                    s.untrack_all(c as u64 + 1).unwrap();
+                    tracked.insert(c as u64 + 1, Tracked::Regions(vec![]));
+                }
                 Op::Sync => s.sync().unwrap(),
                 Op::Reopen => {
                     drop(s);
                     s = LogStore::open(&dev_path(&dir)).unwrap();
+                    prop_assert_eq!(&tracked_now(&s), &tracked);
                 }
             }
         }
+        prop_assert_eq!(&tracked_now(&s), &tracked);
         s.sync().unwrap();
         prop_assert_eq!(s.check(), Ok(()));
         drop(s);
         let s = LogStore::open(&dev_path(&dir)).unwrap();
         prop_assert_eq!(s.check(), Ok(()));
+        prop_assert_eq!(&tracked_now(&s), &tracked);
         let mut blocks = 0;
         for (id, m) in &model {
             let meta = s.component(*id).unwrap();
@@ -1161,6 +1475,17 @@ proptest! {
 // ---------------------------------------------------------------------
 // Crash consistency over the fault-injecting device
 // ---------------------------------------------------------------------
+
+/// The regions (1 MiB) that bytes `off .. off+len` touch.
+fn regions_of(off: u64, len: u64) -> Vec<u32> {
+    let region = format::REGION_BLOCKS * B;
+    if len == 0 {
+        return vec![];
+    }
+    (off / region..=(off + len - 1) / region)
+        .map(|r| r as u32)
+        .collect()
+}
 
 /// What a component may look like after a power cut.
 #[derive(Debug, Clone)]
@@ -1288,6 +1613,7 @@ impl Crash {
                 let r = self
                     .s()
                     .mark_regions(id, b * B, B)
+                    .and_then(|()| self.s().track_regions(id, &regions_of(b * B, B)))
                     .and_then(|()| self.s().write(id, b * B, &data));
                 if r.is_ok() || Self::power_lost(&r) {
                     self.model
@@ -1310,10 +1636,12 @@ impl Crash {
                 .min(size);
                 let off = self.rng.below(size - len + 1);
                 let data = noise(self.rng.next_u64(), len as usize);
-                // Marked first, as the cluster does (`mark_regions`).
+                // Marked first, as the cluster does (`mark_regions`), and
+                // tracked, as it does while a copy is out of service.
                 let r = self
                     .s()
                     .mark_regions(id, off, len)
+                    .and_then(|()| self.s().track_regions(id, &regions_of(off, len)))
                     .and_then(|()| self.s().write(id, off, &data));
                 if r.is_ok() || Self::power_lost(&r) {
                     self.model
@@ -1516,6 +1844,21 @@ impl Crash {
                     );
                 }
             }
+            // It was tracked before it was written too, and nothing
+            // untracks here: its region is tracked.
+            let tracked = s.tracked_regions(id);
+            for (b, chunk) in buf.chunks(BLOCK).enumerate() {
+                let r = (b as u64 / format::REGION_BLOCKS) as u32;
+                let ok = match &tracked {
+                    Some(Tracked::All) => true,
+                    Some(Tracked::Regions(t)) => t.contains(&r),
+                    None => false,
+                };
+                assert!(
+                    ok || *chunk == ZERO[..chunk.len()],
+                    "seed {seed}: block {b} of {id} holds data, region {r} untracked"
+                );
+            }
             // Allocated ranges cover every block holding data.
             let ranges = s.allocated_ranges(id);
             for (b, chunk) in buf.chunks(BLOCK).enumerate() {
@@ -1577,6 +1920,7 @@ fn crash_case(seed: u64, scatter: bool) -> (u64, u64, u64) {
         if prefill {
             let data = noise(rng.next_u64(), (per * B) as usize);
             store.mark_regions(id, 0, per * B).unwrap();
+            store.track_regions(id, &regions_of(0, per * B)).unwrap();
             store.write(id, 0, &data).unwrap();
             m.write(0, per * B, Some(&data));
         }

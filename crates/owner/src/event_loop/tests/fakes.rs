@@ -14,7 +14,7 @@ use crate::{
 use bytes::Bytes;
 use futures::StreamExt;
 use shoal_model::{ComponentRole, ComponentState, Generation, VolumeId};
-use shoal_rpc::{Handler, Peer, RemoteError, Request, Response};
+use shoal_rpc::{Handler, Peer, RegionSet, RemoteError, Request, Response};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -54,6 +54,8 @@ pub(super) struct FakeReplica {
     others: Mutex<Answer>,
     fill: u8,
     ranges: Mutex<Vec<(u64, u64)>>,
+    /// What `TrackedRegions` answers; `None`: `All`.
+    tracked: Mutex<Option<RegionSet>>,
 }
 
 impl FakeReplica {
@@ -73,6 +75,11 @@ impl FakeReplica {
     /// What `AllocatedRanges` answers.
     pub(super) fn allocate(&self, ranges: &[(u64, u64)]) {
         *self.ranges.lock().unwrap() = ranges.to_vec();
+    }
+
+    /// What `TrackedRegions` answers (`All` until this is called).
+    pub(super) fn track(&self, set: RegionSet) {
+        *self.tracked.lock().unwrap() = Some(set);
     }
 
     /// The requests received so far, in order.
@@ -97,6 +104,13 @@ impl FakeReplica {
                 Bytes::new(),
             ),
             Request::Repair { .. } => (Response::Repaired(true), Bytes::new()),
+            Request::TrackedRegions { .. } => {
+                let set = self.tracked.lock().unwrap().clone();
+                (
+                    Response::Tracked(set.unwrap_or(RegionSet::All)),
+                    Bytes::new(),
+                )
+            }
             _ => (Response::Ok, Bytes::new()),
         }
     }

@@ -4,6 +4,7 @@
 //! checks the answers, the requests the replicas received, and the loop's
 //! state. Every `apply` also checks the invariants.
 
+mod delta;
 mod fakes;
 mod reconfig;
 
