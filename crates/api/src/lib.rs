@@ -7,8 +7,8 @@
 
 use serde::{Deserialize, Serialize};
 use shoal_model::{
-    ClusterSettings, DeviceId, DeviceInfo, DeviceState, Generation, NodeId, NodeInfo, Role, Volume,
-    VolumeHealth,
+    ClusterSettings, DeviceId, DeviceInfo, DeviceState, Generation, NodeId, NodeInfo, NodeState,
+    Role, Volume, VolumeHealth,
 };
 use std::time::Duration;
 
@@ -113,8 +113,36 @@ pub struct StatusReport {
     pub leader: Option<NodeId>,
     pub voters: Vec<NodeId>,
     pub nodes: Vec<NodeInfo>,
-    pub devices: Vec<DeviceInfo>,
+    pub devices: Vec<DeviceReport>,
     pub volumes: Vec<VolumeReport>,
+}
+
+/// A device as `GET /v1/status` reports it: what the directory keeps (its
+/// state as its node last reported it) and the state of its node, so that
+/// a down node's devices do not look healthy.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DeviceReport {
+    #[serde(flatten)]
+    pub device: DeviceInfo,
+    pub node_state: NodeState,
+}
+
+impl std::ops::Deref for DeviceReport {
+    type Target = DeviceInfo;
+    fn deref(&self) -> &DeviceInfo {
+        &self.device
+    }
+}
+
+impl DeviceReport {
+    /// The device's state as a person should read it: its node's when
+    /// the node is down (nothing is known of the device then).
+    pub fn shown_state(&self) -> String {
+        match self.node_state {
+            NodeState::Up => format!("{:?}", self.device.state).to_lowercase(),
+            other => format!("node {other}"),
+        }
+    }
 }
 
 /// `POST /v1/heartbeat`, sent by every node to the directory leader.

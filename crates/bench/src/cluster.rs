@@ -457,7 +457,7 @@ mod tests {
                 state: NodeState::Up,
             })
             .collect();
-        let devices = (1..=3)
+        let devices: Vec<DeviceInfo> = (1..=3)
             .map(|id| DeviceInfo {
                 id,
                 node: id,
@@ -504,7 +504,13 @@ mod tests {
             leader: Some(1),
             voters: vec![1, 2, 3],
             nodes,
-            devices,
+            devices: devices
+                .into_iter()
+                .map(|device| shoal_api::DeviceReport {
+                    device,
+                    node_state: NodeState::Up,
+                })
+                .collect(),
             volumes: vec![VolumeReport {
                 volume,
                 health,

@@ -145,7 +145,7 @@ enum ClusterCmd {
         /// The setting to change.
         setting: Setting,
         /// Its new value (repair-delay: a duration, 90s, 30m, 24h or 7d;
-        /// resync-mib-per-s: a whole number of MiB/s, 0 for no limit).
+        /// resync-mib-per-s: a whole number of MiB/s, 0 for the adaptive pace).
         #[arg(allow_negative_numbers = true)]
         value: String,
         #[command(flatten)]
@@ -167,7 +167,7 @@ enum Setting {
     /// data is rebuilt elsewhere: 1s to 7d (default 60m).
     RepairDelay,
     /// Static limit of each owner's resync and rebuild copies, in MiB/s:
-    /// 0 (no static limit, the default) to 102400.
+    /// 0 (adaptive: yields to client I/O, the default) to 102400.
     ResyncMibPerS,
 }
 
@@ -759,10 +759,10 @@ fn settings_update(setting: Setting, value: &str) -> Result<shoal_api::ClusterSe
 }
 
 /// A static resync limit (`shoal cluster set resync-mib-per-s`): a whole
-/// number of MiB/s, 0 (no static limit) to `MAX_RESYNC_MIB_PER_S`.
+/// number of MiB/s, 0 (adaptive) to `MAX_RESYNC_MIB_PER_S`.
 fn parse_resync_mib_per_s(s: &str) -> Result<u64, String> {
     let max = shoal_model::MAX_RESYNC_MIB_PER_S;
-    let range = || format!("0 (no static limit) to {max}");
+    let range = || format!("0 (adaptive) to {max}");
     if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
         return Err(format!(
             "{s:?}: expected a whole number of MiB/s, {}",
@@ -779,7 +779,7 @@ fn parse_resync_mib_per_s(s: &str) -> Result<u64, String> {
 fn show_settings(s: &shoal_model::ClusterSettings) {
     println!("repair-delay: {}", human_duration_s(s.repair_delay_s));
     match s.resync_mib_per_s {
-        0 => println!("resync-mib-per-s: 0 (no static limit)"),
+        0 => println!("resync-mib-per-s: 0 (adaptive)"),
         n => println!("resync-mib-per-s: {n}"),
     }
 }
@@ -1032,7 +1032,7 @@ mod tests {
             ("", "expected a whole number"),
             (
                 &*(max + 1).to_string(),
-                "out of range: 0 (no static limit) to 102400",
+                "out of range: 0 (adaptive) to 102400",
             ),
             ("99999999999999999999999", "out of range"),
         ] {

@@ -37,7 +37,7 @@ pub fn status(s: &StatusReport) {
             "{:<7} {:<5} {:<10} {:>10} {:>10} {:>10}  {}",
             d.id,
             d.node,
-            format!("{:?}", d.state).to_lowercase(),
+            d.shown_state(),
             human_size(d.capacity),
             human_size(d.used),
             human_size(d.free()),

@@ -171,7 +171,7 @@ fn read_only_reads_the_settings_and_cannot_set_them(c: &Cluster, ro: &str) {
     let settings = String::from_utf8_lossy(&settings.expect("shoal").stdout).into_owned();
     assert_eq!(
         settings.trim(),
-        "repair-delay: 1h\nresync-mib-per-s: 0 (no static limit)",
+        "repair-delay: 1h\nresync-mib-per-s: 0 (adaptive)",
         "unchanged"
     );
 }

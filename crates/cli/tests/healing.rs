@@ -58,6 +58,18 @@ fn a_host_killed_for_good_is_rebuilt_elsewhere_under_writes() {
     // The copy is absent first (the repair delay is waited out), then
     // rebuilt on the one node that held nothing of the volume.
     c.wait_component_state("v", victim, "Absent", HEAL);
+    // The dead node's devices show the node's state, not their last report.
+    c.wait_node(victim, "Down", HEAL);
+    let status = c.json(&["status"]);
+    let devices = status["devices"].as_array().cloned().unwrap_or_default();
+    let of_victim: Vec<_> = devices.iter().filter(|d| d["node"] == victim).collect();
+    assert!(!of_victim.is_empty(), "the dead node's devices: {status}");
+    assert!(
+        of_victim.iter().all(|d| d["node_state"] == "Down"),
+        "the dead node's devices: {of_victim:?}"
+    );
+    let text = c.shoal(&["status"]);
+    assert!(text.contains("node down"), "{text}");
     wait_for("the volume rebuilt away from the dead host", HEAL, || {
         let v = c.try_json(&["volume", "show", "v"])?;
         let comps = v["volume"]["components"]

@@ -338,13 +338,10 @@ fn cluster_settings_are_set_and_bad_ones_refused() {
     let out = c.shoal(&["cluster", "set", "repair-delay", "30s"]);
     assert_eq!(
         out.trim(),
-        "repair-delay: 30s\nresync-mib-per-s: 0 (no static limit)"
+        "repair-delay: 30s\nresync-mib-per-s: 0 (adaptive)"
     );
     let out = c.shoal(&["cluster", "set", "resync-mib-per-s", "0"]);
-    assert!(
-        out.contains("resync-mib-per-s: 0 (no static limit)"),
-        "{out}"
-    );
+    assert!(out.contains("resync-mib-per-s: 0 (adaptive)"), "{out}");
     let out = c.shoal(&["cluster", "set", "resync-mib-per-s", "50"]);
     assert!(out.contains("resync-mib-per-s: 50\n"), "{out}");
     assert_eq!(settings(&c), (30.into(), 50.into()));
@@ -372,7 +369,7 @@ fn cluster_settings_are_set_and_bad_ones_refused() {
         ),
         (
             &["cluster", "set", "resync-mib-per-s", "fast"],
-            "expected a whole number of MiB/s, 0 (no static limit) to 102400",
+            "expected a whole number of MiB/s, 0 (adaptive) to 102400",
         ),
         (
             &["cluster", "set", "resync-mib-per-s", "1.5"],
@@ -380,7 +377,7 @@ fn cluster_settings_are_set_and_bad_ones_refused() {
         ),
         (
             &["cluster", "set", "resync-mib-per-s", "102401"],
-            "out of range: 0 (no static limit) to 102400",
+            "out of range: 0 (adaptive) to 102400",
         ),
         (
             &["cluster", "set", "bogus", "1s"],

@@ -421,7 +421,17 @@ async fn status(State(h): State<Http>, headers: HeaderMap) -> Json<StatusReport>
         leader: h.router.dir.leader(),
         voters: h.router.dir.voters(),
         nodes: s.nodes.values().cloned().collect(),
-        devices: s.devices.values().cloned().collect(),
+        devices: s
+            .devices
+            .values()
+            .map(|d| shoal_api::DeviceReport {
+                device: d.clone(),
+                node_state: s
+                    .nodes
+                    .get(&d.node)
+                    .map_or(shoal_model::NodeState::Down, |n| n.state),
+            })
+            .collect(),
         volumes: reports_with_owners(&h, &s, &vs, token).await,
     })
 }

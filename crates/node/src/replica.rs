@@ -50,6 +50,10 @@ struct Dirty {
     /// mirrored so that a write to a marked region (nearly every write)
     /// does not take the store's lock a second time.
     marked: HashMap<ComponentId, HashSet<u64>>,
+    /// component → (generation, seq) of the newest barrier that said
+    /// `track`: an older one that did not (queued on a connection the
+    /// owner has since replaced) must not empty the tracked set.
+    tracked_at: HashMap<ComponentId, (Generation, u64)>,
 }
 
 pub struct Device {
@@ -386,7 +390,7 @@ impl Replicas {
             return Ok(());
         }
         let mut m = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
-        let Dirty { writes, marked } = &mut *m;
+        let Dirty { writes, marked, .. } = &mut *m;
         let (e, marked) = (writes.entry(c).or_default(), marked.entry(c).or_default());
         let (first, end) = (off / REGION, off.saturating_add(len).div_ceil(REGION));
         let mut unmarked = false;
@@ -408,7 +412,7 @@ impl Replicas {
     /// unmarked over and over.
     pub fn settle_marks(&self) {
         let mut m = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
-        let Dirty { writes, marked } = &mut *m;
+        let Dirty { writes, marked, .. } = &mut *m;
         for d in self.devices.values() {
             for (c, regions) in d.store.marked_regions() {
                 let dirty = writes.get(&c);
@@ -438,7 +442,11 @@ impl Replicas {
     /// tracked any more.
     fn barrier(&self, d: &Device, c: ComponentId, upto: (Generation, u64), track: bool) {
         let mut m = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
-        if !track {
+        let newest_track = m.tracked_at.get(&c).copied();
+        if track {
+            m.tracked_at
+                .insert(c, newest_track.map_or(upto, |t| t.max(upto)));
+        } else if newest_track.is_none_or(|t| t <= upto) {
             if let Err(e) = d.note(d.store.untrack_all(c)) {
                 tracing::warn!(component = c, "emptying the tracked regions: {e}");
             }
@@ -658,6 +666,7 @@ impl Replicas {
                 if let Ok(mut m) = self.dirty.lock() {
                     m.writes.remove(&component);
                     m.marked.remove(&component);
+                    m.tracked_at.remove(&component);
                 }
                 self.leases.forget(component);
                 Self::durable(d, Response::Ok)
@@ -1007,8 +1016,14 @@ mod tests {
         drop(r);
         let r = replicas(&copy);
         assert_eq!(tracked(&r).await, runs(&[(0, 1), (2, 2)]));
+        // A barrier without track older than the last with it (queued on
+        // a connection since replaced) changes nothing.
+        tracking_barrier(&r, 2, 5, true).await;
+        barrier(&r, 2, 4).await;
+        r.settle_marks();
+        assert_eq!(tracked(&r).await, runs(&[(0, 1), (2, 2)]));
         // Every copy in sync again: the set is emptied.
-        barrier(&r, 2, 0).await;
+        barrier(&r, 2, 6).await;
         r.settle_marks();
         assert_eq!(tracked(&r).await, runs(&[]));
     }

@@ -16,6 +16,7 @@
 
 mod event_loop;
 pub mod lease;
+pub mod pace;
 pub mod status;
 pub mod throttle;
 
@@ -233,6 +234,9 @@ pub(crate) type ReadRoute = Arc<std::sync::RwLock<Option<LocalRead>>>;
 /// An operation handed to the owner ([`Owner::submit`]), its answer to come.
 pub struct Submitted {
     state: SubmitState,
+    /// When a client read, write or zeroing was admitted, and where its
+    /// latency is recorded once answered (for the resync's adaptive pace).
+    timed: Option<(Instant, Arc<pace::ClientLatency>)>,
 }
 
 enum SubmitState {
@@ -261,7 +265,15 @@ impl Submitted {
     /// failed device, a newer owner) is done again through the loop, which
     /// handles the error as for any read.
     pub async fn wait(self) -> Result<Bytes, OwnerError> {
-        match self.state {
+        let answer = Self::answer(self.state).await;
+        if let Some((started, latency)) = self.timed {
+            latency.record(started.elapsed());
+        }
+        answer
+    }
+
+    async fn answer(state: SubmitState) -> Result<Bytes, OwnerError> {
+        match state {
             SubmitState::Loop(rx) => rx.await.map_err(|_| OwnerError::Stopped)?,
             SubmitState::Stopped => Err(OwnerError::Stopped),
             SubmitState::Throttled { owner, op, at } => Self::wait_throttled(owner, op, at).await,
@@ -326,6 +338,9 @@ pub struct Owner {
     /// The volume's IOPS limit, kept here, before the loop: every I/O of
     /// the volume passes through `submit`.
     throttle: Arc<throttle::Throttle>,
+    /// Latencies of the clients' operations, which the loop's adaptive
+    /// resync pace reads.
+    latency: Arc<pace::ClientLatency>,
     /// What the loop reports of the volume's healing.
     status: event_loop::SharedStatus,
 }
@@ -345,7 +360,13 @@ impl Owner {
         let lease = Arc::new(lease::Lease::default());
         let throttle = Arc::new(throttle::Throttle::new(view.volume.policy.iops_limit));
         let status = event_loop::SharedStatus::default();
-        let shared = (route.clone(), lease.clone(), status.clone());
+        let latency = Arc::new(pace::ClientLatency::default());
+        let shared = event_loop::Shared {
+            route: route.clone(),
+            lease: lease.clone(),
+            status: status.clone(),
+            latency: latency.clone(),
+        };
         let tx = event_loop::start(cfg, view, generation, control, shared).await?;
         Ok(Owner {
             tx,
@@ -353,6 +374,7 @@ impl Owner {
             route,
             lease,
             throttle,
+            latency,
             status,
         })
     }
@@ -413,6 +435,9 @@ impl Owner {
                     op,
                     at,
                 },
+                // Timed once admitted: the wait for its turn is the
+                // limit's, not the copies'.
+                timed: None,
             };
         }
         self.submit_admitted(op)
@@ -420,17 +445,18 @@ impl Owner {
 
     /// `submit` for an operation the IOPS limit has let through.
     fn submit_admitted(&self, op: Op) -> Submitted {
+        let timed = matches!(op, Op::Read { .. } | Op::Write { .. } | Op::Zero { .. })
+            .then(|| (Instant::now(), self.latency.clone()));
         if let Op::Read { offset, len } = op {
             if let Some((pending, timeout)) = self.read_local(offset, len) {
-                return Submitted {
-                    state: SubmitState::Local {
-                        tx: self.tx.clone(),
-                        pending,
-                        timeout,
-                        offset,
-                        len,
-                    },
+                let state = SubmitState::Local {
+                    tx: self.tx.clone(),
+                    pending,
+                    timeout,
+                    offset,
+                    len,
                 };
+                return Submitted { state, timed };
             }
         }
         let (tx, rx) = oneshot::channel();
@@ -438,7 +464,7 @@ impl Owner {
             Ok(()) => SubmitState::Loop(rx),
             Err(_) => SubmitState::Stopped,
         };
-        Submitted { state }
+        Submitted { state, timed }
     }
 
     /// A read sent to the local in-sync copy, or None to go through the

@@ -198,7 +198,7 @@ pub(crate) async fn start<C: Control>(
     view: View,
     generation: Generation,
     control: Arc<C>,
-    (route, lease, status): Shared,
+    shared: Shared,
 ) -> Result<mpsc::UnboundedSender<Event>, OwnerError> {
     let vol = &view.volume;
     let mut replicas: Vec<Replica> = view
@@ -246,12 +246,12 @@ pub(crate) async fn start<C: Control>(
         );
     }
     tokio::time::sleep(older_lease).await;
-    lease.renewed(sent);
+    shared.lease.renewed(sent);
 
     let (mut lp, rx) = Loop::new(
         cfg.clone(),
         control,
-        (route, lease, status),
+        shared,
         vol.id,
         vol.size,
         generation,

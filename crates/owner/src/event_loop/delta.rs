@@ -8,9 +8,11 @@
 //! writes and its marks every region written since the first copy went
 //! out (the tracking epoch), across owner changes and restarts.
 //!
-//! A returning copy then needs only the union of what the copies in sync
-//! and the copy itself report ([`Request::TrackedRegions`]): its own
-//! report adds the writes it had in flight when it went out (its marks).
+//! A returning copy then needs only the union of what its source (any
+//! copy in sync) and the copy itself report ([`Request::TrackedRegions`]):
+//! its own report adds the writes it had in flight when it went out.
+//! The reconciliation of a dead owner's writes sends its copies with a
+//! sequence number of their own, so they are tracked like client writes.
 //! A copy created empty reports every region (its tracked set starts
 //! `All`), a copy whose device failed or that a change added is copied in
 //! full, and a set too large to keep one by one is `All` too: then the
@@ -26,20 +28,19 @@ use super::Loop;
 use crate::{Control, REGION};
 use bytes::Bytes;
 use shoal_model::{ComponentId, Generation};
-use shoal_rpc::{Peer, PendingReply, RegionSet, Request, Response, RpcError};
+use shoal_rpc::{Peer, RegionSet, Request, Response, RpcError};
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// A request sent (or not) to one copy.
-type Sent = Result<PendingReply, RpcError>;
-
-/// The questions a plan waits for: the allocated ranges of the source
-/// and the target, and, for a delta, the tracked regions of every copy in
-/// sync and of the target.
+/// What a plan asks, of whom: the source (an in-sync copy) and the
+/// target, each its connection and component.
 pub(super) struct Queries {
-    pub(super) allocated: Vec<Sent>,
-    pub(super) tracked: Option<Vec<Sent>>,
+    pub(super) source: (Arc<Peer>, ComponentId),
+    pub(super) target: (Arc<Peer>, ComponentId),
+    /// Copy every allocated region (the target was added, or its device
+    /// failed), not a delta.
+    pub(super) full: bool,
 }
 
 impl<C: Control> Loop<C> {
@@ -51,68 +52,66 @@ impl<C: Control> Loop<C> {
         })
     }
 
-    /// Sends the questions of the plan to bring copy `idx` back from
-    /// copy `src`: a full copy for one that a change added or whose device
-    /// failed, else a delta.
-    pub(super) fn ask_plan(&self, idx: usize, src: usize) -> Queries {
-        let send = |i: usize, req: Request| -> Sent {
-            match &self.replicas[i].peer {
-                Some(p) => p.send(&req, Bytes::new()),
-                None => Err(RpcError::Closed),
-            }
-        };
-        let allocated = [src, idx]
-            .into_iter()
-            .map(|i| {
-                let component = self.replicas[i].component;
-                send(i, Request::AllocatedRanges { component })
-            })
-            .collect();
-        let t = &self.replicas[idx];
-        let full = t.degraded || t.layouts.added();
-        let tracked = (!full).then(|| {
-            (0..self.replicas.len())
-                .filter(|&i| {
-                    i == idx
-                        || (self.replicas[i].is_data() && self.replicas[i].mode == Mode::InSync)
-                })
-                .map(|i| {
-                    let component = self.replicas[i].component;
-                    send(i, Request::TrackedRegions { component })
-                })
-                .collect()
-        });
-        Queries { allocated, tracked }
+    /// The questions of the plan to bring copy `idx` back from copy
+    /// `src`, or None if either has no connection. By the invariant any
+    /// one in-sync copy knows every region written since the epoch began,
+    /// so only the source is asked (a copy that does not answer fails the
+    /// attempt; asking more would let any of them block it).
+    pub(super) fn plan_queries(&self, idx: usize, src: usize) -> Option<Queries> {
+        let (s, t) = (&self.replicas[src], &self.replicas[idx]);
+        Some(Queries {
+            source: (s.peer.clone()?, s.component),
+            target: (t.peer.clone()?, t.component),
+            full: t.degraded || t.layouts.added(),
+        })
     }
 }
 
+/// Asks `peer` one question about `component` and waits for the answer.
+async fn ask(
+    (peer, component): &(Arc<Peer>, ComponentId),
+    question: fn(ComponentId) -> Request,
+    timeout: Duration,
+) -> Result<Response, RpcError> {
+    let sent = peer.send(&question(*component), Bytes::new())?;
+    Ok(sent.wait(timeout).await?.0)
+}
+
 /// The regions to copy, ascending, below `limit` regions: the tracked
-/// ones, or (for a full copy, or a tracked set of `All`) the allocated ones.
+/// ones, or (for a full copy, or a tracked set of `All`) the allocated
+/// ones.
 pub(super) async fn plan(q: Queries, limit: u64, timeout: Duration) -> Result<Vec<u64>, RpcError> {
-    if let Some(tracked) = q.tracked {
+    let tracked = |component| Request::TrackedRegions { component };
+    if !q.full {
         let mut regions = BTreeSet::new();
         let mut all = false;
-        for t in tracked {
-            match t?.wait(timeout).await? {
-                (Response::Tracked(RegionSet::All), _) => all = true,
-                (Response::Tracked(set), _) if set.is_ordered() => {
-                    regions.extend(set.regions(limit))
-                }
-                (other, _) => return Err(unexpected("tracked regions", &other)),
+        for side in [&q.source, &q.target] {
+            match ask(side, tracked, timeout).await? {
+                Response::Tracked(RegionSet::All) => all = true,
+                Response::Tracked(set) if set.is_ordered() => regions.extend(set.regions(limit)),
+                other => return Err(unexpected("tracked regions", &other)),
             }
         }
         if !all {
             return Ok(regions.into_iter().collect());
         }
     }
+    let allocated = |component| Request::AllocatedRanges { component };
     let mut regions = BTreeSet::new();
-    for a in q.allocated {
-        let (Response::Ranges(v), _) = a?.wait(timeout).await? else {
+    for side in [&q.source, &q.target] {
+        let Response::Ranges(v) = ask(side, allocated, timeout).await? else {
             return Err(RpcError::Protocol("expected ranges".into()));
         };
-        for (off, len) in v {
+        // Ranges in any order from a peer: each region is inserted once
+        // (at most `limit` in all), so no answer makes this loop long.
+        let mut next = 0;
+        let mut sorted = v;
+        sorted.sort_unstable();
+        for (off, len) in sorted {
+            let first = (off / REGION).max(next);
             let end = off.saturating_add(len).div_ceil(REGION).min(limit);
-            regions.extend(off / REGION..end);
+            regions.extend(first..end);
+            next = next.max(end);
         }
     }
     Ok(regions.into_iter().collect())

@@ -193,6 +193,7 @@ impl<C: Control> Loop<C> {
         self.ping_witnesses();
         self.reconnect_lost();
         self.probe_down();
+        self.feed_pace();
         self.consider_resync();
         self.advance_change();
         self.consider_rebuild();
@@ -206,6 +207,13 @@ impl<C: Control> Loop<C> {
         if self.reconcile.is_some() {
             // It would clear the marks of a dead owner's writes not yet
             // reconciled (`super::reconcile`).
+            return;
+        }
+        if self.replicas.iter().any(|r| r.mode == Mode::Failing) {
+            // A write that missed a copy not yet recorded out must stay
+            // dirty on the others: should this owner die before the
+            // record, the next one finds that copy active and reconciles
+            // only what is dirty.
             return;
         }
         let upto = self

@@ -66,9 +66,16 @@ type Reply = oneshot::Sender<Result<Bytes, OwnerError>>;
 
 /// The healing status the loop publishes ([`crate::status`]).
 pub(crate) type SharedStatus = Arc<std::sync::Mutex<crate::status::HealingStatus>>;
-/// What the loop shares with the [`crate::Owner`] handles: the read route,
-/// the lease and the healing status.
-pub(crate) type Shared = (ReadRoute, Arc<Lease>, SharedStatus);
+/// What the loop shares with the [`crate::Owner`] handles.
+pub(crate) struct Shared {
+    /// The local in-sync copy for reads around the loop.
+    pub(crate) route: ReadRoute,
+    pub(crate) lease: Arc<Lease>,
+    /// What the loop reports of the volume's healing.
+    pub(crate) status: SharedStatus,
+    /// The clients' latencies, which the handles record.
+    pub(crate) latency: Arc<crate::pace::ClientLatency>,
+}
 
 /// How long to wait for a TCP connection to a replica, in milliseconds.
 const CONNECT_TIMEOUT_MS: u64 = 1000;
@@ -269,6 +276,12 @@ pub(super) struct Loop<C: Control> {
     /// What the loop last reported of the volume's healing, shared with
     /// the [`crate::Owner`] handles.
     status: SharedStatus,
+    /// The clients' latencies, recorded by the [`crate::Owner`] handles.
+    latency: Arc<crate::pace::ClientLatency>,
+    /// The adaptive pace of copies, fed those latencies every tick.
+    adaptive: crate::pace::Adaptive,
+    /// Bytes copied by the resync since the last tick.
+    copied_since_tick: u64,
     /// A renewal round is in flight.
     renewing: bool,
     /// Reads waiting for the lease to be renewed, oldest first.
@@ -289,7 +302,7 @@ impl<C: Control> Loop<C> {
     fn new(
         cfg: OwnerConfig,
         control: Arc<C>,
-        (route, lease, status): Shared,
+        shared: Shared,
         volume: u64,
         size: u64,
         generation: Generation,
@@ -327,10 +340,13 @@ impl<C: Control> Loop<C> {
             resync_attempts: 0,
             resync_backoff: 0,
             read_rr: 0,
-            route,
+            route: shared.route,
             routed: None,
-            lease,
-            status,
+            lease: shared.lease,
+            status: shared.status,
+            latency: shared.latency,
+            adaptive: Default::default(),
+            copied_since_tick: 0,
             renewing: false,
             lease_waiting: VecDeque::new(),
             writes: FuturesUnordered::new(),

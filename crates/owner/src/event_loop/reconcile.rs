@@ -138,6 +138,12 @@ impl<C: Control> Loop<C> {
             }
         };
         let mut sent: Vec<(usize, Result<PendingReply, RpcError>)> = Vec::new();
+        // A sequence number of its own, as a client write's: the copies
+        // mark the region dirty, and the first barrier after the
+        // reconciliation settles it, tracked if a copy is out by then
+        // (`super::delta`).
+        let seq = self.next_seq;
+        self.next_seq += 1;
         for i in self.targets().iter().filter(|&i| i != source) {
             let r = &self.replicas[i];
             let Some(p) = &r.peer else { continue };
@@ -145,7 +151,7 @@ impl<C: Control> Loop<C> {
                 component: r.component,
                 generation: self.generation,
                 offset: region * REGION,
-                seq: 0,
+                seq,
             };
             sent.push((i, p.send(&write, data.clone())));
         }

@@ -18,6 +18,7 @@ use super::delta;
 use super::health::state_for;
 use super::replica::Mode;
 use super::{Flow, Internal, Loop, DEGRADED_RETRY_TICKS, RESYNC_RETRY_TICKS};
+use crate::pace::Pace;
 use crate::{Control, ControlError, REGION};
 use bytes::Bytes;
 use shoal_model::{ComponentState, Generation, BLOCK_SIZE};
@@ -49,6 +50,8 @@ pub(super) struct Resync {
     pub(super) bytes_total: u64,
     pub(super) bytes_done: u64,
     pub(super) started: Instant,
+    /// Under an adaptive limit, when the next region may start.
+    pub(super) next_due: Option<Instant>,
 }
 
 /// An attempt aborted while the directory was being asked to record its
@@ -134,6 +137,7 @@ impl<C: Control> Loop<C> {
             bytes_total: 0,
             bytes_done: 0,
             started: Instant::now(),
+            next_due: None,
         });
         // A new generation fences frames of older sessions still queued
         // towards the returning replica.
@@ -251,7 +255,10 @@ impl<C: Control> Loop<C> {
         let target = &mut self.replicas[idx];
         target.mode = Mode::Resyncing;
         target.peer = Some(peer.clone());
-        let queries = self.ask_plan(idx, src);
+        let Some(queries) = self.plan_queries(idx, src) else {
+            self.abort_resync();
+            return Flow::Continue;
+        };
         let seeded = (self.replicas[idx].component, self.generation);
         let (timeout, limit) = (self.cfg.io_timeout, self.size.div_ceil(REGION));
         self.spawn_report(async move {
@@ -296,12 +303,42 @@ impl<C: Control> Loop<C> {
         Flow::Continue
     }
 
-    /// When the next region may start under the static rate limit: the
-    /// bytes copied so far, at the limit, take this long from the start.
+    /// On a tick: feeds the adaptive pace the clients' latencies since
+    /// the last one and what the copy moved meanwhile.
+    pub(super) fn feed_pace(&mut self) {
+        let window = self.latency.take();
+        let copied = std::mem::take(&mut self.copied_since_tick);
+        let copying = self
+            .resync
+            .as_ref()
+            .is_some_and(|rs| rs.phase == ResyncPhase::Copying);
+        self.adaptive.tick(&window, copied, copying, self.cfg.tick);
+    }
+
+    /// The adaptive pace, unless a static limit is set.
+    fn adaptive_pace(&self) -> Option<Pace> {
+        match self.resync_bytes_per_s {
+            Some(l) if l > 0 => None,
+            _ => Some(self.adaptive.pace()),
+        }
+    }
+
+    /// When the next region may start: under the static limit, once the
+    /// bytes copied so far, at the limit, take this long from the start;
+    /// under the adaptive pace, once the last region's bytes took their
+    /// time at its rate (or a tick later while it pauses).
     fn paced_until(&self, rs: &Resync) -> Option<Instant> {
-        let limit = self.resync_bytes_per_s.filter(|&l| l > 0)?;
-        let due = rs.started + Duration::from_secs_f64(rs.bytes_done as f64 / limit as f64);
-        (due > Instant::now()).then_some(due)
+        let now = Instant::now();
+        let due = match self.adaptive_pace() {
+            None => {
+                let limit = self.resync_bytes_per_s.filter(|&l| l > 0)?;
+                rs.started + Duration::from_secs_f64(rs.bytes_done as f64 / limit as f64)
+            }
+            Some(Pace::Free) => return None,
+            Some(Pace::Pause) => now + self.cfg.tick,
+            Some(Pace::Limit(_)) => rs.next_due?,
+        };
+        (due > now).then_some(due)
     }
 
     /// The pause the rate limit asked for is over.
@@ -355,6 +392,10 @@ impl<C: Control> Loop<C> {
         let Some(src) = rs.source else { return };
         let off = region * REGION;
         let len = REGION.min(self.size - off);
+        rs.next_due = match self.adaptive.pace() {
+            Pace::Limit(r) => Some(Instant::now() + Duration::from_secs_f64(len as f64 / r as f64)),
+            _ => None,
+        };
         debug_assert!(off.is_multiple_of(BLOCK_SIZE));
         self.lock = Some((off, off + len));
         let s = &self.replicas[src];
@@ -461,6 +502,7 @@ impl<C: Control> Loop<C> {
                 if let Some(rs) = &mut self.resync {
                     rs.bytes_done += bytes;
                 }
+                self.copied_since_tick += bytes;
                 self.copy_next();
             }
             Err(e) => self.fail(idx, state_for(&e)),

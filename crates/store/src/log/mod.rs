@@ -1567,10 +1567,11 @@ impl LogStore {
     /// write in flight in the cluster) is marked on at least the copy that
     /// has the write. The cluster marks before it writes and unmarks
     /// ([`unmark_regions`](Self::unmark_regions)) once the writes there
-    /// are on every copy. `NoSpace` if the regions marked and tracked
-    /// (one by one, [`track_regions`](Self::track_regions)) on the device
-    /// would pass [`max_marks`](format::max_marks): tracked regions take
-    /// at most half of it, so marks always have the other half.
+    /// are on every copy. `NoSpace` if the regions marked on the device
+    /// would pass [`max_marks`](format::max_marks). Tracked regions
+    /// ([`track_regions`](Self::track_regions)) have a bound of their own
+    /// and take none of that room: a checkpoint slot holds both at their
+    /// bounds.
     pub fn mark_regions(&self, id: u64, offset: u64, len: u64) -> Result<()> {
         self.fail_check()?;
         let mut st = self.lock_state();
@@ -1589,9 +1590,8 @@ impl LogStore {
             return Ok(());
         }
         let marked: u64 = st.comps.values().map(|c| c.marks.len() as u64).sum();
-        let tracked = track::listed_total(&st.comps);
         let max = format::max_marks(self.sb.nsegs, self.sb.seg_blocks, self.sb.max_components);
-        if marked + tracked + new.len() as u64 > max {
+        if marked + new.len() as u64 > max {
             return Err(StoreError::NoSpace);
         }
         self.log_marks(&mut st, id, new, true)

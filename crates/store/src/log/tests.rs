@@ -823,7 +823,7 @@ fn listed(s: &LogStore) -> u64 {
 }
 
 #[test]
-fn tracked_regions_collapse_past_the_bound_and_marks_keep_half() {
+fn tracked_regions_collapse_past_the_bound_and_marks_keep_their_room() {
     let (d, s) = mem_store(16, 64);
     let sb = &s.sb;
     let max = format::max_marks(sb.nsegs, sb.seg_blocks, sb.max_components);
@@ -851,14 +851,13 @@ fn tracked_regions_collapse_past_the_bound_and_marks_keep_half() {
     assert_eq!(s.tracked_regions(3), Some(Tracked::All));
     s.track_regions(4, &[0]).unwrap();
     assert_eq!(listed(&s), half);
-    // Marks get the rest of `max_marks`: at least the other half.
-    s.mark_regions(1, 0, (max - half) * M).unwrap();
-    let r = s.mark_regions(1, (max - half) * M, 1);
+    // Marks keep all of `max_marks`, whatever is tracked.
+    s.mark_regions(1, 0, max * M).unwrap();
+    let r = s.mark_regions(2, 0, 1);
     assert!(matches!(r, Err(StoreError::NoSpace)), "{r:?}");
-    // Untracking gives marks room again.
+    s.unmark_regions(1, &[(max - 1) as u32]).unwrap();
     s.untrack_all(1).unwrap();
     assert_eq!(listed(&s), 1);
-    s.mark_regions(1, 0, (max - 1) * M).unwrap();
     // Tracking is never refused for room: with the marks at their bound
     // it goes up to its own, and both survive a reopen (the checkpoint
     // slot holds both at once).

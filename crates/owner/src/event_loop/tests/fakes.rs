@@ -371,7 +371,12 @@ pub(super) async fn rig(specs: &[Spec]) -> Rig {
     // The loop holds a lease, as after its activation.
     let lease = Arc::new(crate::lease::Lease::default());
     lease.renewed(std::time::Instant::now());
-    let shared = (route.clone(), lease, Default::default());
+    let shared = super::super::Shared {
+        route: route.clone(),
+        lease,
+        status: Default::default(),
+        latency: Default::default(),
+    };
     let (mut lp, rx) = Loop::new(cfg, dir.clone(), shared, 7, SIZE, 1, replicas);
     lp.publish_route();
     lp.check_invariants(Flow::Continue);

@@ -81,9 +81,15 @@ async fn a_barrier_never_passes_a_write_in_flight() {
             .collect::<Vec<_>>()
     };
     assert!(barriers(&rig).is_empty(), "barrier past write 1 in flight");
-    // Write 1 times out on copy 2, which leaves service; then the barrier
-    // covers both writes.
+    // Write 1 times out on copy 2, which fails: no barrier passes it until
+    // copy 2 is recorded out (an owner dying first would leave copy 2
+    // recorded active, and write 1 must stay dirty on copy 1 for the next
+    // one); then the barrier covers both writes.
     assert_eq!(rig.finish_write().await, Flow::Continue);
+    assert_eq!(rig.lp.replicas[1].mode, Mode::Failing);
+    rig.tick();
+    assert!(barriers(&rig).is_empty(), "barrier while copy 2 is failing");
+    rig.run_until(|lp| lp.replicas[1].mode == Mode::Out).await;
     rig.tick();
     assert_eq!(barriers(&rig), vec![3]);
 }

@@ -323,9 +323,50 @@ async fn a_static_rate_limit_spaces_the_copy_steps() {
     );
 }
 
+#[tokio::test]
+async fn under_client_load_with_no_baseline_the_copy_pauses_to_measure_one() {
+    use super::super::resync::ResyncPhase;
+    use crate::pace::Pace;
+    let copying =
+        |lp: &super::super::Loop<super::fakes::FakeDir>| lp.resync.as_ref().map(|rs| rs.phase);
+    let mut rig = rig(&super::returning()).await;
+    rig.fakes[0].allocate(&[(0, 3 * REGION)]);
+    rig.tick();
+    rig.run_until(|lp| copying(lp) == Some(ResyncPhase::Copying))
+        .await;
+    // Clients were busy during the copy's first tick: no baseline yet.
+    for _ in 0..100 {
+        rig.lp.latency.record(Duration::from_millis(2));
+    }
+    rig.tick();
+    assert_eq!(rig.lp.adaptive.pace(), Pace::Pause);
+    // The region in flight ends; no other starts while the probe runs.
+    rig.run_until(|lp| lp.resync.as_ref().is_some_and(|rs| rs.bytes_done > 0))
+        .await;
+    // The next region's turn comes (a tick later) and is put off again.
+    assert_eq!(rig.step().await, Flow::Continue);
+    let reads = |rig: &Rig| {
+        let sent = rig.requests(0);
+        sent.iter()
+            .filter(|r| matches!(r, Request::Read { .. }))
+            .count()
+    };
+    assert_eq!(reads(&rig), 1, "one region copied, then the pause");
+    assert_eq!(copying(&rig.lp), Some(ResyncPhase::Copying));
+    // The probe: clients alone are fast. The copy goes on, free.
+    for _ in 0..100 {
+        rig.lp.latency.record(Duration::from_micros(200));
+    }
+    rig.tick();
+    assert_eq!(rig.lp.adaptive.pace(), Pace::Free);
+    assert!(rig.lp.adaptive.baseline_us().is_some_and(|b| b < 300));
+    rig.run_until(|lp| lp.resync.is_none()).await;
+    assert_eq!(rig.lp.replicas[1].mode, Mode::InSync);
+}
+
 /// Whether `r` is a copy step of the reconciliation at `at`.
 fn is_reconcile_write(r: &Request, at: u64) -> bool {
-    matches!(r, Request::Write { offset, seq: 0, .. } if *offset == at)
+    matches!(r, Request::Write { offset, seq, .. } if *offset == at && *seq > 0)
 }
 
 #[tokio::test]
