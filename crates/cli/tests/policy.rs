@@ -183,3 +183,96 @@ fn refusals(c: &Cluster) {
     assert_eq!(v["volume"]["policy"]["ftt"], 1, "{v}");
     assert_eq!(v["volume"]["components"].as_array().map(Vec::len), Some(3));
 }
+
+/// The owner is killed -9 while it copies into the copy a policy change
+/// added: another node takes the change over from the directory and
+/// commits it, or aborts it if the dead node held an added component;
+/// either way the volume ends healthy with no acknowledged write lost, and
+/// a change asked again afterwards commits.
+#[test]
+fn an_owner_killed_mid_policy_change_leaves_the_change_to_the_next_owner() {
+    let c = Cluster::start(6);
+    c.shoal(&["cluster", "set", "resync-mib-per-s", "8"]);
+    c.create_volume("v", "128M", "raid1 ftt=1");
+    let v = c.json(&["volume", "show", "v"]);
+    let held: BTreeSet<u64> = v["volume"]["components"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|x| x["node"].as_u64())
+        .collect();
+    let mut free = (1..=6u32).filter(|n| !held.contains(&u64::from(*n)));
+    let owner = free.next().expect("a node holding nothing");
+    let keeper = *held.iter().next().expect("a data node") as u32;
+    // The owner holds nothing of the volume; the client writes through a
+    // node of the volume, which forwards to the owner.
+    common::sh(&format!(
+        "qemu-io -f raw -c 'write -P 7 0 4k' {}",
+        c.uri(owner, "v")
+    ));
+    let w = Writer::start(&c.nbd_addr(keeper), "v", vec![0; BLOCKS], 8);
+    wait_for("writes before the change", CHANGE, || {
+        match w.ledger().acks() {
+            n if n >= 2_000 => Ok(()),
+            n => Err(format!("{n} acknowledged")),
+        }
+    });
+    c.shoal(&["volume", "set-policy", "v", "--policy", "raid1 ftt=2"]);
+    let log = c.node_dir(owner).join("node.log");
+    wait_for("the owner copying into the added copy", CHANGE, || {
+        let text = std::fs::read_to_string(&log).map_err(|e| e.to_string())?;
+        if text.contains("resync copying") && text.contains("following a reconfiguration") {
+            Ok(())
+        } else {
+            Err("not yet".into())
+        }
+    });
+    c.signal(owner, "KILL");
+    let ftt = wait_for("the change ended by the next owner", CHANGE, || {
+        let v = c.try_json(&["volume", "show", "v"])?;
+        let ftt = v["volume"]["policy"]["ftt"].as_u64().unwrap_or(9);
+        let (data, wit, nodes) = settled(&v, ftt)?;
+        let on_dead = nodes.contains(&u64::from(owner));
+        match (ftt, data, wit) {
+            (1, 2, 1) | (2, 3, 2) if !on_dead => Ok(ftt),
+            _ => Err(components_of(&v)),
+        }
+    });
+    eprintln!("after the owner's death the change ended at ftt={ftt}");
+    let adopted = (1..=6).filter(|&n| n != owner).any(|n| {
+        std::fs::read_to_string(c.node_dir(n).join("node.log"))
+            .unwrap_or_default()
+            .contains("following a reconfiguration")
+    });
+    assert!(adopted, "no other node followed the change");
+    if ftt == 1 {
+        // Aborted (an added component was on the dead node): asked again,
+        // it is placed on the nodes left and commits.
+        let out = c.shoal(&[
+            "volume",
+            "set-policy",
+            "v",
+            "--policy",
+            "raid1 ftt=2",
+            "--wait",
+            "--timeout",
+            "5m",
+        ]);
+        assert!(out.contains("committed"), "{out}");
+    }
+    let more = w.ledger().acks();
+    wait_for("writes after the change", CHANGE, || {
+        match w.ledger().acks() {
+            n if n >= more + 300 => Ok(()),
+            n => Err(format!("{n} acknowledged")),
+        }
+    });
+    let ledger = w.stop(CHANGE);
+    assert_eq!(ledger.errors(), 0, "writes failed");
+    wait_for("volume v settled at ftt=2", CHANGE, || {
+        settled(&c.try_json(&["volume", "show", "v"])?, 2)
+    });
+    ledger.check(&c.nbd_addr(keeper), "v");
+    c.verify_copies("v");
+}

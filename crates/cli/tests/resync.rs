@@ -95,3 +95,73 @@ fn a_host_back_before_the_repair_delay_gets_only_the_regions_written_meanwhile()
     c.qemu_io(1, 1, VOL, &[&written, &kept])
         .unwrap_or_else(|e| panic!("reading back: {e}"));
 }
+
+/// The repair delay of the rebuild test: short, so that the cut host's
+/// copy is rebuilt elsewhere within the test.
+const REPAIR_DELAY: &str = "3s";
+
+#[test]
+fn a_host_cut_past_the_repair_delay_is_rebuilt_elsewhere_and_its_copy_discarded_on_return() {
+    require("qemu-io");
+    let c = NetCluster::start(4);
+    c.shoal(1, 1, &["cluster", "set", "repair-delay", REPAIR_DELAY])
+        .expect("setting the repair delay");
+    c.shoal(
+        1,
+        1,
+        &[
+            "volume",
+            "create",
+            VOL,
+            "--size",
+            "32M",
+            "--policy",
+            "raid1 ftt=1",
+        ],
+    )
+    .expect("creating the volume");
+    c.qemu_io(1, 1, VOL, &["write -P 0xa1 0 32M"])
+        .expect("filling the volume");
+    let layout = c.layout(VOL, 1).expect("the layout");
+    let cut = *layout
+        .data
+        .iter()
+        .find(|&&n| n != 1)
+        .unwrap_or_else(|| panic!("a data copy off node 1: {}", layout.components));
+    let nemesis = c.hosts.start(Nemesis::Isolate(cut));
+    c.qemu_io(1, 1, VOL, &["write -P 0x5d 8M 4M"])
+        .expect("writing while the host is cut off");
+    // The cut copy is replaced while its host is still cut off.
+    common::poll_for(HEAL, || {
+        let l = c.layout(VOL, 1)?;
+        let replaced = !l.data.contains(&cut) && l.data.len() == layout.data.len();
+        match c.health(VOL, 1)? {
+            h if h == "Healthy" && replaced => Ok(()),
+            h => Err(format!("{h}: {}", l.components)),
+        }
+    })
+    .unwrap_or_else(|e| panic!("the cut copy rebuilt elsewhere: {e}"));
+    nemesis.heal();
+    // Back, the host finds its copy gone from the layout and deletes it.
+    common::poll_for(HEAL, || {
+        let log = c.log_tail(cut, 10_000);
+        if log.contains("removing a component the directory no longer lists") {
+            Ok(())
+        } else {
+            Err(format!("node {cut} has not removed its copy"))
+        }
+    })
+    .unwrap_or_else(|e| panic!("the returning copy discarded: {e}"));
+    c.verify(VOL, 1).unwrap_or_else(|e| panic!("{e}"));
+    c.qemu_io(
+        1,
+        1,
+        VOL,
+        &[
+            "read -P 0xa1 0 8M",
+            "read -P 0x5d 8M 4M",
+            "read -P 0xa1 12M 20M",
+        ],
+    )
+    .unwrap_or_else(|e| panic!("reading back: {e}"));
+}

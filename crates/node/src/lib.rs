@@ -883,7 +883,8 @@ fn garbage_collect(state: &shoal_directory::ClusterState, replicas: &replica::Re
             tracing::info!(
                 component = comp,
                 volume = vol,
-                "removing component of a deleted volume"
+                "removing a component the directory no longer lists (its volume deleted, or \
+                 the component replaced)"
             );
             use shoal_rpc::Handler;
             // The deletion happens now; the returned future syncs it.
