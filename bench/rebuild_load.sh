@@ -62,8 +62,10 @@ p99() {
       --iodepth="$QD" --size="${SIZE_MIB}M" --time_based --runtime="$RUNTIME" \
       --output-format=json 2>/dev/null | python3 -c '
 import json, sys
-j = json.load(sys.stdin)["jobs"][0]["read"]
-print(f"{j[\"clat_ns\"][\"percentile\"][\"99.000000\"] / 1000:.0f} {j[\"iops\"]:.0f}")'
+text = sys.stdin.read()  # the nbd engine prints a line before the JSON
+j = json.loads(text[text.find("{"):])["jobs"][0]["read"]
+p99 = j["clat_ns"]["percentile"]["99.000000"] / 1000
+print("%.0f %.0f" % (p99, j["iops"]))'
 }
 
 start 0
@@ -81,6 +83,7 @@ print([c["node"] for c in v["components"] if c["role"] == "Data" and c["node"] !
     sleep 0.1
   done
   read -r during iops < <(p99)
+  [ -n "${KEEP_LOG:-}" ] && logs > "$KEEP_LOG.$l" || true
   if logs | grep -q 'added copy in sync'; then outlasted=no; else outlasted=yes; fi
   python3 -c "
 mode = 'adaptive' if $l == 0 else 'static $l MiB/s'

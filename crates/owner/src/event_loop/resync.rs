@@ -312,7 +312,17 @@ impl<C: Control> Loop<C> {
             .resync
             .as_ref()
             .is_some_and(|rs| rs.phase == ResyncPhase::Copying);
+        let before = self.adaptive.pace();
         self.adaptive.tick(&window, copied, copying, self.cfg.tick);
+        let after = self.adaptive.pace();
+        if after != before && copying {
+            tracing::debug!(
+                volume = self.volume,
+                pace = ?after,
+                baseline_us = self.adaptive.baseline_us(),
+                "resync pace"
+            );
+        }
     }
 
     /// The adaptive pace, unless a static limit is set.

@@ -353,12 +353,13 @@ async fn under_client_load_with_no_baseline_the_copy_pauses_to_measure_one() {
     };
     assert_eq!(reads(&rig), 1, "one region copied, then the pause");
     assert_eq!(copying(&rig.lp), Some(ResyncPhase::Copying));
-    // The probe: clients alone are fast. The copy goes on, free.
+    // The probe: clients alone are fast. The copy goes on, limited.
     for _ in 0..100 {
         rig.lp.latency.record(Duration::from_micros(200));
     }
     rig.tick();
-    assert_eq!(rig.lp.adaptive.pace(), Pace::Free);
+    let resume = crate::pace::RESUME_BYTES_PER_S;
+    assert_eq!(rig.lp.adaptive.pace(), Pace::Limit(resume));
     assert!(rig.lp.adaptive.baseline_us().is_some_and(|b| b < 300));
     rig.run_until(|lp| lp.resync.is_none()).await;
     assert_eq!(rig.lp.replicas[1].mode, Mode::InSync);
