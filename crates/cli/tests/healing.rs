@@ -210,3 +210,41 @@ fn an_owner_killed_mid_rebuild_leaves_the_change_to_the_next_owner() {
     assert!(a == b, "two nodes read different versions");
     c.verify_copies("v");
 }
+
+/// The directory's voters as `shoal status` reports them.
+fn voters(c: &Cluster) -> Result<Vec<u64>, String> {
+    let s = c.try_json(&["status"])?;
+    let v = s["voters"].as_array().ok_or(format!("no voters in {s}"))?;
+    Ok(v.iter().filter_map(|x| x.as_u64()).collect())
+}
+
+/// Six nodes: five Raft voters and a learner. A voter killed for good is
+/// replaced by the learner once the repair delay has passed, so the
+/// directory again tolerates two failures; it goes on deciding.
+#[test]
+fn a_dead_directory_voter_is_replaced_by_a_learner() {
+    let c = Cluster::start(6);
+    let before = wait_for("five voters", HEAL, || match voters(&c)? {
+        v if v.len() == 5 => Ok(v),
+        v => Err(format!("{v:?}")),
+    });
+    let learner = (1..=6u64).find(|n| !before.contains(n)).expect("a learner");
+    c.shoal(&["cluster", "set", "repair-delay", REPAIR_DELAY]);
+    let victim = *before
+        .iter()
+        .rev()
+        .find(|&&v| v != 1)
+        .expect("a voter but node 1") as u32;
+    c.signal(victim, "KILL");
+    let after = wait_for("the dead voter replaced", HEAL, || match voters(&c)? {
+        v if v.len() == 5 && !v.contains(&u64::from(victim)) => Ok(v),
+        v => Err(format!("{v:?}")),
+    });
+    assert!(
+        after.contains(&learner),
+        "{after:?}: the learner {learner} promoted"
+    );
+    // The directory decides with the new voters.
+    c.create_volume("w", "16M", "raid1 ftt=1");
+    c.wait_healthy("w", HEAL);
+}

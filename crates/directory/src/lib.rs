@@ -672,6 +672,47 @@ impl Directory {
         Ok(())
     }
 
+    /// On the leader: replaces voter `dead` by learner `learner` in one
+    /// joint-consensus change; `dead` stays a learner (it may come back
+    /// and be promoted again). Ok without a change when `dead` is no
+    /// voter any more or `learner` is one already (a repeat); refused
+    /// ([`DirectoryError::State`]) for a `learner` that is no member.
+    /// [`DirectoryError::NoLeader`] when this node is not the leader.
+    pub async fn replace_voter(&self, dead: NodeId, learner: NodeId) -> Result<(), DirectoryError> {
+        let _guard = self.inner.membership.lock().await;
+        let membership = self
+            .inner
+            .metrics
+            .borrow()
+            .membership_config
+            .membership()
+            .clone();
+        let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
+        if !voters.contains(&dead) || voters.contains(&learner) {
+            return Ok(());
+        }
+        if membership.get_node(&learner).is_none() {
+            return Err(DirectoryError::State(state::input(format!(
+                "node {learner} is no member of the directory"
+            ))));
+        }
+        let mut next = voters;
+        next.remove(&dead);
+        next.insert(learner);
+        match self
+            .inner
+            .raft
+            .change_membership(ChangeMembers::ReplaceAllVoters(next), true)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => {
+                Err(DirectoryError::NoLeader)
+            }
+            Err(e) => Err(DirectoryError::Raft(e.to_string())),
+        }
+    }
+
     /// The latest applied cluster state.
     pub fn state(&self) -> Arc<ClusterState> {
         self.inner.state.borrow().clone()

@@ -29,6 +29,7 @@ pub mod space;
 #[cfg(test)]
 mod testing;
 pub mod tuning;
+pub mod voters;
 
 pub use tuning::NodeTuning;
 
@@ -756,6 +757,8 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
 
     // Owners for volumes that need healing, without client I/O.
     tokio::spawn(caretaker::run(router.clone()));
+    // On the leader: dead directory voters replaced by learners.
+    tokio::spawn(voters::run(dir.clone()));
 
     // Follow the directory: owners get new views; components of deleted
     // volumes are removed.
