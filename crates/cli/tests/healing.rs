@@ -48,10 +48,7 @@ fn a_host_killed_for_good_is_rebuilt_elsewhere_under_writes() {
     c.shoal(&["cluster", "set", "repair-delay", REPAIR_DELAY]);
     c.create_volume("v", "128M", "raid1 ftt=1");
     let w = Writer::start(&c.nbd_addr(1), "v", vec![0; BLOCKS], 8);
-    wait_for("writes before the kill", HEAL, || match w.ledger().acks() {
-        n if n >= 2_000 => Ok(()),
-        n => Err(format!("{n} acknowledged")),
-    });
+    w.wait_more("writes before the kill", 2_000, HEAL);
     let victim = data_node_but_1(&c, "v");
     let before = nodes_of(&c, "v");
     c.signal(victim, "KILL");
@@ -92,13 +89,7 @@ fn a_host_killed_for_good_is_rebuilt_elsewhere_under_writes() {
     c.wait_healthy("v", HEAL);
     // Writes went on through the rebuild; every acknowledged one is there,
     // read through two nodes, and the two copies agree block for block.
-    let more = w.ledger().acks();
-    wait_for("writes after the rebuild", HEAL, || {
-        match w.ledger().acks() {
-            n if n >= more + 500 => Ok(()),
-            n => Err(format!("{n} acknowledged")),
-        }
-    });
+    w.wait_more("writes after the rebuild", 500, HEAL);
     let ledger = w.stop(HEAL);
     assert_eq!(ledger.errors(), 0, "writes failed during the rebuild");
     let through1 = ledger.check(&c.nbd_addr(1), "v");
@@ -158,20 +149,14 @@ fn an_owner_killed_mid_rebuild_leaves_the_change_to_the_next_owner() {
         c.uri(owner, "v")
     ));
     let w = Writer::start(&c.nbd_addr(keeper), "v", vec![0; BLOCKS], 8);
-    wait_for("writes before the kill", HEAL, || match w.ledger().acks() {
-        n if n >= 4_000 => Ok(()),
-        n => Err(format!("{n} acknowledged")),
-    });
+    w.wait_more("writes before the kill", 4_000, HEAL);
     c.signal(victim, "KILL");
-    let log = c.node_dir(owner).join("node.log");
-    wait_for("the owner copying into the new copy", HEAL, || {
-        let text = std::fs::read_to_string(&log).map_err(|e| e.to_string())?;
-        if text.contains("resync copying") && text.contains("following a reconfiguration") {
-            Ok(())
-        } else {
-            Err("not yet".into())
-        }
-    });
+    // The owner copying into the added copy.
+    c.wait_log(
+        owner,
+        &["resync copying", "following a reconfiguration"],
+        HEAL,
+    );
     c.signal(owner, "KILL");
     wait_for("the volume healed on the nodes left", HEAL, || {
         let v = c.try_json(&["volume", "show", "v"])?;
@@ -189,11 +174,7 @@ fn an_owner_killed_mid_rebuild_leaves_the_change_to_the_next_owner() {
             Err(components_of(&v))
         }
     });
-    let more = w.ledger().acks();
-    wait_for("writes after the heal", HEAL, || match w.ledger().acks() {
-        n if n >= more + 500 => Ok(()),
-        n => Err(format!("{n} acknowledged")),
-    });
+    w.wait_more("writes after the heal", 500, HEAL);
     let ledger = w.stop(HEAL);
     assert_eq!(ledger.errors(), 0, "writes failed");
     // A node other than the dead owner took the change over from the

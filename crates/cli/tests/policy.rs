@@ -59,13 +59,7 @@ fn policies_change_up_down_to_ftt0_and_back_under_writes() {
         ("raid1 ftt=1", "add", 1, 2, 1),
     ] {
         let w = Writer::start(&c.nbd_addr(1), "v", versions, 8);
-        let before = w.ledger().acks();
-        wait_for("writes before the change", CHANGE, || {
-            match w.ledger().acks() {
-                n if n >= before + 1_000 => Ok(()),
-                n => Err(format!("{n} acknowledged")),
-            }
-        });
+        w.wait_more("writes before the change", 1_000, CHANGE);
         let out = c.shoal(&[
             "volume",
             "set-policy",
@@ -84,13 +78,7 @@ fn policies_change_up_down_to_ftt0_and_back_under_writes() {
         );
         assert!(out.contains(&done), "{policy}: {out}");
         // Writes go on after the commit, on the new layout.
-        let more = w.ledger().acks();
-        wait_for("writes after the change", CHANGE, || {
-            match w.ledger().acks() {
-                n if n >= more + 300 => Ok(()),
-                n => Err(format!("{n} acknowledged")),
-            }
-        });
+        w.wait_more("writes after the change", 300, CHANGE);
         let ledger = w.stop(CHANGE);
         assert_eq!(ledger.errors(), 0, "writes failed during {policy}");
         let (data, wit, nodes) = wait_for(&format!("volume v settled at {policy}"), CHANGE, || {
@@ -212,22 +200,14 @@ fn an_owner_killed_mid_policy_change_leaves_the_change_to_the_next_owner() {
         c.uri(owner, "v")
     ));
     let w = Writer::start(&c.nbd_addr(keeper), "v", vec![0; BLOCKS], 8);
-    wait_for("writes before the change", CHANGE, || {
-        match w.ledger().acks() {
-            n if n >= 2_000 => Ok(()),
-            n => Err(format!("{n} acknowledged")),
-        }
-    });
+    w.wait_more("writes before the change", 2_000, CHANGE);
     c.shoal(&["volume", "set-policy", "v", "--policy", "raid1 ftt=2"]);
-    let log = c.node_dir(owner).join("node.log");
-    wait_for("the owner copying into the added copy", CHANGE, || {
-        let text = std::fs::read_to_string(&log).map_err(|e| e.to_string())?;
-        if text.contains("resync copying") && text.contains("following a reconfiguration") {
-            Ok(())
-        } else {
-            Err("not yet".into())
-        }
-    });
+    // The owner copying into the added copy.
+    c.wait_log(
+        owner,
+        &["resync copying", "following a reconfiguration"],
+        CHANGE,
+    );
     c.signal(owner, "KILL");
     let ftt = wait_for("the change ended by the next owner", CHANGE, || {
         let v = c.try_json(&["volume", "show", "v"])?;
@@ -261,13 +241,7 @@ fn an_owner_killed_mid_policy_change_leaves_the_change_to_the_next_owner() {
         ]);
         assert!(out.contains("committed"), "{out}");
     }
-    let more = w.ledger().acks();
-    wait_for("writes after the change", CHANGE, || {
-        match w.ledger().acks() {
-            n if n >= more + 300 => Ok(()),
-            n => Err(format!("{n} acknowledged")),
-        }
-    });
+    w.wait_more("writes after the change", 300, CHANGE);
     let ledger = w.stop(CHANGE);
     assert_eq!(ledger.errors(), 0, "writes failed");
     wait_for("volume v settled at ftt=2", CHANGE, || {

@@ -555,13 +555,7 @@ impl Directory {
             RaftError::APIError(ClientWriteError::ForwardToLeader(_)) => WireError::NotLeader,
             e => WireError::Other(e.to_string()),
         };
-        let membership = self
-            .inner
-            .metrics
-            .borrow()
-            .membership_config
-            .membership()
-            .clone();
+        let membership = self.membership();
         let node = BasicNode::new(&addr);
         match membership.get_node(&id) {
             None => {
@@ -643,13 +637,7 @@ impl Directory {
             RaftError::APIError(ClientWriteError::ForwardToLeader(_)) => WireError::NotLeader,
             e => WireError::Other(e.to_string()),
         };
-        let membership = self
-            .inner
-            .metrics
-            .borrow()
-            .membership_config
-            .membership()
-            .clone();
+        let membership = self.membership();
         if membership.get_node(&id).is_none() {
             return Ok(());
         }
@@ -680,13 +668,7 @@ impl Directory {
     /// [`DirectoryError::NoLeader`] when this node is not the leader.
     pub async fn replace_voter(&self, dead: NodeId, learner: NodeId) -> Result<(), DirectoryError> {
         let _guard = self.inner.membership.lock().await;
-        let membership = self
-            .inner
-            .metrics
-            .borrow()
-            .membership_config
-            .membership()
-            .clone();
+        let membership = self.membership();
         let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
         if !voters.contains(&dead) || voters.contains(&learner) {
             return Ok(());
@@ -711,6 +693,16 @@ impl Directory {
             }
             Err(e) => Err(DirectoryError::Raft(e.to_string())),
         }
+    }
+
+    /// The Raft membership as this node last saw it.
+    fn membership(&self) -> openraft::Membership<NodeId, BasicNode> {
+        self.inner
+            .metrics
+            .borrow()
+            .membership_config
+            .membership()
+            .clone()
     }
 
     /// The latest applied cluster state.

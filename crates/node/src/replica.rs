@@ -54,6 +54,10 @@ struct Dirty {
     /// `track`: an older one that did not (queued on a connection the
     /// owner has since replaced) must not empty the tracked set.
     tracked_at: HashMap<ComponentId, (Generation, u64)>,
+    /// Components whose tracked set on the device may not be empty: a
+    /// barrier without `track` takes the store's lock only for these
+    /// (nearly every barrier finds nothing to empty).
+    tracking: HashSet<ComponentId>,
 }
 
 pub struct Device {
@@ -289,6 +293,10 @@ impl Replicas {
         for d in devices {
             for c in d.store.components() {
                 placement.insert(c.id, d.id);
+                let empty = shoal_store::Tracked::Regions(Vec::new());
+                if d.store.tracked_regions(c.id).is_some_and(|t| t != empty) {
+                    dirty.tracking.insert(c.id);
+                }
             }
             for (c, regions) in d.store.marked_regions() {
                 let regions = regions.into_iter().map(u64::from);
@@ -444,14 +452,20 @@ impl Replicas {
         let mut m = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
         let newest_track = m.tracked_at.get(&c).copied();
         if track {
-            m.tracked_at
-                .insert(c, newest_track.map_or(upto, |t| t.max(upto)));
-        } else if newest_track.is_none_or(|t| t <= upto) {
-            if let Err(e) = d.note(d.store.untrack_all(c)) {
-                tracing::warn!(component = c, "emptying the tracked regions: {e}");
+            let newest = newest_track.map_or(upto, |t| t.max(upto));
+            m.tracked_at.insert(c, newest);
+        } else if newest_track.is_none_or(|t| t <= upto) && m.tracking.contains(&c) {
+            match d.note(d.store.untrack_all(c)) {
+                Ok(()) => {
+                    m.tracking.remove(&c);
+                }
+                Err(e) => tracing::warn!(component = c, "emptying the tracked regions: {e}"),
             }
         }
-        let Some(e) = m.writes.get_mut(&c) else {
+        let Dirty {
+            writes, tracking, ..
+        } = &mut *m;
+        let Some(e) = writes.get_mut(&c) else {
             return;
         };
         if track {
@@ -460,9 +474,12 @@ impl Replicas {
                 .filter(|(_, v)| **v < upto)
                 .filter_map(|(r, _)| u32::try_from(*r).ok())
                 .collect();
-            if let Err(err) = d.note(d.store.track_regions(c, &settled)) {
-                tracing::warn!(component = c, "tracking settled regions: {err}");
-                return;
+            if !settled.is_empty() {
+                if let Err(err) = d.note(d.store.track_regions(c, &settled)) {
+                    tracing::warn!(component = c, "tracking settled regions: {err}");
+                    return;
+                }
+                tracking.insert(c);
             }
         }
         e.retain(|_, v| *v >= upto);
@@ -506,7 +523,15 @@ impl Replicas {
                 d.store.track_regions(c, &v)
             }
         };
-        d.note(r).map_err(remote)
+        d.note(r).map_err(remote)?;
+        self.note_tracking(c);
+        Ok(())
+    }
+
+    /// Component `c` may have a tracked set on its device now.
+    fn note_tracking(&self, c: ComponentId) {
+        let mut m = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
+        m.tracking.insert(c);
     }
 
     /// Runs `apply` once the earlier overlapping writes are done, releases
@@ -650,6 +675,7 @@ impl Replicas {
                 // every region: a resync must copy them all.
                 if size > 0 && before.is_none_or(|c| c.generation == 0) {
                     d.note(d.store.track_all(component)).map_err(remote)?;
+                    self.note_tracking(component);
                 }
                 self.placement
                     .lock()
@@ -667,6 +693,7 @@ impl Replicas {
                     m.writes.remove(&component);
                     m.marked.remove(&component);
                     m.tracked_at.remove(&component);
+                    m.tracking.remove(&component);
                 }
                 self.leases.forget(component);
                 Self::durable(d, Response::Ok)

@@ -248,6 +248,16 @@ impl Writer {
         &self.ledger
     }
 
+    /// Waits, at most `timeout`, until `more` writes past those
+    /// acknowledged now are acknowledged (`what` names the wait).
+    pub fn wait_more(&self, what: &str, more: u64, timeout: std::time::Duration) {
+        let from = self.ledger.acks();
+        super::wait_for(what, timeout, || match self.ledger.acks() {
+            n if n >= from + more => Ok(()),
+            n => Err(format!("{n} acknowledged")),
+        });
+    }
+
     /// Waits until the connection is gone (the server was killed), and
     /// returns the ledger. Panics if a reply broke the protocol.
     pub fn wait_cut(self) -> Arc<Ledger> {

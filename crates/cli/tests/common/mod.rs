@@ -509,6 +509,19 @@ impl Cluster {
         })
     }
 
+    /// Waits, at most `timeout`, until node `node`'s log holds every one
+    /// of `needles`.
+    pub fn wait_log(&self, node: u32, needles: &[&str], timeout: Duration) {
+        let log = self.node_dir(node).join("node.log");
+        wait_for(&format!("node {node} logging {needles:?}"), timeout, || {
+            let text = std::fs::read_to_string(&log).map_err(|e| e.to_string())?;
+            match needles.iter().find(|n| !text.contains(**n)) {
+                None => Ok(()),
+                Some(n) => Err(format!("no {n:?} yet")),
+            }
+        });
+    }
+
     pub fn verify_copies(&self, volume: &str) {
         self.shoal(&["volume", "verify", volume]);
     }
