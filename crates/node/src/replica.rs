@@ -1083,6 +1083,48 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn hostile_tracking_requests_are_refused_and_change_nothing() {
+        let (_dir, r) = one_component();
+        // Runs out of order or overlapping: refused whole.
+        let unordered = Request::Track {
+            component: 1,
+            generation: 1,
+            regions: runs(&[(4, 1), (1, 1)]),
+        };
+        let resp = call(&r, unordered, Bytes::new()).await;
+        assert!(
+            matches!(resp, Response::Err(RemoteError::BadRequest(_))),
+            "{resp:?}"
+        );
+        let overlapping = Request::Track {
+            component: 1,
+            generation: 1,
+            regions: runs(&[(0, 3), (2, 1)]),
+        };
+        let resp = call(&r, overlapping, Bytes::new()).await;
+        assert!(
+            matches!(resp, Response::Err(RemoteError::BadRequest(_))),
+            "{resp:?}"
+        );
+        assert_eq!(tracked(&r).await, runs(&[]));
+        // A component this node does not hold.
+        for req in [
+            Request::TrackedRegions { component: 9 },
+            Request::Track {
+                component: 9,
+                generation: 1,
+                regions: RegionSet::All,
+            },
+        ] {
+            let resp = call(&r, req, Bytes::new()).await;
+            assert!(
+                matches!(resp, Response::Err(RemoteError::NoSuchComponent(9))),
+                "{resp:?}"
+            );
+        }
+    }
+
+    #[tokio::test]
     async fn a_seed_is_tracked_and_fenced() {
         let (_dir, r) = one_component();
         let track = |generation| Request::Track {

@@ -2,7 +2,7 @@ use super::*;
 use proptest::prelude::*;
 use shoal_model::{Component, ComponentState};
 
-fn node(id: NodeId, domain: &str, up: bool) -> NodeInfo {
+pub(crate) fn node(id: NodeId, domain: &str, up: bool) -> NodeInfo {
     NodeInfo {
         id,
         fault_domain: domain.to_string(),
@@ -13,7 +13,7 @@ fn node(id: NodeId, domain: &str, up: bool) -> NodeInfo {
     }
 }
 
-fn dev(id: DeviceId, node: NodeId, capacity: u64, used: u64) -> DeviceInfo {
+pub(crate) fn dev(id: DeviceId, node: NodeId, capacity: u64, used: u64) -> DeviceInfo {
     DeviceInfo {
         id,
         node,
@@ -27,9 +27,11 @@ fn dev(id: DeviceId, node: NodeId, capacity: u64, used: u64) -> DeviceInfo {
     }
 }
 
-const G: u64 = 1 << 30;
+pub(crate) const G: u64 = 1 << 30;
 
-fn cluster(n: u64) -> (Vec<NodeInfo>, Vec<DeviceInfo>) {
+/// `n` nodes, one device each (device `10 + i` on node `i`), node `i`
+/// with `i` GiB used of 100.
+pub(crate) fn cluster(n: u64) -> (Vec<NodeInfo>, Vec<DeviceInfo>) {
     let nodes = (1..=n)
         .map(|i| node(i, &format!("node-{i}"), true))
         .collect();
@@ -37,7 +39,7 @@ fn cluster(n: u64) -> (Vec<NodeInfo>, Vec<DeviceInfo>) {
     (nodes, devs)
 }
 
-fn pol(s: &str) -> Policy {
+pub(crate) fn pol(s: &str) -> Policy {
     s.parse().unwrap()
 }
 
@@ -148,7 +150,8 @@ fn thick_needs_space_thin_does_not() {
     assert_eq!(p[2].node, 1);
 }
 
-fn volume_from(plan: &[Planned], policy: Policy, size: u64) -> Volume {
+/// A volume of `plan`, every component active, ids from 100.
+pub(crate) fn volume_from(plan: &[Planned], policy: Policy, size: u64) -> Volume {
     Volume {
         id: 7,
         name: "v".into(),

@@ -96,21 +96,9 @@ impl<C: Control> Loop<C> {
         let len = REGION.min(self.size - off);
         debug_assert!(self.lock.is_none(), "reconcile step while a lock is held");
         self.lock = Some((off, off + len));
-        let s = &self.replicas[source];
-        let read = Request::Read {
-            component: s.component,
-            generation: self.generation,
-            offset: off,
-            len: len as u32,
-        };
-        let sent = s.peer.as_ref().map(|p| p.send(&read, Bytes::new()));
-        let timeout = self.cfg.io_timeout;
+        let read = self.read_region(source, off, len);
         self.spawn_report(async move {
-            let result = match sent {
-                Some(Ok(p)) => p.wait(timeout).await.map(|(_, d)| d),
-                Some(Err(e)) => Err(e),
-                None => Err(RpcError::Closed),
-            };
+            let result = read.await;
             Internal::ReconcileRead { region, result }
         });
     }

@@ -86,6 +86,25 @@ async fn answer(
 }
 
 impl<C: Control> Loop<C> {
+    /// Sends copy `src` a read of `len` bytes at `off` (a region a resync
+    /// or the reconciliation copies) and returns its answer to come.
+    pub(super) fn read_region(
+        &self,
+        src: usize,
+        off: u64,
+        len: u64,
+    ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + 'static {
+        let s = &self.replicas[src];
+        let read = Request::Read {
+            component: s.component,
+            generation: self.generation,
+            offset: off,
+            len: len as u32,
+        };
+        let sent = s.peer.as_ref().map(|p| p.send(&read, Bytes::new()));
+        answer(sent, self.cfg.io_timeout)
+    }
+
     /// Whether `attempt` is the resync under way.
     fn is_current(&self, attempt: u64) -> bool {
         self.resync.as_ref().is_some_and(|rs| rs.attempt == attempt)
@@ -408,17 +427,9 @@ impl<C: Control> Loop<C> {
         };
         debug_assert!(off.is_multiple_of(BLOCK_SIZE));
         self.lock = Some((off, off + len));
-        let s = &self.replicas[src];
-        let read = Request::Read {
-            component: s.component,
-            generation: self.generation,
-            offset: off,
-            len: len as u32,
-        };
-        let sent = s.peer.as_ref().map(|p| p.send(&read, Bytes::new()));
-        let timeout = self.cfg.io_timeout;
+        let read = self.read_region(src, off, len);
         self.spawn_report(async move {
-            let result = answer(sent, timeout).await;
+            let result = read.await;
             Internal::CopyRead {
                 attempt,
                 region,

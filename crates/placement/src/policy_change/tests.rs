@@ -1,45 +1,12 @@
 use super::*;
+use crate::tests::{cluster, dev, pol, volume_from, G};
 use crate::{fits, place};
 use proptest::prelude::*;
 use shoal_model::Reconfig;
 
-const G: u64 = 1 << 30;
-
+/// A node of its own fault domain, up.
 fn node(id: NodeId) -> NodeInfo {
-    NodeInfo {
-        id,
-        fault_domain: format!("node-{id}"),
-        peer_addr: String::new(),
-        api_addr: String::new(),
-        nbd_addr: String::new(),
-        state: NodeState::Up,
-    }
-}
-
-fn dev(id: u64, node: NodeId, capacity: u64, used: u64) -> DeviceInfo {
-    DeviceInfo {
-        id,
-        node,
-        path: format!("/dev/{id}"),
-        capacity,
-        used,
-        reserved: 0,
-        state: DeviceState::Healthy,
-        provisioned: 0,
-        maintenance: false,
-    }
-}
-
-/// `n` nodes, one device each (device `10 + i` on node `i`), node `i`
-/// with `i` GiB used of 100.
-fn cluster(n: u64) -> (Vec<NodeInfo>, Vec<DeviceInfo>) {
-    let nodes = (1..=n).map(node).collect();
-    let devs = (1..=n).map(|i| dev(10 + i, i, 100 * G, i * G)).collect();
-    (nodes, devs)
-}
-
-fn pol(s: &str) -> Policy {
-    s.parse().unwrap()
+    crate::tests::node(id, &format!("node-{id}"), true)
 }
 
 /// A volume placed by `place` under `policy`, every component active,
@@ -47,29 +14,7 @@ fn pol(s: &str) -> Policy {
 fn volume(policy: &str, nodes: &[NodeInfo], devs: &[DeviceInfo]) -> Volume {
     let policy = pol(policy);
     let plan = place(&policy, G, nodes, devs).unwrap();
-    Volume {
-        id: 7,
-        name: "v".into(),
-        size: G,
-        policy,
-        components: plan
-            .iter()
-            .enumerate()
-            .map(|(i, p)| Component {
-                id: 100 + i as u64,
-                role: p.role,
-                node: p.node,
-                device: p.device,
-                state: ComponentState::Active,
-                votes: p.votes,
-            })
-            .collect(),
-        owner: None,
-        generation: 1,
-        problem: None,
-        wrapped_key: None,
-        reconfig: None,
-    }
+    volume_from(&plan, policy, G)
 }
 
 /// The volume as the change leaves it: kept components and added ones.

@@ -109,3 +109,19 @@ async fn a_copy_whose_device_failed_is_copied_in_full_without_asking_what_was_tr
             .any(|r| matches!(r, Request::TrackedRegions { .. })));
     }
 }
+
+#[tokio::test]
+async fn a_tracked_set_out_of_order_fails_the_plan_and_copies_nothing() {
+    let mut rig = rig(&returning()).await;
+    rig.fakes[0].allocate(&[(0, 4 * REGION)]);
+    rig.fakes[0].track(RegionSet::Runs(vec![(3, 1), (1, 1)]));
+    rig.fakes[1].track(RegionSet::Runs(vec![]));
+    rig.tick();
+    rig.run_until(|lp| lp.resync.is_none()).await;
+    assert_eq!(
+        rig.lp.replicas[1].mode,
+        Mode::Out,
+        "the attempt is given up"
+    );
+    assert_eq!(copied(&rig, 1), Vec::<u64>::new());
+}

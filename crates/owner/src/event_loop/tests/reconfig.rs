@@ -188,20 +188,19 @@ async fn writes_during_the_change_reach_the_added_copy_once_revived() {
         .any(|r| matches!(r, Request::WriteChecked { .. })));
 }
 
+/// Whether each change end proposed so far was a commit, in order.
+fn commits(rig: &Rig) -> Vec<bool> {
+    let ends = rig.dir.ends.lock().unwrap();
+    ends.iter().map(|e| e.commit).collect()
+}
+
 #[tokio::test]
 async fn a_refused_commit_aborts_and_the_added_copy_retires() {
     let (mut rig, _fake4) = moving().await;
     rig.dir.refuse_commit.store(true, Ordering::SeqCst);
     rig.tick();
     rig.run_until(|lp| lp.change.is_none()).await;
-    let ends: Vec<bool> = rig
-        .dir
-        .ends
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|e| e.commit)
-        .collect();
+    let ends = commits(&rig);
     assert_eq!(ends, vec![true, false]);
     assert!(rig.lp.replicas[3].layouts.retired());
     assert_eq!(rig.lp.replicas[1].layouts, Layouts::BOTH);
@@ -217,14 +216,7 @@ async fn an_added_copy_whose_host_goes_down_aborts_the_change() {
     assert_eq!(rig.lp.apply(Event::View(v)), Flow::Continue);
     rig.tick();
     rig.run_until(|lp| lp.change.is_none()).await;
-    let ends: Vec<bool> = rig
-        .dir
-        .ends
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|e| e.commit)
-        .collect();
+    let ends = commits(&rig);
     assert_eq!(ends, vec![false]);
     assert!(rig.lp.replicas[3].layouts.retired());
 }
