@@ -266,13 +266,7 @@ pub fn replacement(
             component: failed,
         });
     };
-    let domain_of = |node: NodeId| -> Option<&str> {
-        nodes
-            .iter()
-            .filter(|n| n.id == node)
-            .map(|n| n.fault_domain.as_str())
-            .min()
-    };
+    let domain_of = |node: NodeId| crate::domain_of(nodes, node);
     let others: Vec<_> = volume
         .components
         .iter()
@@ -340,6 +334,15 @@ pub fn replacement(
         device: pick.0.id,
         votes: old.votes.max(1),
     })
+}
+
+/// The fault domain of node `node` among `nodes` (None: not listed).
+fn domain_of(nodes: &[NodeInfo], node: NodeId) -> Option<&str> {
+    nodes
+        .iter()
+        .filter(|n| n.id == node)
+        .map(|n| n.fault_domain.as_str())
+        .min()
 }
 
 mod policy_change;

@@ -167,13 +167,7 @@ fn added(
     nodes: &[NodeInfo],
     devices: &[DeviceInfo],
 ) -> Result<Vec<Planned>, PlacementError> {
-    let domain_of = |node: NodeId| -> Option<&str> {
-        nodes
-            .iter()
-            .filter(|n| n.id == node)
-            .map(|n| n.fault_domain.as_str())
-            .min()
-    };
+    let domain_of = |node: NodeId| crate::domain_of(nodes, node);
     let used_domains: BTreeSet<&str> = volume
         .components
         .iter()
