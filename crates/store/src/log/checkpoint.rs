@@ -490,14 +490,15 @@ impl LogStore {
     }
 
     /// Frees `rec`, segments no longer needed by the checkpoint just made
-    /// durable (nor by replay from it): they may be written again.
+    /// durable (nor by replay from it): they may be written again, at once
+    /// or, where a read in flight still reads one, once it is done
+    /// (`Draining`, see `gate.rs`). Never waits.
     fn reclaim(&self, st: &mut State, rec: Vec<u32>) {
         if st.cleaning.is_some_and(|v| rec.contains(&v)) {
             // The background cleaner's copy of it is no longer safe to use.
             st.cleaning = None;
         }
         if !rec.is_empty() {
-            self.reuse.wait_clear();
             let mut cache = lock(&self.cache);
             for s in rec {
                 // Nothing writes into a used segment, and only checkpoints
@@ -510,29 +511,60 @@ impl LogStore {
                     cache.remove(st.segs.block(s, off));
                 }
                 st.segs.clear_headers(s);
-                st.segs.set_state(s, SegState::Free);
-                if self.prep.on() {
-                    // The device file is being prepared (allocated) ahead of
-                    // the log: a hole punched here would only be filled
-                    // with zeros again.
-                    #[cfg(test)]
-                    if self
-                        .prep
-                        .reprepare_freed
-                        .load(std::sync::atomic::Ordering::Relaxed)
-                    {
-                        st.segs.set_unprepared([s]);
-                    }
-                    continue;
+                if self.reuse.pinned(s) {
+                    st.segs.set_state(s, SegState::Draining);
+                } else {
+                    self.make_free(st, s);
                 }
-                let at = byte_off(st.segs.block(s, 0));
-                if let Err(e) = self.dev.discard(at, self.geo.seg_blocks as u64 * BLOCK_U64) {
-                    tracing::debug!(segment = s, error = %e, "discard failed");
-                }
+            }
+        }
+        self.release_drained(st);
+    }
+
+    /// Frees the draining segments no read in flight pins any more, and
+    /// publishes the free count. Cheap when none drains.
+    pub(super) fn release_drained(&self, st: &mut State) {
+        if !st.segs.draining().is_empty() {
+            let done: Vec<u32> = st
+                .segs
+                .draining()
+                .iter()
+                .copied()
+                .filter(|&s| !self.reuse.pinned(s))
+                .collect();
+            for s in done {
+                self.make_free(st, s);
             }
         }
         self.free_hint
             .store(st.segs.free_count(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Segment `s`, emptied and no longer read, becomes free space.
+    fn make_free(&self, st: &mut State, s: u32) {
+        assert!(
+            st.segs.live(s) == 0 && !self.reuse.pinned(s),
+            "segment {s} freed while it holds live blocks or is read"
+        );
+        st.segs.set_state(s, SegState::Free);
+        if self.prep.on() {
+            // The device file is being prepared (allocated) ahead of the
+            // log: a hole punched here would only be filled with zeros
+            // again.
+            #[cfg(test)]
+            if self
+                .prep
+                .reprepare_freed
+                .load(std::sync::atomic::Ordering::Relaxed)
+            {
+                st.segs.set_unprepared([s]);
+            }
+            return;
+        }
+        let at = byte_off(st.segs.block(s, 0));
+        if let Err(e) = self.dev.discard(at, self.geo.seg_blocks as u64 * BLOCK_U64) {
+            tracing::debug!(segment = s, error = %e, "discard failed");
+        }
     }
 
     /// The segments a checkpoint records: the head and the used ones

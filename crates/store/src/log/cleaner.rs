@@ -253,6 +253,10 @@ impl LogStore {
         if st.segs.free_count() >= target {
             return Ok(());
         }
+        self.release_drained(st);
+        if st.segs.free_count() >= target {
+            return Ok(());
+        }
         self.clean_until(st, target)?;
         if st.segs.free_count() >= target {
             Ok(())
@@ -429,6 +433,7 @@ impl LogStore {
     }
 
     fn clean_step_locked(&self, st: &mut State) -> Result<Step> {
+        self.release_drained(st);
         let free = st.segs.free_count();
         // Emptied segments become free at a checkpoint: take one after a
         // round's worth (as many as an inline round cleans: one checkpoint

@@ -802,12 +802,13 @@ impl LogStore {
     }
 
     fn assemble(dev: Arc<dyn BlockDevice>, sb: LogSuper, st: State, flushed: u64) -> LogStore {
+        let nsegs = sb.nsegs;
         LogStore {
             geo: Geo::new(&sb),
             dev,
             sb,
             state: Mutex::new(st),
-            reuse: Arc::default(),
+            reuse: Arc::new(gate::ReuseGate::new(nsegs)),
             flush_lock: Mutex::new(()),
             ckpt_done: Mutex::default(),
             ckpt_landed: Condvar::new(),
@@ -1920,8 +1921,13 @@ impl LogStore {
         if todo.is_empty() {
             return plan;
         }
-        // Keep the located blocks from being reused until they are read.
-        plan._pass = Some(self.reuse.pass());
+        // Keep the located blocks' segments from being reused until they
+        // are read.
+        let segs = todo
+            .iter()
+            .filter_map(|t| st.segs.locate(t.d).map(|(s, _)| s))
+            .collect();
+        plan._pass = Some(self.reuse.pass(segs));
         drop(st);
         // The headers to check against: the entries of cached ones are
         // copied now; the others are read with the data.
@@ -2163,6 +2169,7 @@ impl LogStore {
         self.fail_check()?;
         let target = {
             let mut st = self.lock_state();
+            self.release_drained(&mut st);
             if st.ckpt_due && st.ckpt_io.is_none() {
                 // The checkpoint makes everything written so far durable.
                 return self.checkpoint_unlocked(st);

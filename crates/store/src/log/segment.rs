@@ -19,6 +19,10 @@ pub enum SegState {
     /// out of the free set, so the log never takes it meanwhile, but
     /// counted as free space (it is given back when the zeros are written).
     Zeroing,
+    /// Freed by a durable checkpoint while a read in flight still reads
+    /// it (`gate.rs`): becomes `Free` once that read is done. Not free
+    /// space yet, and recorded by no checkpoint (free after a restart).
+    Draining,
 }
 
 pub struct Segments {
@@ -36,6 +40,9 @@ pub struct Segments {
     unprepared: BTreeSet<u32>,
     /// The segment in the `Zeroing` state, if any (at most one).
     zeroing: Option<u32>,
+    /// The segments in the `Draining` state (few: those a read in flight
+    /// pinned when a checkpoint freed them).
+    draining: Vec<u32>,
 }
 
 impl Segments {
@@ -51,6 +58,7 @@ impl Segments {
             free: (0..nsegs).collect(),
             unprepared: BTreeSet::new(),
             zeroing: None,
+            draining: Vec::new(),
         }
     }
 
@@ -73,6 +81,12 @@ impl Segments {
             self.free.insert(s);
         } else {
             self.free.remove(&s);
+        }
+        let was = self.state[s as usize];
+        if was == SegState::Draining && st != SegState::Draining {
+            self.draining.retain(|&d| d != s);
+        } else if st == SegState::Draining && was != SegState::Draining {
+            self.draining.push(s);
         }
         self.state[s as usize] = st;
     }
@@ -264,6 +278,11 @@ impl Segments {
         (0..self.count())
             .filter(|&s| self.state(s) == SegState::Used && self.live(s) == 0)
             .collect()
+    }
+
+    /// The segments in the `Draining` state.
+    pub fn draining(&self) -> &[u32] {
+        &self.draining
     }
 
     /// Heap bytes of the table.
