@@ -12,6 +12,8 @@ use shoal_model::{
 };
 use std::time::Duration;
 
+pub mod devices;
+pub use devices::{AddDevice, DeviceAdded, DeviceRemoval};
 pub mod healing;
 pub use healing::{
     healing_text, HealingReport, ResyncKind, ResyncReport, WaitingComponent, OWNER_NOT_REACHABLE,
@@ -139,6 +141,9 @@ impl DeviceReport {
     /// the node is down (nothing is known of the device then).
     pub fn shown_state(&self) -> String {
         match self.node_state {
+            NodeState::Up if self.device.retiring => {
+                format!("{:?}, being removed", self.device.state).to_lowercase()
+            }
             NodeState::Up => format!("{:?}", self.device.state).to_lowercase(),
             other => format!("node {other}"),
         }
@@ -304,6 +309,9 @@ pub enum ApiError {
     /// being founded); the same request may succeed later.
     #[error("{0}")]
     Unavailable(String),
+    /// What the request names does not exist (404).
+    #[error("{0}")]
+    NotFound(String),
     #[error("cannot reach the Shoal API at {url}: {reason}")]
     Unreachable { url: String, reason: String },
     #[error("unexpected answer from {url}: {reason}")]
@@ -383,6 +391,9 @@ impl Client {
                 .unwrap_or(text);
             if status == reqwest::StatusCode::SERVICE_UNAVAILABLE {
                 return Err(ApiError::Unavailable(msg));
+            }
+            if status == reqwest::StatusCode::NOT_FOUND {
+                return Err(ApiError::NotFound(msg));
             }
             return Err(ApiError::Refused(msg));
         }

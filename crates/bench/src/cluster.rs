@@ -468,6 +468,7 @@ mod tests {
                 state: DeviceState::Healthy,
                 provisioned: 0,
                 maintenance: false,
+                retiring: false,
             })
             .collect();
         let comp = |i: usize, role| Component {

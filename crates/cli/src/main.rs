@@ -6,6 +6,7 @@
 //! (`shoal-bench`). Owns argument parsing and presentation only.
 
 mod daemon;
+mod device;
 mod local;
 mod maintenance;
 mod policy;
@@ -80,6 +81,10 @@ enum Cmd {
     /// full-data-migration, no-data-migration), exit, status.
     #[command(subcommand)]
     Maintenance(maintenance::MaintenanceCmd),
+    /// A running node's devices: add one, remove one (its components
+    /// move off it first), show one.
+    #[command(subcommand)]
+    Device(device::DeviceCmd),
     /// Certificates for NBD clients.
     #[command(subcommand)]
     Cert(CertCmd),
@@ -699,6 +704,7 @@ async fn run(cmd: Cmd) -> Result<()> {
             Ok(())
         }
         Cmd::Maintenance(m) => maintenance::run(m).await,
+        Cmd::Device(d) => device::run(d).await,
         Cmd::Cluster(ClusterCmd::RemoveNode { id, target }) => {
             maintenance::remove_node(id, &target).await
         }

@@ -24,6 +24,7 @@
 
 pub mod state;
 
+pub mod device_removal;
 pub mod maintenance;
 mod network;
 pub mod reconfig;

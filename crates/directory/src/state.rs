@@ -214,6 +214,13 @@ pub enum Command {
     /// Removes a node that holds no component, with its devices; its
     /// certificates are revoked.
     RemoveNode { node: NodeId },
+    /// Marks a device for removal (`DeviceInfo::retiring`): placement
+    /// puts nothing new on it and its components are moved off it
+    /// (`devices.rs`). Again on a retiring device: no change.
+    RetireDevice { device: DeviceId },
+    /// Removes a retiring device that holds no component; proposed by its
+    /// node once it has closed it.
+    UnregisterDevice { device: DeviceId },
 }
 
 /// A component chosen by placement, before it has an id.
@@ -306,6 +313,12 @@ pub enum StateError {
          (shoal maintenance enter {node} --mode full-data-migration)"
     )]
     NodeHoldsComponents { node: NodeId, components: usize },
+    #[error("device {device} holds {components} component(s) of volumes: they move off it first")]
+    DeviceHoldsComponents { device: DeviceId, components: usize },
+    #[error("device {0} is not being removed (shoal device remove {0} first)")]
+    DeviceNotRetiring(DeviceId),
+    #[error("device {0} is being removed: no new component is placed on it")]
+    DeviceRetiring(DeviceId),
 }
 
 /// Bytes reserved on a device for one data component of a volume.
@@ -355,6 +368,9 @@ impl ClusterState {
                 stated: c.node,
                 actual: d.node,
             });
+        }
+        if d.retiring {
+            return Err(StateError::DeviceRetiring(c.device));
         }
         Ok(())
     }
@@ -417,6 +433,7 @@ impl ClusterState {
                     | Command::DeleteVolume { .. }
                     | Command::ResizeVolume { .. }
                     | Command::RegisterDevice { .. }
+                    | Command::UnregisterDevice { .. }
                     | Command::BeginReconfig { .. }
                     | Command::CommitReconfig { .. }
                     | Command::AbortReconfig { .. }
@@ -448,6 +465,7 @@ impl ClusterState {
             Command::RegisterNode { node } => Some(node.id),
             Command::NodeStarted { node, .. } => Some(*node),
             Command::RegisterDevice { node, .. } => Some(*node),
+            Command::UnregisterDevice { device } => self.devices.get(device).map(|d| d.node),
             Command::ClaimOwner { node, .. } => Some(*node),
             Command::ReportDeviceUsage { device, .. } => {
                 // An unknown device is refused by the state machine itself.
@@ -624,6 +642,7 @@ impl ClusterState {
                         state: DeviceState::Healthy,
                         provisioned: 0,
                         maintenance: self.maintenance.contains_key(node),
+                        retiring: false,
                     },
                 );
                 Ok(Response::Id(id))
@@ -754,6 +773,9 @@ impl ClusterState {
             Command::EnterMaintenance { .. }
             | Command::ExitMaintenance { .. }
             | Command::RemoveNode { .. } => self.apply_maintenance(cmd),
+            Command::RetireDevice { .. } | Command::UnregisterDevice { .. } => {
+                self.apply_device_removal(cmd)
+            }
             Command::SetIopsLimit { name, iops_limit } => {
                 let id = self.volume_id_by_name(name)?;
                 if let Some(v) = self.volumes.get_mut(&id) {
@@ -1525,6 +1547,8 @@ pub(crate) mod tests {
                 .prop_map(|(node, mode)| Command::EnterMaintenance { node, mode }),
             (1u64..6).prop_map(|node| Command::ExitMaintenance { node }),
             (1u64..6).prop_map(|node| Command::RemoveNode { node }),
+            (1u64..12).prop_map(|device| Command::RetireDevice { device }),
+            (1u64..12).prop_map(|device| Command::UnregisterDevice { device }),
         ]
     }
 
@@ -1577,6 +1601,11 @@ pub(crate) mod tests {
         }
         for v in s.volumes.values() {
             assert!(v.components.iter().all(|c| s.nodes.contains_key(&c.node)));
+            // And on a registered device (a device leaves empty).
+            assert!(v
+                .components
+                .iter()
+                .all(|c| s.devices.contains_key(&c.device)));
         }
         // The settings stay in range.
         let delay = s.settings.repair_delay_s;

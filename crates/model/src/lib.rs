@@ -148,9 +148,20 @@ pub struct DeviceInfo {
     /// placement puts no new component here.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub maintenance: bool,
+    /// Being removed (`shoal device remove`): placement puts nothing new
+    /// here, its components move off it, and its node then closes it and
+    /// unregisters it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub retiring: bool,
 }
 
 impl DeviceInfo {
+    /// Whether placement may put a new component here: healthy, its node
+    /// not in maintenance, not being removed.
+    pub fn accepts_components(&self) -> bool {
+        self.state == DeviceState::Healthy && !self.maintenance && !self.retiring
+    }
+
     /// Space left if every volume on the device filled up (negative when
     /// thin volumes overcommit it): the placement balance key.
     pub fn headroom(&self) -> i128 {

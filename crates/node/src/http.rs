@@ -32,6 +32,8 @@ pub struct Http {
     pub replicas: Arc<std::sync::OnceLock<Arc<crate::replica::Replicas>>>,
     /// Set once the scrubber runs.
     pub scrubber: Arc<std::sync::OnceLock<Arc<crate::scrub::Scrubber>>>,
+    /// Set once the node's devices are registered.
+    pub devices: Arc<std::sync::OnceLock<Arc<crate::devices::DeviceSet>>>,
 }
 
 struct ApiErr(StatusCode, String);
@@ -210,6 +212,11 @@ pub fn routes(h: Http) -> axum::Router {
                 .delete(crate::maintenance::exit),
         )
         .route("/v1/nodes/{id}/remove", post(crate::maintenance::remove))
+        .route("/v1/devices", post(crate::devices::http::add))
+        .route(
+            "/v1/devices/{id}",
+            get(crate::devices::http::show).delete(crate::devices::http::remove),
+        )
         .route("/v1/certs/client", post(client_cert))
         .route("/v1/certs/client/{name}/revoke", post(revoke_client))
         .route("/livez", get(livez))
@@ -226,6 +233,7 @@ pub fn routes(h: Http) -> axum::Router {
 pub fn member_routes(h: Http) -> axum::Router {
     axum::Router::new()
         .route("/v1/heartbeat", post(heartbeat))
+        .route("/v1/local/devices", post(crate::devices::http::add_here))
         .layer(axum::extract::DefaultBodyLimit::max(API_BODY_MAX_BYTES))
         .with_state(h.clone())
         .merge(h.router.dir.router())

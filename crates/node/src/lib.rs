@@ -11,6 +11,7 @@ pub mod api_server;
 pub mod auth;
 pub mod caretaker;
 pub mod clock;
+pub mod devices;
 pub mod encryption;
 pub mod exports;
 pub mod flusher;
@@ -71,32 +72,6 @@ pub struct DeviceSpec {
     /// cost what they cost on a block device. Only applies to a new file.
     #[serde(default)]
     pub thick: bool,
-}
-
-/// Creates `path` as a file of `size` bytes of zeros, all allocated, if
-/// it does not exist yet.
-fn create_thick(path: &std::path::Path, size: u64) -> Result<()> {
-    use std::io::Write;
-    let mut f = match std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(path)
-    {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(()),
-        Err(e) => return Err(e).with_context(|| format!("creating {}", path.display())),
-    };
-    let zeros = vec![0u8; 8 << 20];
-    let mut left = size;
-    while left > 0 {
-        let n = left.min(zeros.len() as u64) as usize;
-        f.write_all(&zeros[..n])
-            .with_context(|| format!("writing zeros to {}", path.display()))?;
-        left -= n as u64;
-    }
-    f.sync_all()
-        .with_context(|| format!("syncing {}", path.display()))?;
-    Ok(())
 }
 
 /// The I/O wait bound when none is configured, in seconds.
@@ -309,8 +284,6 @@ fn group_id(name: &str) -> Result<u32> {
 /// Mode of a node's data folder: its identity, directory database and
 /// sockets are the node's alone.
 const DATA_DIR_MODE: u32 = 0o700;
-/// Mode of a device file: volumes' data is readable by no other user.
-const DEVICE_FILE_MODE: u32 = 0o600;
 
 /// Gives `path` the permission bits `mode` (no access for group and
 /// others), whatever the umask made it.
@@ -320,44 +293,12 @@ fn owner_only(path: &Path, mode: u32) -> Result<()> {
         .with_context(|| format!("setting the mode of {} to {mode:o}", path.display()))
 }
 
-/// What a data folder remembers about the node that owns it.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Identity {
-    node_id: NodeId,
-    cluster_id: String,
-    /// Device path → directory id, so the replica side can start serving
-    /// before the directory is reachable.
-    devices: Vec<(String, DeviceId)>,
-}
-
-const IDENTITY: &str = "identity.json";
-
 /// Seconds between two passes that unmark, on the devices, the regions
 /// whose writes a barrier has settled (`Replicas::settle_marks`). A region
 /// written again within this time keeps its mark, so a busy region costs
 /// no log entry per barrier; a crash then copies at most the regions
 /// written in the last few seconds between the copies.
 const SETTLE_MARKS_S: u64 = 5;
-
-fn load_identity(dir: &Path) -> Result<Option<Identity>> {
-    let p = dir.join(IDENTITY);
-    match std::fs::read(&p) {
-        Ok(b) => Ok(Some(
-            serde_json::from_slice(&b).with_context(|| format!("{} is damaged", p.display()))?,
-        )),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e).with_context(|| format!("reading {}", p.display())),
-    }
-}
-
-fn save_identity(dir: &Path, id: &Identity) -> Result<()> {
-    let p = dir.join(IDENTITY);
-    let tmp = dir.join(format!("{IDENTITY}.tmp"));
-    std::fs::write(&tmp, serde_json::to_vec_pretty(id)?)?;
-    std::fs::File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, &p)?;
-    Ok(())
-}
 
 /// Asks a member for the cluster id, `tries` times half a second apart.
 async fn remote_cluster_id(join: &str, tries: u32) -> Result<String> {
@@ -464,7 +405,7 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
     std::fs::create_dir_all(&cfg.data_dir)
         .with_context(|| format!("creating data folder {}", cfg.data_dir.display()))?;
     owner_only(&cfg.data_dir, DATA_DIR_MODE)?;
-    let identity = load_identity(&cfg.data_dir)?;
+    let identity = devices::load_identity(&cfg.data_dir)?;
     if let Some(id) = &identity {
         if id.node_id != cfg.id {
             bail!(
@@ -505,23 +446,16 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
     if cfg.devices.is_empty() {
         bail!("a node needs at least one device (--device PATH:SIZE)");
     }
+    let to_open = match &identity {
+        Some(id) => id.to_open(&cfg.devices),
+        None => cfg.devices.clone(),
+    };
+    if to_open.is_empty() {
+        bail!("every device of the command line was removed (shoal device remove): add one");
+    }
     let mut stores = Vec::new();
-    for d in &cfg.devices {
-        if d.thick && d.size > 0 {
-            create_thick(&d.path, d.size)?;
-        }
-        let s = replica::Store::open_or_create(&d.path, d.size, &cluster_id)
-            .with_context(|| format!("device {}", d.path.display()))?;
-        if std::fs::metadata(&d.path).is_ok_and(|m| m.is_file()) {
-            // A file system that keeps its own modes (FUSE) may refuse.
-            if let Err(e) = owner_only(&d.path, DEVICE_FILE_MODE) {
-                tracing::warn!(error = %format!("{e:#}"), "device file readable by others");
-            }
-        }
-        let s = Arc::new(s);
-        // The store's background cleaner (ends when the last Arc goes).
-        s.start_background()
-            .with_context(|| format!("cleaner thread for {}", d.path.display()))?;
+    for d in &to_open {
+        let s = devices::open_store(d, &cluster_id)?;
         stores.push((d.path.display().to_string(), s));
     }
 
@@ -625,7 +559,9 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
         }
     }
     let scrubber_cell = Arc::new(std::sync::OnceLock::new());
+    let devices_cell = Arc::new(std::sync::OnceLock::new());
     let h = http::Http {
+        devices: devices_cell.clone(),
         router: router.clone(),
         liveness: liveness.clone(),
         replicas: replicas_cell.clone(),
@@ -700,14 +636,12 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
         };
         device_ids.push((path.clone(), id));
     }
-    save_identity(
-        &cfg.data_dir,
-        &Identity {
-            node_id: cfg.id,
-            cluster_id: cluster_id.clone(),
-            devices: device_ids.clone(),
-        },
-    )?;
+    let mut ident = identity
+        .clone()
+        .unwrap_or_else(|| devices::Identity::new(cfg.id, cluster_id.clone()));
+    ident.devices = device_ids.clone();
+    devices::save_identity(&cfg.data_dir, &ident)
+        .with_context(|| format!("saving the identity in {}", cfg.data_dir.display()))?;
     if !have_all {
         let devs = stores
             .iter()
@@ -731,6 +665,19 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
         });
     }
 
+    let device_set = devices::DeviceSet::new(
+        cfg.id,
+        cluster_id.clone(),
+        cfg.data_dir.clone(),
+        cfg.tuning.clone(),
+        cfg.devices.clone(),
+        dir.clone(),
+        replicas.clone(),
+        ident,
+    );
+    device_set.spawn_removals();
+    let _ = devices_cell.set(device_set);
+
     let _ = scrubber_cell.set(scrub::Scrubber::start(
         cfg.scrub.clone(),
         replicas.clone(),
@@ -753,7 +700,12 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
 
     // Liveness.
     let r2 = replicas.clone();
-    liveness.spawn(move || r2.devices().map(|d| liveness::device_usage(d)).collect());
+    liveness.spawn(move || {
+        r2.devices()
+            .iter()
+            .map(|d| liveness::device_usage(d))
+            .collect()
+    });
 
     // Owners for volumes that need healing, without client I/O.
     tokio::spawn(caretaker::run(router.clone()));

@@ -38,6 +38,11 @@ pub struct Liveness {
 }
 
 impl Liveness {
+    /// The client this node calls other nodes' member routes with.
+    pub fn transport(&self) -> &shoal_directory::Transport {
+        &self.transport
+    }
+
     pub fn new(node: NodeId, dir: Directory, transport: shoal_directory::Transport) -> Liveness {
         Liveness {
             node,

@@ -350,7 +350,7 @@ async fn settle(dir: &Directory, f: impl Fn(&ClusterState) -> bool) {
 // ------------------------------------------------------------ HTTP
 
 /// An answer with an error body, as the rest of the API answers.
-pub struct Refused(StatusCode, String);
+pub struct Refused(pub StatusCode, pub String);
 
 impl IntoResponse for Refused {
     fn into_response(self) -> HttpResponse {

@@ -239,7 +239,8 @@ async fn wait_all(deps: Vec<watch::Receiver<bool>>) {
 /// All components on this node's devices.
 pub struct Replicas {
     seq: Arc<Sequencer>,
-    devices: HashMap<DeviceId, Arc<Device>>,
+    /// Devices come and go while the node runs (`crate::devices`).
+    devices: std::sync::RwLock<HashMap<DeviceId, Arc<Device>>>,
     /// Which device holds each component.
     placement: Mutex<HashMap<ComponentId, DeviceId>>,
     /// Regions owners' writes may have left different between the
@@ -285,12 +286,29 @@ fn done(r: Result<Response, RemoteError>) -> Reply {
 
 impl Replicas {
     pub fn new(devices: Vec<Device>) -> Replicas {
-        let mut placement = HashMap::new();
-        let mut map = HashMap::new();
-        // Regions marked on the devices: writes were in flight there when
-        // this node last stopped. Dirty until the next owner reconciles.
-        let mut dirty = Dirty::default();
+        let r = Replicas {
+            seq: Arc::default(),
+            devices: Default::default(),
+            placement: Default::default(),
+            dirty: Default::default(),
+            router: OnceLock::new(),
+            in_flight: Arc::default(),
+            leases: Grants::new(std::time::Instant::now()),
+        };
         for d in devices {
+            r.add_device(d);
+        }
+        r
+    }
+
+    /// Serves the components of `d` from now on (at start, or a device
+    /// added while the node runs). Regions marked on it had writes in
+    /// flight when this node last stopped: dirty until the next owner
+    /// reconciles.
+    pub fn add_device(&self, d: Device) {
+        {
+            let mut placement = self.placement.lock().unwrap_or_else(|e| e.into_inner());
+            let mut dirty = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
             for c in d.store.components() {
                 placement.insert(c.id, d.id);
                 let empty = shoal_store::Tracked::Regions(Vec::new());
@@ -304,27 +322,45 @@ impl Replicas {
                 e.extend(regions.clone().map(|r| (r, (0, UNTIL_NEXT_OWNER))));
                 dirty.marked.entry(c).or_default().extend(regions);
             }
-            map.insert(d.id, Arc::new(d));
         }
-        Replicas {
-            seq: Arc::default(),
-            devices: map,
-            placement: Mutex::new(placement),
-            dirty: Mutex::new(dirty),
-            router: OnceLock::new(),
-            in_flight: Arc::default(),
-            leases: Grants::new(std::time::Instant::now()),
-        }
+        self.devices_mut().insert(d.id, Arc::new(d));
     }
 
-    pub fn devices(&self) -> impl Iterator<Item = &Arc<Device>> {
-        self.devices.values()
+    /// Stops serving device `id` and gives it back (None if it is not
+    /// here). Its components are forgotten: the caller removes a device
+    /// only once the directory places none there. Requests already at
+    /// the device finish on it (they hold it).
+    pub fn remove_device(&self, id: DeviceId) -> Option<Arc<Device>> {
+        let d = self.devices_mut().remove(&id)?;
+        self.placement
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|_, dev| *dev != id);
+        Some(d)
+    }
+
+    fn devices_mut(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<DeviceId, Arc<Device>>> {
+        self.devices.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn devices_ref(&self) -> std::sync::RwLockReadGuard<'_, HashMap<DeviceId, Arc<Device>>> {
+        self.devices.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The devices served now.
+    pub fn devices(&self) -> Vec<Arc<Device>> {
+        self.devices_ref().values().cloned().collect()
+    }
+
+    /// Device `id`, if it is served here.
+    pub fn device(&self, id: DeviceId) -> Option<Arc<Device>> {
+        self.devices_ref().get(&id).cloned()
     }
 
     /// Components stored here, with their volume ids.
     pub fn components(&self) -> Vec<(ComponentId, u64, DeviceId)> {
         let mut v = Vec::new();
-        for d in self.devices.values() {
+        for d in self.devices() {
             for c in d.store.components() {
                 v.push((c.id, c.volume, d.id));
             }
@@ -340,10 +376,7 @@ impl Replicas {
             .get(&c)
             .copied()
             .ok_or(RemoteError::NoSuchComponent(c))?;
-        self.devices
-            .get(&id)
-            .cloned()
-            .ok_or(RemoteError::NoSuchDevice(id))
+        self.device(id).ok_or(RemoteError::NoSuchDevice(id))
     }
 
     /// Refuses older generations; adopts a newer one (persisted).
@@ -421,7 +454,7 @@ impl Replicas {
     pub fn settle_marks(&self) {
         let mut m = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
         let Dirty { writes, marked, .. } = &mut *m;
-        for d in self.devices.values() {
+        for d in self.devices() {
             for (c, regions) in d.store.marked_regions() {
                 let dirty = writes.get(&c);
                 let clean: Vec<u32> = regions
@@ -659,9 +692,7 @@ impl Replicas {
                 size,
             } => {
                 let d = self
-                    .devices
-                    .get(&device)
-                    .cloned()
+                    .device(device)
                     .ok_or(RemoteError::NoSuchDevice(device))?;
                 let before = d.store.component(component);
                 d.store
@@ -1145,7 +1176,7 @@ mod tests {
     }
 
     fn marks(r: &Replicas) -> Vec<(u64, Vec<u32>)> {
-        r.devices().next().unwrap().store.marked_regions()
+        r.devices()[0].store.marked_regions()
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1233,7 +1264,7 @@ mod tests {
             call(&r, zero(2), Bytes::new()).await,
             Response::Ok
         ));
-        let d = r.devices().next().unwrap().clone();
+        let d = r.devices()[0].clone();
         assert_eq!(d.resync_written.load(Ordering::Relaxed), 4096 + 8192);
         assert_eq!(d.written.load(Ordering::Relaxed), 2 * 4096);
     }
@@ -1256,7 +1287,7 @@ mod tests {
             matches!(resp, Response::Err(RemoteError::Unavailable(_))),
             "{resp:?}"
         );
-        let d = r.devices().next().unwrap().clone();
+        let d = r.devices()[0].clone();
         assert_eq!(d.store.generation(1), Some(1), "the read changed nothing");
         assert!(matches!(
             call(&r, read(1), Bytes::new()).await,
@@ -1301,7 +1332,7 @@ mod tests {
             matches!(resp, Response::Err(RemoteError::Unavailable(_))),
             "{resp:?}"
         );
-        let d = r.devices().next().unwrap().clone();
+        let d = r.devices()[0].clone();
         assert_eq!(d.store.generation(1), Some(2), "a renewal changed nothing");
         let resp = call(&r, renew(2, shoal_rpc::MAX_LEASE_MS + 1), Bytes::new()).await;
         assert!(

@@ -18,8 +18,8 @@
 //!   witnesses to the remaining domains that are least loaded.
 
 use shoal_model::{
-    human_size, ComponentId, ComponentRole, DeviceId, DeviceInfo, DeviceState, Layout, NodeId,
-    NodeInfo, NodeState, Policy, Volume, VolumeId,
+    human_size, ComponentId, ComponentRole, DeviceId, DeviceInfo, Layout, NodeId, NodeInfo,
+    NodeState, Policy, Volume, VolumeId,
 };
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
@@ -140,7 +140,7 @@ fn usable<'a>(nodes: &'a [NodeInfo], devices: &'a [DeviceInfo]) -> BTreeMap<&'a 
     devs.dedup_by_key(|d| d.id);
     let mut out: BTreeMap<&str, Domain> = BTreeMap::new();
     for d in devs {
-        if d.state != DeviceState::Healthy || d.maintenance {
+        if !d.accepts_components() {
             continue;
         }
         let Some(n) = by_id.get(&d.node) else {

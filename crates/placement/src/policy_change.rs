@@ -21,8 +21,8 @@
 
 use crate::{policy_name, reserved_bytes, usable, Domain, PlacementError, Planned};
 use shoal_model::{
-    Component, ComponentId, ComponentRole, ComponentState, DeviceInfo, DeviceState, NodeId,
-    NodeInfo, NodeState, Policy, Volume,
+    Component, ComponentId, ComponentRole, ComponentState, DeviceInfo, NodeId, NodeInfo, NodeState,
+    Policy, Volume,
 };
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
@@ -141,7 +141,7 @@ impl<'a> Serving<'a> {
             && self
                 .devices
                 .get(&c.device)
-                .is_some_and(|d| d.state == DeviceState::Healthy && !d.maintenance)
+                .is_some_and(|d| d.accepts_components())
     }
 
     /// The order components are dropped in, first first: those that do

@@ -1,6 +1,6 @@
 use super::*;
 use proptest::prelude::*;
-use shoal_model::{Component, ComponentState};
+use shoal_model::{Component, ComponentState, DeviceState};
 
 pub(crate) fn node(id: NodeId, domain: &str, up: bool) -> NodeInfo {
     NodeInfo {
@@ -24,6 +24,7 @@ pub(crate) fn dev(id: DeviceId, node: NodeId, capacity: u64, used: u64) -> Devic
         state: DeviceState::Healthy,
         provisioned: 0,
         maintenance: false,
+        retiring: false,
     }
 }
 
@@ -246,6 +247,25 @@ fn a_node_in_maintenance_gets_no_new_component() {
     assert!(replacement(&policy, &vol, on1, &nodes, &devs).is_err());
 }
 
+#[test]
+fn a_retiring_device_gets_no_new_component_and_its_copy_moves_beside_it() {
+    let (nodes, mut devs) = cluster(3);
+    let policy = pol("ftt=1");
+    let vol = volume_from(&place(&policy, G, &nodes, &devs).unwrap(), policy, G);
+    let on1 = vol.components.iter().find(|c| c.node == 1).unwrap().clone();
+    // A second device on node 1, and the first one retiring: three nodes
+    // leave no other domain, so the copy goes to the new device.
+    let mut extra = dev(21, 1, 100 * G, 0);
+    extra.path = "/b".into();
+    devs.push(extra);
+    let d = devs.iter_mut().find(|d| d.id == on1.device).unwrap();
+    d.retiring = true;
+    let r = replacement(&policy, &vol, on1.id, &nodes, &devs).unwrap();
+    assert_eq!((r.node, r.device), (1, 21));
+    let p = place(&policy, G, &nodes, &devs).unwrap();
+    assert!(p.iter().all(|p| p.device != on1.device), "{p:?}");
+}
+
 #[derive(Debug, Clone)]
 struct Cluster {
     nodes: Vec<NodeInfo>,
@@ -286,6 +306,7 @@ fn arb_cluster() -> impl Strategy<Value = Cluster> {
                     },
                     provisioned: 0,
                     maintenance: false,
+                    retiring: false,
                 });
             }
         }
@@ -300,6 +321,7 @@ fn arb_cluster() -> impl Strategy<Value = Cluster> {
             state: DeviceState::Healthy,
             provisioned: 0,
             maintenance: false,
+            retiring: false,
         });
         Cluster { nodes, devices }
     })

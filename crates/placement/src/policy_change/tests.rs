@@ -2,7 +2,7 @@ use super::*;
 use crate::tests::{cluster, dev, pol, volume_from, G};
 use crate::{fits, place};
 use proptest::prelude::*;
-use shoal_model::Reconfig;
+use shoal_model::{DeviceState, Reconfig};
 
 /// A node of its own fault domain, up.
 fn node(id: NodeId) -> NodeInfo {

@@ -1,0 +1,137 @@
+//! A failed or retired disk is replaced without restarting its node, on
+//! real node processes while a client writes: `shoal device add` opens a
+//! new device on a running node (through another node's API), `shoal
+//! device remove` moves every component off the old one (here onto the
+//! new device of the same host: three hosts leave no other fault domain)
+//! and it leaves the cluster. No acknowledged write is lost, the copies
+//! are identical, and a restart of the node opens the new device and not
+//! the removed one. Bad requests change nothing: a relative path, an
+//! unknown node or device, a file holding data, a node's last device.
+
+mod common;
+
+use common::ledger::Writer;
+use common::{components_of, wait_for, Cluster};
+use std::time::Duration;
+
+/// Time allowed for a move (a copy of what was written) on a slow machine.
+const MOVE: Duration = Duration::from_secs(180);
+/// 4 KiB blocks the writer spreads its writes over (32 MiB).
+const BLOCKS: usize = (32 << 20) / 4096;
+
+/// Waits for `more` acknowledged writes past what `w` has now.
+fn more_writes(w: &Writer, more: u64) {
+    let from = w.ledger().acks();
+    wait_for("writes going on", MOVE, || match w.ledger().acks() {
+        n if n >= from + more => Ok(()),
+        n => Err(format!("{} acknowledged since", n - from)),
+    });
+}
+
+/// The ids of node `node`'s devices in `shoal status`.
+fn devices_of(c: &Cluster, node: u32) -> Vec<u64> {
+    let st = c.json(&["status"]);
+    st["devices"]
+        .as_array()
+        .expect("devices")
+        .iter()
+        .filter(|d| d["node"] == node)
+        .map(|d| d["id"].as_u64().expect("id"))
+        .collect()
+}
+
+/// (node, device) of each data copy of `vol`.
+fn copies(c: &Cluster, vol: &str) -> Vec<(u32, u64)> {
+    let v = c.json(&["volume", "show", vol]);
+    v["volume"]["components"]
+        .as_array()
+        .expect("components")
+        .iter()
+        .filter(|x| x["role"] == "Data")
+        .map(|x| {
+            (
+                x["node"].as_u64().expect("node") as u32,
+                x["device"].as_u64().expect("device"),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_device_is_replaced_on_a_running_node_under_writes() {
+    let c = Cluster::start_sized(3, "1G", &[]);
+    c.create_volume("mirror", "64M", "raid1 ftt=1");
+    let w = Writer::start(&c.nbd_addr(1), "mirror", vec![0; BLOCKS], 8);
+    more_writes(&w, 500);
+    // A copy outside node 1 (the CLI's node): its add is handed over.
+    let (t, old) = copies(&c, "mirror")
+        .into_iter()
+        .find(|(n, _)| *n != 1)
+        .expect("a copy outside node 1");
+    let (tn, oldn) = (t.to_string(), old.to_string());
+    assert_eq!(devices_of(&c, t), vec![old]);
+
+    // Refused, changing nothing.
+    let err = c.shoal_fails(&["device", "remove", &oldn]);
+    assert!(
+        err.contains("last device of node") && err.contains("nothing changed"),
+        "{err}"
+    );
+    let err = c.shoal_fails(&["device", "add", &tn, "relative.dev", "--size", "1G"]);
+    assert!(err.contains("absolute"), "{err}");
+    let err = c.shoal_fails(&["device", "add", "9", "/tmp/x.dev", "--size", "1G"]);
+    assert!(err.contains("no node with id 9"), "{err}");
+    let err = c.shoal_fails(&["device", "remove", "999"]);
+    assert!(err.contains("no device with id 999"), "{err}");
+    let precious = c.node_dir(t).join("precious.img");
+    std::fs::write(&precious, b"someone's data").expect("write");
+    let p = precious.display().to_string();
+    let err = c.shoal_fails(&["device", "add", &tn, &p]);
+    assert!(err.contains("refusing to format"), "{err}");
+    assert_eq!(std::fs::read(&precious).expect("read"), b"someone's data");
+    assert_eq!(devices_of(&c, t), vec![old]);
+
+    // Add a device to node t while it runs.
+    let path = c.node_dir(t).join("new.dev").display().to_string();
+    let out = c.shoal(&["device", "add", &tn, &path, "--size", "1G"]);
+    assert!(out.contains("on node") && out.contains(&path), "{out}");
+    let new: u64 = out
+        .trim_start_matches("device ")
+        .split(':')
+        .next()
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("no device id in {out:?}"));
+    let mut now = devices_of(&c, t);
+    now.sort_unstable();
+    assert_eq!(now, vec![old, new]);
+    let err = c.shoal_fails(&["device", "add", &tn, &path]);
+    assert!(err.contains(&format!("already device {new}")), "{err}");
+
+    // Remove the old one: the copy moves onto the new device (the only
+    // place left: the other hosts hold the volume's other components),
+    // then the old device leaves.
+    let out = c.shoal(&["device", "remove", &oldn]);
+    assert!(out.contains(&format!("device {old} removed")), "{out}");
+    assert_eq!(devices_of(&c, t), vec![new]);
+    assert!(copies(&c, "mirror").contains(&(t, new)));
+    c.wait_healthy("mirror", MOVE);
+    let v = c.json(&["volume", "show", "mirror"]);
+    assert!(v["volume"]["reconfig"].is_null(), "{}", components_of(&v));
+    more_writes(&w, 500);
+
+    // A restart of the node opens the new device, not the removed one
+    // (its command line still names it).
+    c.signal(t, "9");
+    c.up();
+    c.wait_node(t, "up", MOVE);
+    c.wait_healthy("mirror", MOVE);
+    assert_eq!(devices_of(&c, t), vec![new]);
+    more_writes(&w, 500);
+
+    let l = w.stop(MOVE);
+    assert_eq!(l.errors(), 0, "writes failed");
+    let a = l.check(&c.nbd_addr(1), "mirror");
+    let b = l.check(&c.nbd_addr(t), "mirror");
+    assert!(a == b, "two nodes read different versions");
+    c.verify_copies("mirror");
+}

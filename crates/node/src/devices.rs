@@ -1,0 +1,701 @@
+//! A node's devices: which it opens at start, and adding and removing
+//! them while it runs (`shoal device add`, `shoal device remove`;
+//! `docs/reconfiguration.md`, Adding and removing devices).
+//!
+//! - The identity file remembers, besides the node and its cluster, each
+//!   device's directory id, the devices added while the node ran (opened
+//!   again at every start, with the command line's) and the ones removed
+//!   (not opened again even if the command line still names them).
+//! - Adding opens the device (formatting it when it is new or all zeros at
+//!   its start; anything else that is not a device of this cluster is
+//!   refused, so no one's data is formatted by a typo), registers it, and
+//!   serves it at once.
+//! - Removing is the directory's `RetireDevice`; this node's loop
+//!   ([`DeviceSet::spawn_removals`]) then moves the components off each of
+//!   its retiring devices (one change of layout per volume, placed like a
+//!   rebuild: another device, of the same node only when no other fault
+//!   domain is free), and once none is left closes the device, records it
+//!   removed, and unregisters it. A crash anywhere in between leaves a
+//!   state the loop completes after the restart.
+//!
+//! Owns the device lists and the opening of a device; a component's data
+//! is the replica side's, and placement is `shoal_placement`'s.
+
+pub mod http;
+
+use crate::replica::{Device, Replicas, Store};
+use crate::{DeviceSpec, NodeTuning};
+use serde::{Deserialize, Serialize};
+use shoal_api::{DeviceAdded, DeviceRemoval};
+use shoal_directory::{ClusterState, Command, Directory, DirectoryError, Response};
+use shoal_model::{ComponentId, DeviceId, NodeId, VolumeId};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Seconds between two passes of the removal loop.
+pub const REMOVAL_PASS_S: u64 = 2;
+
+/// Bytes at the start of an existing file or block device that must all
+/// be zero before it is formatted: more than any partition table or file
+/// system superblock puts before its first megabyte.
+const UNUSED_PREFIX_BYTES: usize = 1 << 20;
+
+/// Longest device path taken, in bytes (Linux's `PATH_MAX`).
+const MAX_PATH_BYTES: usize = 4096;
+
+/// Mode of a device file: volumes' data is readable by no other user.
+const DEVICE_FILE_MODE: u32 = 0o600;
+
+/// Version of the identity file written now. Version 1 had no field of
+/// its own and no device lists besides `devices`.
+const IDENTITY_VERSION: u32 = 2;
+
+const IDENTITY: &str = "identity.json";
+
+/// What a data folder remembers about the node that owns it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Identity {
+    #[serde(default = "version_one")]
+    pub version: u32,
+    pub node_id: NodeId,
+    pub cluster_id: String,
+    /// Device path → directory id, so the replica side can start serving
+    /// before the directory is reachable.
+    pub devices: Vec<(String, DeviceId)>,
+    /// Devices added while the node ran (`shoal device add`).
+    #[serde(default)]
+    pub added: Vec<DeviceSpec>,
+    /// Paths of devices removed while the node ran: not opened again.
+    #[serde(default)]
+    pub removed: Vec<String>,
+}
+
+fn version_one() -> u32 {
+    1
+}
+
+impl Identity {
+    pub fn new(node_id: NodeId, cluster_id: String) -> Identity {
+        Identity {
+            version: IDENTITY_VERSION,
+            node_id,
+            cluster_id,
+            devices: Vec::new(),
+            added: Vec::new(),
+            removed: Vec::new(),
+        }
+    }
+
+    /// The devices to open at start: the command line's, less the ones
+    /// removed, then the ones added.
+    pub fn to_open(&self, command_line: &[DeviceSpec]) -> Vec<DeviceSpec> {
+        let removed = |p: &Path| self.removed.iter().any(|r| Path::new(r) == p);
+        let mut out: Vec<DeviceSpec> = command_line
+            .iter()
+            .filter(|d| !removed(&d.path))
+            .cloned()
+            .collect();
+        for a in &self.added {
+            if !out.iter().any(|d| d.path == a.path) {
+                out.push(a.clone());
+            }
+        }
+        out
+    }
+}
+
+pub(crate) fn load_identity(dir: &Path) -> anyhow::Result<Option<Identity>> {
+    use anyhow::Context;
+    let p = dir.join(IDENTITY);
+    match std::fs::read(&p) {
+        Ok(b) => {
+            let id: Identity = serde_json::from_slice(&b)
+                .with_context(|| format!("{} is damaged", p.display()))?;
+            if id.version > IDENTITY_VERSION {
+                anyhow::bail!(
+                    "{} is of version {}, newer than this binary's {IDENTITY_VERSION}",
+                    p.display(),
+                    id.version
+                );
+            }
+            Ok(Some(id))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("reading {}", p.display())),
+    }
+}
+
+/// Writes the identity file whole (a new file renamed over the old one).
+pub(crate) fn save_identity(dir: &Path, id: &Identity) -> std::io::Result<()> {
+    let mut id = id.clone();
+    id.version = IDENTITY_VERSION;
+    let p = dir.join(IDENTITY);
+    let tmp = dir.join(format!("{IDENTITY}.tmp"));
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&id)?)?;
+    std::fs::File::open(&tmp)?.sync_all()?;
+    std::fs::rename(&tmp, &p)?;
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// Why a device cannot be added.
+#[derive(Debug, thiserror::Error)]
+pub enum AddError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{path} is already device {device} of node {node}")]
+    AlreadyAdded {
+        path: String,
+        device: DeviceId,
+        node: NodeId,
+    },
+    #[error(
+        "{0} holds data that is not a device of this cluster (its first MiB is not all \
+         zeros): refusing to format it"
+    )]
+    NotEmpty(String),
+    #[error("device {path}: {error}")]
+    Open { path: String, error: String },
+    #[error(transparent)]
+    Directory(#[from] DirectoryError),
+}
+
+/// Creates `path` as a file of `size` bytes of zeros, all allocated, if
+/// it does not exist yet.
+pub(crate) fn create_thick(path: &Path, size: u64) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let zeros = vec![0u8; 8 << 20];
+    let mut left = size;
+    while left > 0 {
+        let n = left.min(zeros.len() as u64) as usize;
+        f.write_all(&zeros[..n])?;
+        left -= n as u64;
+    }
+    f.sync_all()
+}
+
+/// Opens (or formats) the device of `spec` for `cluster_id` and starts its
+/// store's background cleaner.
+pub(crate) fn open_store(spec: &DeviceSpec, cluster_id: &str) -> anyhow::Result<Arc<Store>> {
+    use anyhow::Context;
+    let path = &spec.path;
+    if spec.thick && spec.size > 0 {
+        create_thick(path, spec.size).with_context(|| format!("creating {}", path.display()))?;
+    }
+    let s = Store::open_or_create(path, spec.size, cluster_id)
+        .with_context(|| format!("device {}", path.display()))?;
+    if std::fs::metadata(path).is_ok_and(|m| m.is_file()) {
+        // A file system that keeps its own modes (FUSE) may refuse.
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::Permissions::from_mode(DEVICE_FILE_MODE);
+        if let Err(e) = std::fs::set_permissions(path, mode) {
+            tracing::warn!(error = %e, "device file {} readable by others", path.display());
+        }
+    }
+    let s = Arc::new(s);
+    s.start_background()
+        .with_context(|| format!("cleaner thread for {}", path.display()))?;
+    Ok(s)
+}
+
+/// Whether `path` may be formatted: it does not exist, or its first
+/// [`UNUSED_PREFIX_BYTES`] (or all of it, if shorter) are zeros.
+fn unused(path: &Path) -> std::io::Result<bool> {
+    use std::io::Read;
+    let f = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(true),
+        Err(e) => return Err(e),
+    };
+    let mut buf = Vec::with_capacity(UNUSED_PREFIX_BYTES);
+    f.take(UNUSED_PREFIX_BYTES as u64).read_to_end(&mut buf)?;
+    Ok(buf.iter().all(|&b| b == 0))
+}
+
+/// Checks an [`shoal_api::AddDevice`]'s own fields.
+pub fn check_request(req: &shoal_api::AddDevice) -> Result<DeviceSpec, AddError> {
+    let bad = |m: String| Err(AddError::BadRequest(m));
+    if req.path.len() > MAX_PATH_BYTES || req.path.contains('\0') {
+        return bad(format!(
+            "a device path is at most {MAX_PATH_BYTES} bytes, without NUL"
+        ));
+    }
+    let path = PathBuf::from(&req.path);
+    if !path.is_absolute() || path.components().any(|c| c.as_os_str() == "..") {
+        return bad(format!(
+            "the device path {:?} must be absolute, without \"..\"",
+            req.path
+        ));
+    }
+    if let Some(size) = req.size_bytes {
+        if size < shoal_store::MIN_CAPACITY {
+            return bad(format!(
+                "a device of {size} bytes is too small: at least {} bytes",
+                shoal_store::MIN_CAPACITY
+            ));
+        }
+    }
+    if req.thick && req.size_bytes.is_none() {
+        return bad("a thick device file needs its size".into());
+    }
+    Ok(DeviceSpec {
+        path,
+        size: req.size_bytes.unwrap_or(0),
+        thick: req.thick,
+    })
+}
+
+/// Where the removal of each of this node's retiring devices stands, as
+/// its last pass found it.
+type Blocked = BTreeMap<DeviceId, String>;
+
+/// This node's devices while it runs.
+pub struct DeviceSet {
+    node: NodeId,
+    cluster_id: String,
+    data_dir: PathBuf,
+    tuning: NodeTuning,
+    /// The devices of the command line (the identity records a removed
+    /// one so it is not opened again).
+    command_line: Vec<DeviceSpec>,
+    dir: Directory,
+    replicas: Arc<Replicas>,
+    /// The identity file as last written; one change at a time.
+    identity: tokio::sync::Mutex<Identity>,
+    blocked: Mutex<Blocked>,
+}
+
+impl DeviceSet {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        node: NodeId,
+        cluster_id: String,
+        data_dir: PathBuf,
+        tuning: NodeTuning,
+        command_line: Vec<DeviceSpec>,
+        dir: Directory,
+        replicas: Arc<Replicas>,
+        identity: Identity,
+    ) -> Arc<DeviceSet> {
+        Arc::new(DeviceSet {
+            node,
+            cluster_id,
+            data_dir,
+            tuning,
+            command_line,
+            dir,
+            replicas,
+            identity: tokio::sync::Mutex::new(identity),
+            blocked: Mutex::new(Blocked::new()),
+        })
+    }
+
+    pub fn node(&self) -> NodeId {
+        self.node
+    }
+
+    /// Opens (or formats) the device `spec` on this node, registers it
+    /// and serves it. A path this node has already is refused, naming
+    /// the device it is.
+    pub async fn add(&self, spec: DeviceSpec) -> Result<DeviceAdded, AddError> {
+        let mut ident = self.identity.lock().await;
+        let path = spec.path.display().to_string();
+        let state = self.dir.state();
+        if let Some(d) = state
+            .devices
+            .values()
+            .find(|d| d.node == self.node && d.path == path)
+        {
+            return Err(AddError::AlreadyAdded {
+                path,
+                device: d.id,
+                node: d.node,
+            });
+        }
+        if self.replicas.devices().iter().any(|d| d.path == path) {
+            return Err(AddError::BadRequest(format!(
+                "{path} is still being removed from this node"
+            )));
+        }
+        let (s2, cluster) = (spec.clone(), self.cluster_id.clone());
+        let opened = tokio::task::spawn_blocking(move || open_new(&s2, &cluster))
+            .await
+            .map_err(|e| AddError::Open {
+                path: path.clone(),
+                error: e.to_string(),
+            })??;
+        let capacity = opened.capacity();
+        let r = self
+            .dir
+            .propose(Command::RegisterDevice {
+                node: self.node,
+                path: path.clone(),
+                capacity,
+            })
+            .await?;
+        let Response::Id(id) = r else {
+            return Err(AddError::Open {
+                path,
+                error: format!("unexpected answer to its registration: {r:?}"),
+            });
+        };
+        let dev =
+            Device::new(id, path.clone(), opened, &self.tuning).map_err(|e| AddError::Open {
+                path: path.clone(),
+                error: format!("starting its threads: {e}"),
+            })?;
+        self.replicas.add_device(dev);
+        ident.devices.retain(|(p, _)| *p != path);
+        ident.devices.push((path.clone(), id));
+        ident.removed.retain(|p| *p != path);
+        if !self.command_line.iter().any(|d| d.path == spec.path) {
+            ident.added.retain(|d| d.path != spec.path);
+            ident.added.push(spec);
+        }
+        self.save(&ident)?;
+        tracing::info!(device = id, %path, capacity, "device added");
+        Ok(DeviceAdded {
+            device: id,
+            node: self.node,
+            path,
+            capacity,
+        })
+    }
+
+    fn save(&self, ident: &Identity) -> Result<(), AddError> {
+        save_identity(&self.data_dir, ident).map_err(|e| AddError::Open {
+            path: self.data_dir.join(IDENTITY).display().to_string(),
+            error: e.to_string(),
+        })
+    }
+
+    /// Why the removal of `device` (of this node) cannot go on now, as the
+    /// last pass found it.
+    pub fn blocked(&self, device: DeviceId) -> Option<String> {
+        self.blocked.lock().ok()?.get(&device).cloned()
+    }
+
+    /// Runs the removal loop until the process ends.
+    pub fn spawn_removals(self: &Arc<Self>) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut t = tokio::time::interval(Duration::from_secs(REMOVAL_PASS_S));
+            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                t.tick().await;
+                me.removal_pass().await;
+            }
+        });
+    }
+
+    /// One pass over this node's retiring devices: moves begun, empty
+    /// devices closed and unregistered.
+    async fn removal_pass(&self) {
+        let state = self.dir.state();
+        let mine: Vec<DeviceId> = state
+            .devices
+            .values()
+            .filter(|d| d.node == self.node && d.retiring)
+            .map(|d| d.id)
+            .collect();
+        let mut blocked = Blocked::new();
+        for id in mine {
+            let moves = to_move_off(&state, id);
+            if moves.is_empty() {
+                if let Err(e) = self.close_and_unregister(id).await {
+                    tracing::warn!(device = id, "removing the emptied device: {e}");
+                    blocked.insert(id, e.to_string());
+                }
+                continue;
+            }
+            if let Some(why) = self.begin_moves(&state, id, &moves).await {
+                blocked.insert(id, why);
+            }
+        }
+        if let Ok(mut b) = self.blocked.lock() {
+            for (id, why) in &blocked {
+                if b.get(id) != Some(why) {
+                    tracing::info!(device = id, "device removal waits: {why}");
+                }
+            }
+            *b = blocked;
+        }
+    }
+
+    /// Begins the moves of the volumes without a change in progress;
+    /// answers why one cannot begin, if one cannot.
+    async fn begin_moves(
+        &self,
+        state: &ClusterState,
+        device: DeviceId,
+        moves: &BTreeMap<VolumeId, Vec<ComponentId>>,
+    ) -> Option<String> {
+        let mut why = None;
+        for (vid, comps) in moves {
+            let Some(v) = state.volumes.get(vid) else {
+                continue;
+            };
+            if v.reconfig.is_some() {
+                continue;
+            }
+            let cmd = match begin_for(state, v, comps, device) {
+                Ok(c) => c,
+                Err(e) => {
+                    why = Some(format!("volume {}: {e}", v.name));
+                    continue;
+                }
+            };
+            match self.dir.propose(cmd).await {
+                Ok(_) => tracing::info!(device, volume = %v.name, "device removal: move begun"),
+                Err(e) => why = Some(format!("volume {}: {e}", v.name)),
+            }
+        }
+        why
+    }
+
+    /// The device holds nothing any more: stop serving it, record it
+    /// removed, unregister it. Each step is done again by the next pass
+    /// (or after a restart) if a later one fails.
+    async fn close_and_unregister(&self, id: DeviceId) -> Result<(), AddError> {
+        let mut ident = self.identity.lock().await;
+        let path = match self.replicas.remove_device(id) {
+            Some(d) => Some(d.path.clone()),
+            None => ident
+                .devices
+                .iter()
+                .find(|(_, d)| *d == id)
+                .map(|(p, _)| p.clone()),
+        };
+        if let Some(path) = &path {
+            ident.devices.retain(|(p, _)| p != path);
+            ident.added.retain(|d| d.path != Path::new(path));
+            if self.command_line.iter().any(|d| d.path == Path::new(path))
+                && !ident.removed.contains(path)
+            {
+                ident.removed.push(path.clone());
+            }
+            self.save(&ident)?;
+        }
+        match self
+            .dir
+            .propose(Command::UnregisterDevice { device: id })
+            .await
+        {
+            Ok(_) => {}
+            // Unregistered by an earlier pass whose answer was lost.
+            Err(DirectoryError::State(shoal_directory::StateError::NoSuchDevice(_))) => {}
+            Err(e) => return Err(e.into()),
+        }
+        tracing::info!(device = id, path = ?path, "device removed");
+        Ok(())
+    }
+}
+
+/// Opens the device of `spec` for a `shoal device add`: formats it only
+/// when it is new or unused, opens it when it is a device of this cluster.
+fn open_new(spec: &DeviceSpec, cluster_id: &str) -> Result<Arc<Store>, AddError> {
+    let path = spec.path.display().to_string();
+    let err = |e: String| AddError::Open {
+        path: path.clone(),
+        error: e,
+    };
+    let exists = spec.path.exists();
+    if !exists && spec.size == 0 {
+        return Err(AddError::BadRequest(format!(
+            "{path} does not exist: give its size to create it"
+        )));
+    }
+    let mut spec = spec.clone();
+    if exists && spec.size == 0 {
+        // An existing file or block device keeps its own size.
+        spec.size = existing_len(&spec.path).map_err(|e| err(e.to_string()))?;
+    }
+    if exists && !unused(&spec.path).map_err(|e| err(e.to_string()))? {
+        // Only a device of this cluster is taken as it is.
+        match Store::open(&spec.path) {
+            Ok(s) if s.cluster_id() == cluster_id => drop(s),
+            Ok(_) | Err(_) => return Err(AddError::NotEmpty(path)),
+        }
+    }
+    open_store(&spec, cluster_id).map_err(|e| err(format!("{e:#}")))
+}
+
+/// Length in bytes of an existing file or block device.
+fn existing_len(path: &Path) -> std::io::Result<u64> {
+    use std::io::{Seek, SeekFrom};
+    std::fs::File::open(path)?.seek(SeekFrom::End(0))
+}
+
+/// The components on `device`, by volume.
+pub fn to_move_off(state: &ClusterState, device: DeviceId) -> BTreeMap<VolumeId, Vec<ComponentId>> {
+    let mut out: BTreeMap<VolumeId, Vec<ComponentId>> = BTreeMap::new();
+    for v in state.volumes.values() {
+        for c in v.components.iter().filter(|c| c.device == device) {
+            out.entry(v.id).or_default().push(c.id);
+        }
+    }
+    out
+}
+
+/// The change that moves `comps` (on `device`) of `v` elsewhere.
+fn begin_for(
+    state: &ClusterState,
+    v: &shoal_model::Volume,
+    comps: &[ComponentId],
+    device: DeviceId,
+) -> Result<Command, String> {
+    let add = crate::rebuild::replacements(state, v, comps)
+        .map_err(|(id, e)| format!("no place for a replacement of component {id}: {e}"))?;
+    Ok(Command::BeginReconfig {
+        volume: v.id,
+        generation: v.generation,
+        add,
+        remove: comps.to_vec(),
+        policy: None,
+        reason: format!("removal of device {device}"),
+    })
+}
+
+/// `device` and its removal as `state` has it (None: no such device).
+pub fn report(state: &ClusterState, device: DeviceId) -> Option<DeviceRemoval> {
+    let d = state.devices.get(&device)?;
+    let moves = to_move_off(state, device);
+    let name = |v: &VolumeId| state.volumes[v].name.clone();
+    Some(DeviceRemoval {
+        device,
+        node: d.node,
+        path: d.path.clone(),
+        retiring: d.retiring,
+        components: moves.values().map(Vec::len).sum(),
+        volumes: moves.keys().map(name).collect(),
+        changing: moves
+            .keys()
+            .filter(|v| state.volumes[v].reconfig.is_some())
+            .map(name)
+            .collect(),
+        blocked: None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(p: &str) -> DeviceSpec {
+        DeviceSpec {
+            path: p.into(),
+            size: 1 << 30,
+            thick: false,
+        }
+    }
+
+    #[test]
+    fn the_devices_to_open_are_the_command_lines_less_removed_plus_added() {
+        let mut id = Identity::new(1, "c".into());
+        id.added.push(spec("/x"));
+        id.added.push(spec("/a"));
+        id.removed.push("/b".into());
+        let open: Vec<PathBuf> = id
+            .to_open(&[spec("/a"), spec("/b")])
+            .into_iter()
+            .map(|d| d.path)
+            .collect();
+        assert_eq!(open, vec![PathBuf::from("/a"), PathBuf::from("/x")]);
+    }
+
+    #[test]
+    fn an_identity_of_version_one_loads_with_empty_lists() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(
+            d.path().join(IDENTITY),
+            r#"{"node_id":3,"cluster_id":"c","devices":[["/a",7]]}"#,
+        )
+        .unwrap();
+        let id = load_identity(d.path()).unwrap().unwrap();
+        assert_eq!((id.version, id.node_id, id.devices.len()), (1, 3, 1));
+        assert!(id.added.is_empty() && id.removed.is_empty());
+        save_identity(d.path(), &id).unwrap();
+        let again = load_identity(d.path()).unwrap().unwrap();
+        assert_eq!(again.version, IDENTITY_VERSION);
+        // A newer version is refused, not misread.
+        std::fs::write(
+            d.path().join(IDENTITY),
+            r#"{"version":99,"node_id":3,"cluster_id":"c","devices":[]}"#,
+        )
+        .unwrap();
+        let e = load_identity(d.path()).unwrap_err().to_string();
+        assert!(e.contains("version 99"), "{e}");
+    }
+
+    #[test]
+    fn requests_with_bad_paths_or_sizes_are_refused() {
+        let req = |path: &str, size: Option<u64>, thick: bool| shoal_api::AddDevice {
+            node: 1,
+            path: path.into(),
+            size_bytes: size,
+            thick,
+        };
+        for (r, want) in [
+            (req("relative/dev", Some(1 << 30), false), "absolute"),
+            (req("/a/../etc/dev", Some(1 << 30), false), "absolute"),
+            (req("/a\0b", Some(1 << 30), false), "NUL"),
+            (req("/dev/x", Some(4096), false), "too small"),
+            (req("/dev/x", None, true), "needs its size"),
+            (
+                req(&format!("/{}", "a".repeat(5000)), None, false),
+                "at most",
+            ),
+        ] {
+            let e = check_request(&r).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+        assert!(check_request(&req("/srv/d", None, false)).is_ok());
+    }
+
+    #[test]
+    fn only_a_new_or_zeroed_file_or_a_device_of_this_cluster_is_opened() {
+        let d = tempfile::tempdir().unwrap();
+        let at = |n: &str| DeviceSpec {
+            path: d.path().join(n),
+            size: 64 << 20,
+            thick: false,
+        };
+        // New: created.
+        let s = open_new(&at("new"), "c").unwrap();
+        assert_eq!(s.cluster_id(), "c");
+        drop(s);
+        // A device of this cluster: opened as it is.
+        let s = open_new(&at("new"), "c").unwrap();
+        drop(s);
+        // Of another cluster, or foreign data: refused, the bytes unchanged.
+        let e = open_new(&at("new"), "other").unwrap_err();
+        assert!(matches!(e, AddError::NotEmpty(_)), "{e}");
+        std::fs::write(d.path().join("data"), b"precious").unwrap();
+        let e = open_new(&at("data"), "c").unwrap_err();
+        assert!(e.to_string().contains("refusing to format"), "{e}");
+        assert_eq!(std::fs::read(d.path().join("data")).unwrap(), b"precious");
+        // All zeros (a new sparse file, a wiped disk): formatted.
+        let f = std::fs::File::create(d.path().join("zeros")).unwrap();
+        f.set_len(64 << 20).unwrap();
+        let mut z = at("zeros");
+        z.size = 0;
+        assert!(open_new(&z, "c").is_ok());
+        // Missing without a size: refused.
+        let mut m = at("missing");
+        m.size = 0;
+        assert!(matches!(open_new(&m, "c"), Err(AddError::BadRequest(_))));
+    }
+}

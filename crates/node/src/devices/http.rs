@@ -1,0 +1,202 @@
+//! The REST calls of `shoal device add` and `shoal device remove`
+//! (`shoal_api::devices` has the table). An add is done by the device's
+//! node: any other node hands it over on the member route
+//! `POST /v1/local/devices`. A removal is recorded in the directory here,
+//! after checking that every component on the device has a place to go;
+//! the device's node carries it out ([`DeviceSet::spawn_removals`]).
+
+use super::{begin_for, check_request, report, to_move_off, AddError, DeviceSet};
+use crate::http::Http;
+use crate::maintenance::Refused;
+use axum::extract::{Extension, Path, State};
+use axum::http::StatusCode;
+use axum::Json;
+use shoal_api::{AddDevice, DeviceAdded, DeviceRemoval};
+use shoal_directory::{Caller, ClusterState, Command};
+use shoal_model::{DeviceId, NodeState};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Longest wait for the device's node to add it, in seconds: formatting
+/// a thick file writes all of it.
+const ADD_TIMEOUT_S: u64 = 300;
+
+impl From<AddError> for Refused {
+    fn from(e: AddError) -> Self {
+        let code = match e {
+            AddError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            AddError::AlreadyAdded { .. } | AddError::NotEmpty(_) => StatusCode::CONFLICT,
+            AddError::Open { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            AddError::Directory(d) => return Refused::from(d),
+        };
+        Refused(code, e.to_string())
+    }
+}
+
+fn local(h: &Http) -> Result<Arc<DeviceSet>, Refused> {
+    h.devices.get().cloned().ok_or(Refused(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "this node's devices are not registered yet".into(),
+    ))
+}
+
+/// `POST /v1/devices` (admin): done here when the device is this node's,
+/// else handed to its node.
+pub async fn add(
+    State(h): State<Http>,
+    Json(req): Json<AddDevice>,
+) -> Result<(StatusCode, Json<DeviceAdded>), Refused> {
+    let spec = check_request(&req)?;
+    let set = local(&h)?;
+    if req.node == set.node() {
+        return Ok((StatusCode::CREATED, Json(set.add(spec).await?)));
+    }
+    let state = h.router.dir.state();
+    let Some(n) = state.nodes.get(&req.node) else {
+        return Err(Refused(
+            StatusCode::NOT_FOUND,
+            format!("no node with id {} is registered", req.node),
+        ));
+    };
+    if n.state != NodeState::Up {
+        return Err(Refused(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "node {} is {}: a device is added on a running node",
+                n.id, n.state
+            ),
+        ));
+    }
+    let t = h.liveness.transport();
+    let url = format!("{}://{}/v1/local/devices", t.scheme, n.api_addr);
+    let unreachable = |e: String| {
+        Refused(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("node {}: {e}", req.node),
+        )
+    };
+    let r = t
+        .client
+        .post(&url)
+        .timeout(Duration::from_secs(ADD_TIMEOUT_S))
+        .json(&req)
+        .send()
+        .await
+        .map_err(|e| unreachable(e.to_string()))?;
+    let code = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    if code.is_success() {
+        let added: DeviceAdded = r.json().await.map_err(|e| unreachable(e.to_string()))?;
+        return Ok((StatusCode::CREATED, Json(added)));
+    }
+    let body: shoal_api::ErrorBody = r.json().await.map_err(|e| unreachable(e.to_string()))?;
+    Err(Refused(code, body.error))
+}
+
+/// `POST /v1/local/devices` (member route): another node hands over an
+/// add of one of this node's devices.
+pub async fn add_here(
+    State(h): State<Http>,
+    Extension(caller): Extension<Caller>,
+    Json(req): Json<AddDevice>,
+) -> Result<(StatusCode, Json<DeviceAdded>), Refused> {
+    if !matches!(caller, Caller::Node(_)) {
+        return Err(Refused(
+            StatusCode::FORBIDDEN,
+            format!("{caller:?} may not add devices"),
+        ));
+    }
+    let spec = check_request(&req)?;
+    let set = local(&h)?;
+    if req.node != set.node() {
+        return Err(Refused(
+            StatusCode::BAD_REQUEST,
+            format!("this is node {}, not node {}", set.node(), req.node),
+        ));
+    }
+    Ok((StatusCode::CREATED, Json(set.add(spec).await?)))
+}
+
+fn known(state: &ClusterState, id: DeviceId) -> Result<DeviceRemoval, Refused> {
+    report(state, id).ok_or(Refused(
+        StatusCode::NOT_FOUND,
+        format!("no device with id {id} is registered"),
+    ))
+}
+
+/// `GET /v1/devices/{id}`: the device and what its removal waits for
+/// (why it cannot go on, when its node is this one).
+pub async fn show(
+    State(h): State<Http>,
+    Path(id): Path<DeviceId>,
+) -> Result<Json<DeviceRemoval>, Refused> {
+    let mut r = known(&h.router.dir.state(), id)?;
+    r.blocked = h.devices.get().and_then(|s| s.blocked(id));
+    Ok(Json(r))
+}
+
+/// `DELETE /v1/devices/{id}` (admin): refused, changing nothing, when it
+/// is its node's last device or a component on it has nowhere to go;
+/// else the device is marked for removal (202) and its node moves its
+/// components off and then unregisters it.
+pub async fn remove(
+    State(h): State<Http>,
+    Path(id): Path<DeviceId>,
+) -> Result<(StatusCode, Json<DeviceRemoval>), Refused> {
+    let dir = &h.router.dir;
+    let state = dir.state();
+    known(&state, id)?;
+    check_removal(&state, id).map_err(|why| {
+        Refused(
+            StatusCode::CONFLICT,
+            format!("device {id} cannot be removed; nothing changed: {why}"),
+        )
+    })?;
+    dir.propose(Command::RetireDevice { device: id }).await?;
+    tracing::info!(device = id, "device removal begun");
+    Ok((StatusCode::ACCEPTED, Json(known(&dir.state(), id)?)))
+}
+
+/// Why `device` cannot be removed now: it is its node's last one, or a
+/// component on it (of a volume without a change in progress) has no
+/// place to go once the device is retiring.
+pub fn check_removal(state: &ClusterState, device: DeviceId) -> Result<(), String> {
+    let Some(d) = state.devices.get(&device) else {
+        return Err(format!("no device with id {device} is registered"));
+    };
+    if d.retiring {
+        return Ok(());
+    }
+    if !state
+        .devices
+        .values()
+        .any(|o| o.node == d.node && o.id != device && !o.retiring)
+    {
+        return Err(format!(
+            "it is the last device of node {n}: add another first (shoal device add {n} PATH), \
+             or remove the node (shoal maintenance enter {n} --mode full-data-migration, then \
+             shoal cluster remove-node {n})",
+            n = d.node
+        ));
+    }
+    let mut sim = state.clone();
+    sim.apply(&Command::RetireDevice { device })
+        .map_err(|e| e.to_string())?;
+    let mut why = Vec::new();
+    for (vid, comps) in to_move_off(state, device) {
+        let v = sim.volumes[&vid].clone();
+        if v.reconfig.is_some() {
+            continue;
+        }
+        match begin_for(&sim, &v, &comps, device)
+            .and_then(|c| sim.apply(&c).map_err(|e| e.to_string()))
+        {
+            Ok(_) => {}
+            Err(e) => why.push(format!("volume {}: {e}", v.name)),
+        }
+    }
+    if why.is_empty() {
+        Ok(())
+    } else {
+        Err(why.join("; "))
+    }
+}
