@@ -5,8 +5,10 @@
 #
 #   1. dd copies a SIZE file to another on the same file system (direct
 #      I/O, 1 MiB blocks): the machine's file-to-file copy rate;
-#   2. `shoal up` 4 nodes, repair delay 1 s, resync limit LIMIT (0: none),
-#      a SIZE "raid1 ftt=1" volume written in full (fio, 1 MiB sequential);
+#   2. `shoal up` NODES nodes, repair delay 1 s, resync limit LIMIT (0:
+#      none), a SIZE volume of POLICY written in full (fio, 1 MiB
+#      sequential); with "raid1 ftt=2" (5 nodes) two in-sync copies are
+#      left to read from;
 #   3. a data copy's node other than the owner's killed -9; the rebuild's
 #      copy time read from the owner's log ("resync copying" to "added
 #      copy in sync"), its bytes from the regions copied.
@@ -14,6 +16,7 @@
 # Usage: bench/rebuild.sh        Env (defaults in brackets):
 #   SHOAL_BIN [target/release/shoal]  SKIP_BUILD [0]  SIZE_MIB [1024]
 #   LIMITS ["0 50"] (MiB/s; one rebuild each)   NET [127.0.52]
+#   POLICY ["raid1 ftt=1"]  NODES [4]
 #   BENCH_DIR [bench/results/rebuild-work]
 set -euo pipefail
 
@@ -23,6 +26,8 @@ SHOAL_BIN="${SHOAL_BIN:-$REPO/target/release/shoal}"
 BENCH_DIR="${BENCH_DIR:-$REPO/bench/results/rebuild-work}"
 SIZE_MIB="${SIZE_MIB:-1024}"
 LIMITS="${LIMITS:-0 50}"
+POLICY="${POLICY:-raid1 ftt=1}"
+NODES="${NODES:-4}"
 NET="${NET:-127.0.52}"
 DATA="$BENCH_DIR/shoal"
 
@@ -75,9 +80,9 @@ rebuild_rate() {
   local limit=$1
   cleanup
   mkdir -p "$BENCH_DIR"
-  "$SHOAL_BIN" up --data "$DATA" --nodes 4 --net "$NET" --no-demo --repair-delay 1s >/dev/null
+  "$SHOAL_BIN" up --data "$DATA" --nodes "$NODES" --net "$NET" --no-demo --repair-delay 1s >/dev/null
   "$SHOAL_BIN" cluster set resync-mib-per-s "$limit" --data "$DATA" >/dev/null
-  "$SHOAL_BIN" volume create v --size "${SIZE_MIB}M" --policy "raid1 ftt=1" --data "$DATA" >/dev/null
+  "$SHOAL_BIN" volume create v --size "${SIZE_MIB}M" --policy "$POLICY" --data "$DATA" >/dev/null
   fio --name=fill --ioengine=nbd --uri="nbd+unix:///v?socket=$DATA/node1/nbd.sock" \
       --rw=write --bs=1M --iodepth=8 --size="${SIZE_MIB}M" >/dev/null 2>&1
   local victim

@@ -55,7 +55,9 @@ pub struct Target {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Run the daemon of one node.
+    /// Run the daemon of one node. (`shoal node maintenance ...` and
+    /// `shoal node remove N` are `shoal maintenance ...` and `shoal
+    /// cluster remove-node N`.)
     Node(NodeArgs),
     /// Start (or complete) a local cluster of node processes on loopback.
     Up(local::UpArgs),
@@ -584,8 +586,28 @@ fn node_config(a: NodeArgs) -> Result<NodeConfig> {
     Ok(cfg)
 }
 
+/// `shoal node maintenance ARGS` and `shoal node remove N` (vSAN's and
+/// the self-healing issue's spelling) are `shoal maintenance ARGS` and
+/// `shoal cluster remove-node N`: `shoal node` itself runs the daemon and
+/// takes flags only, so the words after it are read here.
+fn node_verbs(mut args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let word = |i: usize| args.get(i).and_then(|a| a.to_str()).map(str::to_owned);
+    if word(1).as_deref() == Some("node") {
+        match word(2).as_deref() {
+            Some("maintenance") => {
+                args.remove(1);
+            }
+            Some("remove") => {
+                args.splice(1..3, ["cluster".into(), "remove-node".into()]);
+            }
+            _ => {}
+        }
+    }
+    args
+}
+
 fn main() {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(node_verbs(std::env::args_os().collect()));
     match cli.cmd {
         Cmd::Node(a) => node_main(a),
         cmd => {
@@ -993,6 +1015,31 @@ async fn volume(v: VolumeCmd) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn node_maintenance_and_node_remove_are_the_maintenance_commands() {
+        let v = |a: &[&str]| -> Vec<std::ffi::OsString> { a.iter().map(Into::into).collect() };
+        assert_eq!(
+            node_verbs(v(&[
+                "shoal",
+                "node",
+                "maintenance",
+                "enter",
+                "3",
+                "--mode",
+                "x"
+            ])),
+            v(&["shoal", "maintenance", "enter", "3", "--mode", "x"])
+        );
+        assert_eq!(
+            node_verbs(v(&["shoal", "node", "remove", "3"])),
+            v(&["shoal", "cluster", "remove-node", "3"])
+        );
+        // The daemon's flags are left alone.
+        let daemon = v(&["shoal", "node", "--id", "1", "--data", "d"]);
+        assert_eq!(node_verbs(daemon.clone()), daemon);
+        assert_eq!(node_verbs(v(&["shoal"])), v(&["shoal"]));
+    }
+
     use super::*;
 
     fn args(config: &std::path::Path, extra: &[&str]) -> NodeArgs {

@@ -1,13 +1,14 @@
 //! Maintenance mode on real node processes (vSAN's three modes), while
 //! clients write: a mode that would leave a volume inaccessible is refused
 //! naming it; ensure-accessibility moves only what the volumes need;
-//! full-data-migration empties a node, with no acknowledged write lost
-//! and the copies identical; the emptied node is then removed from the
+//! full-data-migration empties a node, with no acknowledged write lost,
+//! fio's verification clean and the copies identical; the emptied node is then removed from the
 //! cluster and from the directory's voters (a node that holds anything is
 //! not).
 
 mod common;
 
+use common::fio::{finish, fio_verify_only, fio_write_verify};
 use common::ledger::Writer;
 use common::{components_of, wait_for, Cluster};
 use std::time::Duration;
@@ -120,7 +121,8 @@ fn maintenance_modes_move_what_they_promise_under_writes() {
     more_writes(&ws, 500);
 
     // (d) Exit: the node leaves maintenance, nothing moves back.
-    c.shoal(&["maintenance", "exit", &sn]);
+    // (In the spelling, `shoal node maintenance`.)
+    c.shoal(&["node", "maintenance", "exit", &sn]);
     assert!(c.json(&["maintenance", "status", &sn])["mode"].is_null());
     assert!(!nodes_of(&c, "single").contains(&s));
     let out = c.shoal(&["maintenance", "status"]);
@@ -134,13 +136,21 @@ fn maintenance_modes_move_what_they_promise_under_writes() {
         .map(|(_, _, n)| n)
         .expect("a copy outside node 1");
     let tn = t.to_string();
+    // fio writes and verifies a volume of its own through the move.
+    common::require("fio");
+    c.create_volume("fio", "32M", "raid1 ftt=1");
+    let fio = fio_write_verify(&c.uri(1, "fio"), "32M");
     c.shoal(&["maintenance", "enter", &tn, "--mode", "full-data-migration"]);
     let r = wait_ready(&c, t);
     assert_eq!(r["components_on_node"], 0, "{r}");
-    for v in ["mirror", "single", "fresh"] {
+    finish(fio);
+    for v in ["mirror", "single", "fresh", "fio"] {
         assert!(!nodes_of(&c, v).contains(&t), "{v} still on node {t}");
         c.wait_healthy(v, MOVE);
     }
+    let other = (2..=5).find(|&n| n != t).expect("another node");
+    fio_verify_only(&c.uri(other, "fio"), "32M");
+    c.verify_copies("fio");
     assert_eq!(components(&c, "mirror").len(), 3);
     let out = c.shoal(&["maintenance", "status", &tn]);
     assert!(out.contains("ready; holds nothing"), "{out}");
@@ -148,7 +158,6 @@ fn maintenance_modes_move_what_they_promise_under_writes() {
     more_writes(&ws, 500);
     let (lm, ls) = (wm.stop(MOVE), ws.stop(MOVE));
     assert_eq!(lm.errors() + ls.errors(), 0, "writes failed");
-    let other = (2..=5).find(|&n| n != t).expect("another node");
     for (l, v) in [(&lm, "mirror"), (&ls, "single")] {
         let a = l.check(&c.nbd_addr(1), v);
         let b = l.check(&c.nbd_addr(other), v);
@@ -163,7 +172,7 @@ fn maintenance_modes_move_what_they_promise_under_writes() {
         .expect("voters")
         .iter()
         .any(|v| v == t);
-    let out = c.shoal(&["cluster", "remove-node", &tn]);
+    let out = c.shoal(&["node", "remove", &tn]);
     assert!(out.contains("removed from the cluster"), "{out}");
     if voter {
         assert!(out.contains("voters"), "{out}");

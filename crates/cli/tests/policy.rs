@@ -2,12 +2,13 @@
 //! volume set-policy`): up from raid1 ftt=1 to ftt=2, back down, to ftt=0
 //! and back up, while a client writes; after each change the layout is
 //! the new policy's on distinct nodes, the copies agree and no
-//! acknowledged write is lost. Changes the cluster cannot make, policies
+//! acknowledged write is lost. Then up and down again under fio verify. Changes the cluster cannot make, policies
 //! that are not policies and callers that may not are refused, and change
 //! nothing.
 
 mod common;
 
+use common::fio::{finish, fio_verify_only, fio_write_verify};
 use common::ledger::Writer;
 use common::{components_of, curl, wait_for, Cluster};
 use std::collections::BTreeSet;
@@ -101,6 +102,36 @@ fn policies_change_up_down_to_ftt0_and_back_under_writes() {
         commits >= 4,
         "{commits} committed reconfigurations in the logs"
     );
+    both_ways_under_fio_verify(&c);
+}
+
+/// Up and back down while fio writes every block of another volume with
+/// verification headers and reads them back (started before the change,
+/// so its writes run through the copy), then verifies them all again
+/// through another node.
+fn both_ways_under_fio_verify(c: &Cluster) {
+    common::require("fio");
+    c.create_volume("f", "32M", "raid1 ftt=1");
+    for (policy, ftt) in [("raid1 ftt=2", 2), ("raid1 ftt=1", 1)] {
+        let fio = fio_write_verify(&c.uri(1, "f"), "32M");
+        let out = c.shoal(&[
+            "volume",
+            "set-policy",
+            "f",
+            "--policy",
+            policy,
+            "--wait",
+            "--timeout",
+            "5m",
+        ]);
+        assert!(out.contains("committed: volume f"), "{policy}: {out}");
+        finish(fio);
+        wait_for(&format!("volume f settled at {policy}"), CHANGE, || {
+            settled(&c.try_json(&["volume", "show", "f"])?, ftt)
+        });
+        fio_verify_only(&c.uri(5, "f"), "32M");
+        c.verify_copies("f");
+    }
 }
 
 /// Changes the cluster cannot make, texts that are not policies and a

@@ -1,7 +1,8 @@
 //! Delta resync on the partition harness (issue 23): a host cut off from
 //! the cluster, not killed, while the volume is written, gets back only
 //! the regions written meanwhile, not its whole copy; the copies agree
-//! and the data read back is what was acknowledged.
+//! and the data read back is what was acknowledged. While it is cut off,
+//! its copy still counts once in `shoal_components` over the others.
 
 mod common;
 
@@ -66,6 +67,22 @@ fn a_host_back_before_the_repair_delay_gets_only_the_regions_written_meanwhile()
     let write = format!("write -P 0x5d {at}M {WRITTEN_MIB}M");
     c.qemu_io(1, 1, VOL, &[&write])
         .expect("writing while the host is cut off");
+    // The cut host's copy still counts once in `shoal_components` summed
+    // over the hosts that answer (the directory's leader reports it).
+    let live: Vec<u32> = (1..=4).filter(|&n| n != cut).collect();
+    common::wait_for("every component counted once", HEAL, || {
+        let n: u64 = live
+            .iter()
+            .map(|&h| c.metric(h, "shoal_components"))
+            .sum::<Result<u64, String>>()?;
+        if n == 3 {
+            Ok(())
+        } else {
+            Err(format!(
+                "{n} components counted over nodes {live:?}, 3 placed"
+            ))
+        }
+    });
     nemesis.heal();
 
     let took = c

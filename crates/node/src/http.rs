@@ -1111,14 +1111,29 @@ const COMPONENT_STATES: [ComponentState; 5] = [
 ];
 
 /// Components placed on this node, by state, as the directory has them:
-/// each node counts its own, so a sum over the nodes counts each once.
+/// each node counts its own, and the directory's leader also those of the
+/// nodes that are not up (labelled with that node), so a sum over the
+/// nodes that answer counts each component once.
 fn component_metrics(h: &Http, node: &str, out: &mut String) {
     let s = h.router.dir.state();
-    let counts = components_by_state(&s, h.router.node);
-    let samples: Vec<(String, u64)> = counts
+    let me = h.router.node;
+    let mut samples: Vec<(String, u64)> = components_by_state(&s, me)
         .into_iter()
         .map(|(state, n)| (format!("{node},state=\"{state}\""), n))
         .collect();
+    if h.router.dir.leader() == Some(me) {
+        let down = s
+            .nodes
+            .values()
+            .filter(|n| n.state != NodeState::Up && n.id != me);
+        for n in down {
+            samples.extend(
+                components_by_state(&s, n.id)
+                    .into_iter()
+                    .map(|(state, k)| (format!("node=\"{}\",state=\"{state}\"", n.id), k)),
+            );
+        }
+    }
     family(
         out,
         "shoal_components",

@@ -119,7 +119,7 @@ impl<C: Control> Loop<C> {
     /// abandoned finish's target is failing, and no attempt follows it yet.
     fn check_resync(&self) {
         self.check_abandoned();
-        if let Some((start, end)) = self.lock {
+        for &(start, end) in &self.locks {
             assert!(start < end && end <= self.size, "bad lock {start}..{end}");
             let copying = self
                 .resync
@@ -135,6 +135,21 @@ impl<C: Control> Loop<C> {
                 "region lock held by neither (or both) a resync copying and a reconcile step"
             );
         }
+        let in_flight = self.resync.as_ref().map_or(0, |rs| rs.in_flight.len());
+        assert!(
+            self.locks.len() <= in_flight.max(1)
+                && in_flight <= super::resync::COPY_REGIONS_IN_FLIGHT,
+            "{} locks, {in_flight} regions in flight",
+            self.locks.len()
+        );
+        for (k, a) in self.locks.iter().enumerate() {
+            assert!(
+                self.locks[k + 1..]
+                    .iter()
+                    .all(|b| !super::io::overlaps(*a, *b)),
+                "overlapping region locks"
+            );
+        }
         if let Some(rc) = &self.reconcile {
             assert!(self.resync.is_none(), "resync while reconciling");
             assert!(
@@ -143,12 +158,12 @@ impl<C: Control> Loop<C> {
             );
             assert!(
                 rc.current
-                    .is_none_or(|r| rc.regions.contains(&r) && self.lock.is_some()),
+                    .is_none_or(|r| rc.regions.contains(&r) && self.locks.len() == 1),
                 "reconcile step without its region or lock"
             );
         }
         assert!(
-            self.blocked.is_empty() || self.lock.is_some(),
+            self.blocked.is_empty() || !self.locks.is_empty(),
             "writes held back without a lock"
         );
         let Some(rs) = &self.resync else { return };
@@ -168,6 +183,16 @@ impl<C: Control> Loop<C> {
                     "resync source {source:?} not another in-sync copy"
                 );
             }
+        }
+        assert!(
+            rs.in_flight.is_empty() || rs.phase == ResyncPhase::Copying,
+            "regions in flight outside the copy phase"
+        );
+        for &(start, _) in &self.locks {
+            assert!(
+                self.reconcile.is_some() || rs.in_flight.contains(&(start / crate::REGION)),
+                "a resync lock on a region not in flight"
+            );
         }
     }
 
@@ -266,14 +291,13 @@ impl<C: Control> Loop<C> {
                 "parked write waits on no failing copy"
             );
         }
-        if let Some(lock) = self.lock {
-            assert!(
-                self.blocked
-                    .iter()
-                    .all(|(w, _)| super::io::overlaps(lock, w.range())),
-                "a write held back outside the lock"
-            );
-        }
+        assert!(
+            self.blocked.iter().all(|(w, _)| self
+                .locks
+                .iter()
+                .any(|&l| super::io::overlaps(l, w.range()))),
+            "a write held back outside the locks"
+        );
         let published = match self.route.read() {
             Ok(g) => g.is_some(),
             Err(e) => e.into_inner().is_some(),

@@ -182,7 +182,7 @@ impl<C: Control> Loop<C> {
 
     /// Sends a write, or holds it back while a resync copies its region.
     fn submit_write(&mut self, w: WriteOp, reply: Reply) {
-        if self.lock.is_some_and(|l| overlaps(l, w.range())) {
+        if self.locks.iter().any(|&l| overlaps(l, w.range())) {
             self.blocked.push_back((w, reply));
         } else {
             self.write(w, reply);

@@ -155,9 +155,11 @@ pub(crate) enum Internal {
         attempt: u64,
         regions: Result<Vec<u64>, RpcError>,
     },
+    /// A region to resync was read from copy `source` (or not).
     CopyRead {
         attempt: u64,
         region: u64,
+        source: usize,
         result: Result<Bytes, RpcError>,
     },
     /// A region to reconcile was read from the source (or not).
@@ -177,6 +179,7 @@ pub(crate) enum Internal {
     /// A region's copy was written (its bytes), or failed.
     CopyWritten {
         attempt: u64,
+        region: u64,
         result: Result<u64, RpcError>,
     },
     /// The request to record the target active answered: the end of the
@@ -252,9 +255,11 @@ pub(super) struct Loop<C: Control> {
     parked: Vec<Parked>,
     /// What a dead owner left in flight, being reconciled.
     reconcile: Option<reconcile::Reconcile>,
-    /// Region locked by a resync or reconcile copy step; overlapping
+    /// Regions locked by resync copies (at most
+    /// [`COPY_REGIONS_IN_FLIGHT`](resync::COPY_REGIONS_IN_FLIGHT)) or by a
+    /// reconcile step (one), each until its copy is queued; overlapping
     /// writes wait.
-    lock: Option<(u64, u64)>,
+    locks: Vec<(u64, u64)>,
     blocked: VecDeque<(WriteOp, Reply)>,
     resync: Option<Resync>,
     /// An attempt given up while the directory was being asked to record
@@ -333,7 +338,7 @@ impl<C: Control> Loop<C> {
             last_track: false,
             parked: Vec::new(),
             reconcile: None,
-            lock: None,
+            locks: Vec::new(),
             blocked: VecDeque::new(),
             resync: None,
             abandoned: None,
@@ -438,9 +443,14 @@ impl<C: Control> Loop<C> {
             Internal::CopyRead {
                 attempt,
                 region,
+                source,
                 result,
-            } => self.copy_read(attempt, region, result),
-            Internal::CopyWritten { attempt, result } => self.copy_written(attempt, result),
+            } => self.copy_read(attempt, region, source, result),
+            Internal::CopyWritten {
+                attempt,
+                region,
+                result,
+            } => self.copy_written(attempt, region, result),
             Internal::CopyPaced { attempt } => self.copy_paced(attempt),
             Internal::ReconcileRead { region, result } => self.reconcile_read(region, result),
             Internal::ReconcileWritten { failed } => self.reconcile_written(failed),

@@ -94,8 +94,8 @@ impl<C: Control> Loop<C> {
         let source = rc.source;
         let off = region * REGION;
         let len = REGION.min(self.size - off);
-        debug_assert!(self.lock.is_none(), "reconcile step while a lock is held");
-        self.lock = Some((off, off + len));
+        debug_assert!(self.locks.is_empty(), "reconcile step while a lock is held");
+        self.locks.push((off, off + len));
         let read = self.read_region(source, off, len);
         self.spawn_report(async move {
             let result = read.await;
@@ -147,7 +147,7 @@ impl<C: Control> Loop<C> {
             rc.regions.remove(&region);
             rc.current = None;
         }
-        self.lock = None;
+        self.locks.clear();
         self.unblock();
         let timeout = self.cfg.io_timeout;
         self.spawn_report(async move {

@@ -3,9 +3,10 @@
 //! older sessions and have the copies in service take it (reclaim),
 //! activate the copy and record it resyncing (revive; from here it
 //! receives every write), ask both sides what is allocated (plan), copy
-//! those regions one at a time from an in-sync copy while writes to the
-//! region being copied wait (copy), and record the copy active (finish). Any failure aborts the attempt; the tick tries
-//! again later. Each attempt has a number its reports carry, so that a
+//! those regions, [`COPY_REGIONS_IN_FLIGHT`] at a time, each read from
+//! the in-sync copies in turn, while writes to a region being read wait
+//! (copy), and record the copy active (finish). Any failure aborts the
+//! attempt; the tick tries again later. Each attempt has a number its reports carry, so that a
 //! late report of an aborted attempt never acts on a later one.
 //!
 //! An attempt aborted while finishing is [`Abandoned`]: the directory may
@@ -23,9 +24,15 @@ use crate::{Control, ControlError, REGION};
 use bytes::Bytes;
 use shoal_model::{ComponentState, Generation, BLOCK_SIZE};
 use shoal_rpc::{Peer, PendingReply, Request, RpcError};
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// Regions a resync copies at once: each is read from the next in-sync
+/// copy in turn, so the sources' disks and the links work in parallel,
+/// and the target's disk sees several writes at once; each holds a region
+/// (1 MiB) of buffer on the owner while it is read and written.
+pub(crate) const COPY_REGIONS_IN_FLIGHT: usize = 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum ResyncPhase {
@@ -41,14 +48,21 @@ pub(super) struct Resync {
     pub(super) attempt: u64,
     /// The copy brought back.
     pub(super) idx: usize,
-    /// The in-sync copy read from, chosen once the target is revived.
+    /// The in-sync copy the plan asks, chosen once the target is revived
+    /// (regions are read from every in-sync copy in turn).
     pub(super) source: Option<usize>,
     pub(super) phase: ResyncPhase,
     /// Regions left to copy, in order.
     pub(super) regions: VecDeque<u64>,
-    /// Bytes to copy in all, once planned, and copied so far.
+    /// Regions being read or written (at most
+    /// [`COPY_REGIONS_IN_FLIGHT`]).
+    pub(super) in_flight: BTreeSet<u64>,
+    /// Bytes to copy in all, once planned, begun and copied so far.
     pub(super) bytes_total: u64,
+    pub(super) bytes_started: u64,
     pub(super) bytes_done: u64,
+    /// A wake-up for the pace is due ([`Internal::CopyPaced`]).
+    pub(super) pace_wait: bool,
     pub(super) started: Instant,
     /// Under an adaptive limit, when the next region may start.
     pub(super) next_due: Option<Instant>,
@@ -153,8 +167,11 @@ impl<C: Control> Loop<C> {
             source: None,
             phase: ResyncPhase::Reclaiming,
             regions: VecDeque::new(),
+            in_flight: BTreeSet::new(),
             bytes_total: 0,
+            bytes_started: 0,
             bytes_done: 0,
+            pace_wait: false,
             started: Instant::now(),
             next_due: None,
         });
@@ -353,7 +370,7 @@ impl<C: Control> Loop<C> {
     }
 
     /// When the next region may start: under the static limit, once the
-    /// bytes copied so far, at the limit, take this long from the start;
+    /// bytes begun so far, at the limit, take this long from the start;
     /// under the adaptive pace, once the last region's bytes took their
     /// time at its rate (or a tick later while it pauses).
     fn paced_until(&self, rs: &Resync) -> Option<Instant> {
@@ -361,7 +378,7 @@ impl<C: Control> Loop<C> {
         let due = match self.adaptive_pace() {
             None => {
                 let limit = self.resync_bytes_per_s.filter(|&l| l > 0)?;
-                rs.started + Duration::from_secs_f64(rs.bytes_done as f64 / limit as f64)
+                rs.started + Duration::from_secs_f64(rs.bytes_started as f64 / limit as f64)
             }
             Some(Pace::Free) => return None,
             Some(Pace::Pause) => now + self.cfg.tick,
@@ -372,67 +389,105 @@ impl<C: Control> Loop<C> {
 
     /// The pause the rate limit asked for is over.
     pub(super) fn copy_paced(&mut self, attempt: u64) -> Flow {
-        let copying = self
+        if let Some(rs) = self
             .resync
-            .as_ref()
-            .is_some_and(|rs| rs.attempt == attempt && rs.phase == ResyncPhase::Copying);
-        if copying && self.lock.is_none() {
+            .as_mut()
+            .filter(|rs| rs.attempt == attempt && rs.phase == ResyncPhase::Copying)
+        {
+            rs.pace_wait = false;
             self.copy_next();
         }
         Flow::Continue
     }
 
-    /// Starts copying the next region (locking it against client writes
-    /// until its copy is queued) once the rate limit allows, or finishes
-    /// once none is left.
+    /// Starts copying regions (each locked against client writes until
+    /// its copy is queued) while fewer than [`COPY_REGIONS_IN_FLIGHT`]
+    /// are and the pace allows; finishes once none is left.
     fn copy_next(&mut self) {
-        if let Some((attempt, at)) = self
-            .resync
-            .as_ref()
-            .and_then(|rs| Some((rs.attempt, self.paced_until(rs)?)))
-        {
-            self.spawn_report(async move {
-                tokio::time::sleep_until(at.into()).await;
-                Internal::CopyPaced { attempt }
-            });
-            return;
-        }
-        let Some(rs) = &mut self.resync else { return };
-        let size = self.size;
-        let next = std::iter::from_fn(|| rs.regions.pop_front()).find(|r| r * REGION < size);
-        let attempt = rs.attempt;
-        let Some(region) = next else {
-            if self.replicas[rs.idx].layouts.added() {
-                self.synced();
+        loop {
+            let Some(rs) = &mut self.resync else { return };
+            if rs.pace_wait || rs.in_flight.len() >= COPY_REGIONS_IN_FLIGHT {
                 return;
             }
-            rs.phase = ResyncPhase::Finishing;
-            let component = self.replicas[rs.idx].component;
-            let (volume, generation) = (self.volume, self.generation);
-            let control = self.control.clone();
-            self.spawn_report(async move {
-                let result = control
-                    .set_component_state(volume, component, ComponentState::Active, generation)
-                    .await;
-                Internal::ResyncDone { attempt, result }
-            });
+            let attempt = rs.attempt;
+            if let Some(at) = self.resync.as_ref().and_then(|rs| self.paced_until(rs)) {
+                if let Some(rs) = &mut self.resync {
+                    rs.pace_wait = true;
+                }
+                self.spawn_report(async move {
+                    tokio::time::sleep_until(at.into()).await;
+                    Internal::CopyPaced { attempt }
+                });
+                return;
+            }
+            let Some(rs) = &mut self.resync else { return };
+            let size = self.size;
+            let next = std::iter::from_fn(|| rs.regions.pop_front()).find(|r| r * REGION < size);
+            let Some(region) = next else {
+                if rs.in_flight.is_empty() {
+                    self.copied_all();
+                }
+                return;
+            };
+            self.copy_region(region);
+        }
+    }
+
+    /// Every region is copied: a copy a change added waits for the commit,
+    /// another is recorded active.
+    fn copied_all(&mut self) {
+        let Some(rs) = &mut self.resync else { return };
+        if self.replicas[rs.idx].layouts.added() {
+            self.synced();
+            return;
+        }
+        rs.phase = ResyncPhase::Finishing;
+        let attempt = rs.attempt;
+        let component = self.replicas[rs.idx].component;
+        let (volume, generation) = (self.volume, self.generation);
+        let control = self.control.clone();
+        self.spawn_report(async move {
+            let result = control
+                .set_component_state(volume, component, ComponentState::Active, generation)
+                .await;
+            Internal::ResyncDone { attempt, result }
+        });
+    }
+
+    /// Locks `region` and reads it from the next in-sync copy in turn.
+    fn copy_region(&mut self, region: u64) {
+        let readers: Vec<usize> = (0..self.replicas.len())
+            .filter(|&i| {
+                let r = &self.replicas[i];
+                r.is_data() && r.mode == Mode::InSync && r.peer.is_some()
+            })
+            .collect();
+        let Some(rs) = &mut self.resync else { return };
+        let Some(src) = readers
+            .get(region as usize % readers.len().max(1))
+            .copied()
+            .or(rs.source)
+        else {
             return;
         };
-        let Some(src) = rs.source else { return };
+        let attempt = rs.attempt;
         let off = region * REGION;
         let len = REGION.min(self.size - off);
         rs.next_due = match self.adaptive.pace() {
             Pace::Limit(r) => Some(Instant::now() + Duration::from_secs_f64(len as f64 / r as f64)),
             _ => None,
         };
+        rs.in_flight.insert(region);
+        rs.bytes_started += len;
         debug_assert!(off.is_multiple_of(BLOCK_SIZE));
-        self.lock = Some((off, off + len));
+        self.locks.push((off, off + len));
         let read = self.read_region(src, off, len);
         self.spawn_report(async move {
             let result = read.await;
             Internal::CopyRead {
                 attempt,
                 region,
+                source: src,
                 result,
             }
         });
@@ -444,18 +499,17 @@ impl<C: Control> Loop<C> {
         &mut self,
         attempt: u64,
         region: u64,
+        source: usize,
         result: Result<Bytes, RpcError>,
     ) -> Flow {
         let Some(rs) = self.resync.as_ref().filter(|rs| rs.attempt == attempt) else {
             return Flow::Continue;
         };
-        let (idx, source) = (rs.idx, rs.source);
+        let idx = rs.idx;
         let data = match result {
             Ok(d) => d,
             Err(e) => {
-                if let Some(s) = source {
-                    self.fail(s, state_for(&e));
-                }
+                self.fail(source, state_for(&e));
                 // A source that stays in service (the last in-sync copy)
                 // does not abort the attempt by failing: abort it here, so
                 // that the region's lock is released.
@@ -468,12 +522,17 @@ impl<C: Control> Loop<C> {
         let copied = data.len() as u64;
         let sent = self.copy_request(idx, region * REGION, data);
         // The copy is queued ahead of any later write: release the region.
-        self.lock = None;
+        let at = region * REGION;
+        self.locks.retain(|&(start, _)| start != at);
         self.unblock();
         let timeout = self.cfg.io_timeout;
         self.spawn_report(async move {
             let result = answer(sent, timeout).await.map(|_| copied);
-            Internal::CopyWritten { attempt, result }
+            Internal::CopyWritten {
+                attempt,
+                region,
+                result,
+            }
         });
         Flow::Continue
     }
@@ -509,7 +568,12 @@ impl<C: Control> Loop<C> {
         Some(p.send(&req, payload))
     }
 
-    pub(super) fn copy_written(&mut self, attempt: u64, result: Result<u64, RpcError>) -> Flow {
+    pub(super) fn copy_written(
+        &mut self,
+        attempt: u64,
+        region: u64,
+        result: Result<u64, RpcError>,
+    ) -> Flow {
         let Some(idx) = self
             .resync
             .as_ref()
@@ -521,6 +585,7 @@ impl<C: Control> Loop<C> {
         match result {
             Ok(bytes) => {
                 if let Some(rs) = &mut self.resync {
+                    rs.in_flight.remove(&region);
                     rs.bytes_done += bytes;
                 }
                 self.copied_since_tick += bytes;
@@ -602,7 +667,8 @@ impl<C: Control> Loop<C> {
                 RESYNC_RETRY_TICKS
             };
         }
-        if self.lock.take().is_some() {
+        if !self.locks.is_empty() {
+            self.locks.clear();
             self.unblock();
         }
     }

@@ -312,6 +312,11 @@ pub(super) fn fake_replica(fill: u8) -> (String, Arc<FakeReplica>) {
 }
 
 pub(super) async fn rig(specs: &[Spec]) -> Rig {
+    rig_sized(specs, SIZE).await
+}
+
+/// [`rig`] over a volume of `size` bytes.
+pub(super) async fn rig_sized(specs: &[Spec], size: u64) -> Rig {
     let dir = Arc::new(FakeDir {
         generation: AtomicU64::new(1),
         states: Mutex::default(),
@@ -377,7 +382,7 @@ pub(super) async fn rig(specs: &[Spec]) -> Rig {
         status: Default::default(),
         latency: Default::default(),
     };
-    let (mut lp, rx) = Loop::new(cfg, dir.clone(), shared, 7, SIZE, 1, replicas);
+    let (mut lp, rx) = Loop::new(cfg, dir.clone(), shared, 7, size, 1, replicas);
     lp.publish_route();
     lp.check_invariants(Flow::Continue);
     Rig {

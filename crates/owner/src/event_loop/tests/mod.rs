@@ -9,7 +9,7 @@ mod fakes;
 mod reconfig;
 
 use super::replica::{Mode, ReplicaSet};
-use super::resync::{ResyncPhase, ReviveError};
+use super::resync::{ResyncPhase, ReviveError, COPY_REGIONS_IN_FLIGHT};
 use super::{Flow, Internal, RESYNC_RETRY_TICKS};
 use crate::{ControlError, Event, Op, OwnerError, View, REGION};
 use bytes::Bytes;
@@ -556,7 +556,7 @@ async fn a_write_to_the_region_being_copied_waits_for_the_copy_step() {
     let mut rig = rig(&returning()).await;
     rig.fakes[0].allocate(&[(0, 2 * REGION)]);
     rig.tick();
-    rig.run_until(|lp| lp.lock == Some((0, REGION))).await;
+    rig.run_until(|lp| lp.locks.contains(&(0, REGION))).await;
     let ack = rig.submit(write(4096, 4096, 9));
     assert_eq!(rig.lp.blocked.len(), 1);
     assert!(!rig.requests(0).iter().any(|r| is_client_write(r, 1)));
@@ -576,6 +576,48 @@ async fn a_write_to_the_region_being_copied_waits_for_the_copy_step() {
     assert_eq!(answer(ack).await, Ok(Bytes::new()));
 }
 
+/// Regions are copied [`COPY_REGIONS_IN_FLIGHT`] at once, each read from
+/// the in-sync copies in turn, each locked only while it is read.
+#[tokio::test]
+async fn a_resync_copies_regions_in_parallel_from_every_in_sync_copy() {
+    let specs = [
+        copy(1, Mode::InSync, 5),
+        copy(2, Mode::InSync, 5),
+        copy(3, Mode::Out, 0),
+    ];
+    let mut rig = fakes::rig_sized(&specs, 8 * REGION).await;
+    rig.fakes[0].allocate(&[(0, 8 * REGION)]);
+    rig.tick();
+    rig.run_until(|lp| {
+        lp.resync
+            .as_ref()
+            .is_some_and(|rs| rs.in_flight.len() == COPY_REGIONS_IN_FLIGHT)
+    })
+    .await;
+    assert_eq!(rig.lp.locks.len(), COPY_REGIONS_IN_FLIGHT);
+    rig.run_until(|lp| lp.resync.is_none()).await;
+    assert_eq!(rig.lp.replicas[2].mode, Mode::InSync);
+    assert!(rig.lp.locks.is_empty());
+    let reads = |i: usize| -> Vec<u64> {
+        let mut v: Vec<u64> = rig
+            .requests(i)
+            .iter()
+            .filter_map(|r| match r {
+                Request::Read { offset, len, .. } if *len as u64 == REGION => Some(offset / REGION),
+                _ => None,
+            })
+            .collect();
+        v.sort_unstable();
+        v
+    };
+    assert_eq!(reads(0), vec![0, 2, 4, 6]);
+    assert_eq!(reads(1), vec![1, 3, 5, 7]);
+    let copied = (0..8)
+        .filter(|r| rig.requests(2).iter().any(|q| is_copy_write(q, r * REGION)))
+        .count();
+    assert_eq!(copied, 8);
+}
+
 #[tokio::test]
 async fn a_failed_copy_read_releases_the_region_lock() {
     // The source is the only in-sync copy: a failed read keeps it in
@@ -584,11 +626,11 @@ async fn a_failed_copy_read_releases_the_region_lock() {
     rig.fakes[0].allocate(&[(0, REGION)]);
     rig.fakes[0].answer_reads(Answer::Err(RemoteError::Io("bad sector".into())));
     rig.tick();
-    rig.run_until(|lp| lp.lock.is_some()).await;
+    rig.run_until(|lp| !lp.locks.is_empty()).await;
     let ack = rig.submit(write(0, 4096, 9));
     assert_eq!(rig.lp.blocked.len(), 1);
     rig.run_until(|lp| lp.resync.is_none()).await;
-    assert_eq!(rig.lp.lock, None);
+    assert!(rig.lp.locks.is_empty());
     assert!(rig.lp.blocked.is_empty());
     assert_eq!(rig.lp.replicas[1].mode, Mode::Out);
     assert_eq!(rig.lp.resync_backoff, RESYNC_RETRY_TICKS);
@@ -601,7 +643,7 @@ async fn a_late_report_of_an_aborted_resync_is_ignored() {
     let mut rig = rig(&returning()).await;
     rig.fakes[0].allocate(&[(0, REGION)]);
     rig.tick();
-    rig.run_until(|lp| lp.lock.is_some()).await;
+    rig.run_until(|lp| !lp.locks.is_empty()).await;
     let first = rig.lp.resync_attempts;
     rig.lp.abort_resync();
     rig.lp.check_invariants(Flow::Continue);
@@ -612,6 +654,7 @@ async fn a_late_report_of_an_aborted_resync_is_ignored() {
     for late in [
         Internal::CopyWritten {
             attempt: first,
+            region: 0,
             result: Ok(REGION),
         },
         Internal::ResyncDone {
@@ -810,7 +853,7 @@ fn replica_sets_list_their_members_in_order() {
 #[should_panic(expected = "region lock held by neither")]
 async fn a_region_lock_without_a_resync_is_caught() {
     let mut rig = rig(&standard()).await;
-    rig.lp.lock = Some((0, REGION));
+    rig.lp.locks = vec![(0, REGION)];
     rig.lp.apply(Event::Stop);
 }
 

@@ -5,6 +5,7 @@
 //! device.
 
 use super::super::replica::{Layouts, Mode};
+use super::super::resync::COPY_REGIONS_IN_FLIGHT;
 use super::super::Flow;
 use super::fakes::{answer, copy, fake_replica, rig, standard, write, FakeReplica, Rig, SIZE};
 use crate::{ChangeEnd, Event, Target, View, REGION};
@@ -321,8 +322,10 @@ async fn under_client_load_with_no_baseline_the_copy_pauses_to_measure_one() {
     use crate::pace::Pace;
     let copying =
         |lp: &super::super::Loop<super::fakes::FakeDir>| lp.resync.as_ref().map(|rs| rs.phase);
-    let mut rig = rig(&super::returning()).await;
-    rig.fakes[0].allocate(&[(0, 3 * REGION)]);
+    // More regions than are copied at once.
+    let regions = 2 * COPY_REGIONS_IN_FLIGHT as u64;
+    let mut rig = super::fakes::rig_sized(&super::returning(), regions * REGION).await;
+    rig.fakes[0].allocate(&[(0, regions * REGION)]);
     rig.tick();
     rig.run_until(|lp| copying(lp) == Some(ResyncPhase::Copying))
         .await;
@@ -332,9 +335,14 @@ async fn under_client_load_with_no_baseline_the_copy_pauses_to_measure_one() {
     }
     rig.tick();
     assert_eq!(rig.lp.adaptive.pace(), Pace::Pause);
-    // The region in flight ends; no other starts while the probe runs.
-    rig.run_until(|lp| lp.resync.as_ref().is_some_and(|rs| rs.bytes_done > 0))
-        .await;
+    // The regions in flight end; no other starts while the probe runs.
+    let started = COPY_REGIONS_IN_FLIGHT as u64 * REGION;
+    rig.run_until(|lp| {
+        lp.resync
+            .as_ref()
+            .is_some_and(|rs| rs.bytes_done == started)
+    })
+    .await;
     // The next region's turn comes (a tick later) and is put off again.
     assert_eq!(rig.step().await, Flow::Continue);
     let reads = |rig: &Rig| {
@@ -343,7 +351,11 @@ async fn under_client_load_with_no_baseline_the_copy_pauses_to_measure_one() {
             .filter(|r| matches!(r, Request::Read { .. }))
             .count()
     };
-    assert_eq!(reads(&rig), 1, "one region copied, then the pause");
+    assert_eq!(
+        reads(&rig),
+        COPY_REGIONS_IN_FLIGHT,
+        "the first regions copied, then the pause"
+    );
     assert_eq!(copying(&rig.lp), Some(ResyncPhase::Copying));
     // The probe: clients alone are fast. The copy goes on, limited.
     for _ in 0..100 {
