@@ -387,6 +387,19 @@ impl<C: Control> Loop<C> {
         (due > now).then_some(due)
     }
 
+    /// Regions copied at once: [`COPY_REGIONS_IN_FLIGHT`], except while
+    /// the adaptive pace holds the copy back for clients: one then, so
+    /// that the copy's bytes come as a trickle rather than in bursts
+    /// (measured: four at once under the adaptive pace left the clients'
+    /// 4K read p99 at 2x its value without a rebuild, one at once at
+    /// 1x; bench/RESULTS.md, 2026-12-03, parallel region copies).
+    fn copies_at_once(&self) -> usize {
+        match self.adaptive_pace() {
+            Some(Pace::Limit(_) | Pace::Pause) => 1,
+            _ => COPY_REGIONS_IN_FLIGHT,
+        }
+    }
+
     /// The pause the rate limit asked for is over.
     pub(super) fn copy_paced(&mut self, attempt: u64) -> Flow {
         if let Some(rs) = self
@@ -405,8 +418,9 @@ impl<C: Control> Loop<C> {
     /// are and the pace allows; finishes once none is left.
     fn copy_next(&mut self) {
         loop {
+            let cap = self.copies_at_once();
             let Some(rs) = &mut self.resync else { return };
-            if rs.pace_wait || rs.in_flight.len() >= COPY_REGIONS_IN_FLIGHT {
+            if rs.pace_wait || rs.in_flight.len() >= cap {
                 return;
             }
             let attempt = rs.attempt;
