@@ -6,7 +6,8 @@
 //! and it leaves the cluster. No acknowledged write is lost, the copies
 //! are identical, and a restart of the node opens the new device and not
 //! the removed one. Bad requests change nothing: a relative path, an
-//! unknown node or device, a file holding data, a node's last device.
+//! unknown node or device, a path in the node's data folder, a file
+//! holding data, a node's last device.
 
 mod common;
 
@@ -83,7 +84,13 @@ fn a_device_is_replaced_on_a_running_node_under_writes() {
     assert!(err.contains("no node with id 9"), "{err}");
     let err = c.shoal_fails(&["device", "remove", "999"]);
     assert!(err.contains("no device with id 999"), "{err}");
-    let precious = c.node_dir(t).join("precious.img");
+    // Disks of the host, beside (not in) the node's data folder.
+    let disks = c.data.parent().expect("a parent").join(format!("disks{t}"));
+    std::fs::create_dir_all(&disks).expect("mkdir");
+    let inside = c.node_dir(t).join("x.dev").display().to_string();
+    let err = c.shoal_fails(&["device", "add", &tn, &inside, "--size", "1G"]);
+    assert!(err.contains("data folder"), "{err}");
+    let precious = disks.join("precious.img");
     std::fs::write(&precious, b"someone's data").expect("write");
     let p = precious.display().to_string();
     let err = c.shoal_fails(&["device", "add", &tn, &p]);
@@ -92,7 +99,7 @@ fn a_device_is_replaced_on_a_running_node_under_writes() {
     assert_eq!(devices_of(&c, t), vec![old]);
 
     // Add a device to node t while it runs.
-    let path = c.node_dir(t).join("new.dev").display().to_string();
+    let path = disks.join("new.dev").display().to_string();
     let out = c.shoal(&["device", "add", &tn, &path, "--size", "1G"]);
     assert!(out.contains("on node") && out.contains(&path), "{out}");
     let new: u64 = out

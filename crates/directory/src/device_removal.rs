@@ -1,7 +1,8 @@
 //! The removal of a device while its node runs: the directory's half
 //! (`docs/reconfiguration.md`, Adding and removing devices).
 //!
-//! - [`Command::RetireDevice`] marks the device `retiring`: placement
+//! - [`Command::RetireDevice`] marks the device `retiring` (refused for
+//!   the last device of its node not being removed already): placement
 //!   puts nothing new on it, and the directory refuses a new component
 //!   there (`check_placed`), so a placement made from an older snapshot
 //!   cannot land there either.
@@ -32,9 +33,25 @@ impl ClusterState {
             Command::RetireDevice { device } => {
                 let d = self
                     .devices
-                    .get_mut(device)
+                    .get(device)
                     .ok_or(StateError::NoSuchDevice(*device))?;
-                d.retiring = true;
+                let node = d.node;
+                // Decided here, on the state every command sees in order:
+                // two removals checked on the same snapshot cannot both
+                // pass and leave a node without a device.
+                let others = self
+                    .devices
+                    .values()
+                    .any(|o| o.node == node && o.id != *device && !o.retiring);
+                if !d.retiring && !others {
+                    return Err(StateError::LastDevice {
+                        device: *device,
+                        node,
+                    });
+                }
+                if let Some(d) = self.devices.get_mut(device) {
+                    d.retiring = true;
+                }
                 Ok(Response::Ok)
             }
             Command::UnregisterDevice { device } => {
@@ -174,6 +191,17 @@ mod tests {
             s.apply(&Command::RetireDevice { device: 9 }),
             Err(StateError::NoSuchDevice(9))
         );
+        // A node's last device is not retired: node 2's only one, then
+        // node 1's second once its first is retiring.
+        assert_eq!(
+            s.apply(&Command::RetireDevice { device: 2 }),
+            Err(StateError::LastDevice { device: 2, node: 2 })
+        );
+        let mut two = s.clone();
+        two.apply(&Command::RetireDevice { device: 1 }).unwrap();
+        let e = two.apply(&Command::RetireDevice { device: 3 }).unwrap_err();
+        assert_eq!(e, StateError::LastDevice { device: 3, node: 1 });
+        assert!(e.to_string().contains("shoal device add 1"), "{e}");
         assert_eq!(
             s.apply(&Command::UnregisterDevice { device: 9 }),
             Err(StateError::NoSuchDevice(9))

@@ -319,6 +319,11 @@ pub enum StateError {
     DeviceNotRetiring(DeviceId),
     #[error("device {0} is being removed: no new component is placed on it")]
     DeviceRetiring(DeviceId),
+    #[error(
+        "device {device} is the last device of node {node} not being removed: add another \
+         first (shoal device add {node} PATH), or remove the node"
+    )]
+    LastDevice { device: DeviceId, node: NodeId },
 }
 
 /// Bytes reserved on a device for one data component of a volume.
@@ -1606,6 +1611,14 @@ pub(crate) mod tests {
                 .components
                 .iter()
                 .all(|c| s.devices.contains_key(&c.device)));
+        }
+        // A node with devices keeps one that is not being removed.
+        for d in s.devices.values() {
+            assert!(
+                s.devices.values().any(|o| o.node == d.node && !o.retiring),
+                "node {} has only retiring devices",
+                d.node
+            );
         }
         // The settings stay in range.
         let delay = s.settings.repair_delay_s;

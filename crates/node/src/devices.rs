@@ -89,17 +89,17 @@ impl Identity {
     }
 
     /// The devices to open at start: the command line's, less the ones
-    /// removed, then the ones added.
-    pub fn to_open(&self, command_line: &[DeviceSpec]) -> Vec<DeviceSpec> {
+    /// removed, then the ones added (`true`: added while the node ran).
+    pub fn to_open(&self, command_line: &[DeviceSpec]) -> Vec<(DeviceSpec, bool)> {
         let removed = |p: &Path| self.removed.iter().any(|r| Path::new(r) == p);
-        let mut out: Vec<DeviceSpec> = command_line
+        let mut out: Vec<(DeviceSpec, bool)> = command_line
             .iter()
             .filter(|d| !removed(&d.path))
-            .cloned()
+            .map(|d| (d.clone(), false))
             .collect();
         for a in &self.added {
-            if !out.iter().any(|d| d.path == a.path) {
-                out.push(a.clone());
+            if !out.iter().any(|(d, _)| d.path == a.path) {
+                out.push((a.clone(), true));
             }
         }
         out
@@ -211,6 +211,27 @@ pub(crate) fn open_store(spec: &DeviceSpec, cluster_id: &str) -> anyhow::Result<
     Ok(s)
 }
 
+/// Opens a device added while the node ran, at a later start: only as
+/// the device of this cluster it was formatted as. Never creates or
+/// formats anything (the path may now name another disk, or a file
+/// system that failed to mount).
+pub(crate) fn open_added(spec: &DeviceSpec, cluster_id: &str) -> anyhow::Result<Arc<Store>> {
+    use anyhow::Context;
+    let path = &spec.path;
+    let s = Store::open(path).with_context(|| format!("device {}", path.display()))?;
+    if s.cluster_id() != cluster_id {
+        anyhow::bail!(
+            "device {} belongs to cluster {}, not {cluster_id}",
+            path.display(),
+            s.cluster_id()
+        );
+    }
+    let s = Arc::new(s);
+    s.start_background()
+        .with_context(|| format!("cleaner thread for {}", path.display()))?;
+    Ok(s)
+}
+
 /// Whether `path` may be formatted: it does not exist, or its first
 /// [`UNUSED_PREFIX_BYTES`] (or all of it, if shorter) are zeros.
 fn unused(path: &Path) -> std::io::Result<bool> {
@@ -308,35 +329,73 @@ impl DeviceSet {
     }
 
     /// Opens (or formats) the device `spec` on this node, registers it
-    /// and serves it. A path this node has already is refused, naming
-    /// the device it is.
-    pub async fn add(&self, spec: DeviceSpec) -> Result<DeviceAdded, AddError> {
+    /// and serves it, on a task of its own: a caller that goes away (a
+    /// client timing out while a thick file is written) does not cut it
+    /// short between its steps.
+    pub async fn add(self: &Arc<Self>, spec: DeviceSpec) -> Result<DeviceAdded, AddError> {
+        let me = self.clone();
+        let path = spec.path.display().to_string();
+        tokio::spawn(async move { me.add_now(spec).await })
+            .await
+            .map_err(|e| AddError::Open {
+                path,
+                error: e.to_string(),
+            })?
+    }
+
+    /// The steps of [`add`](Self::add). The device is recorded in the
+    /// identity file (as added) before it is registered, so a crash after
+    /// the registration leaves a device the next start opens; a path the
+    /// directory has for this node but the node does not serve (such an
+    /// add cut short) is opened and served under its id. A path served
+    /// already is refused, naming the device it is.
+    async fn add_now(&self, spec: DeviceSpec) -> Result<DeviceAdded, AddError> {
         let mut ident = self.identity.lock().await;
         let path = spec.path.display().to_string();
-        let state = self.dir.state();
-        if let Some(d) = state
+        let registered = self
+            .dir
+            .state()
             .devices
             .values()
             .find(|d| d.node == self.node && d.path == path)
-        {
-            return Err(AddError::AlreadyAdded {
-                path,
-                device: d.id,
-                node: d.node,
-            });
+            .map(|d| (d.id, d.retiring));
+        let served = self.replicas.devices().iter().any(|d| d.path == path);
+        match registered {
+            Some((device, false)) if served => {
+                return Err(AddError::AlreadyAdded {
+                    path,
+                    device,
+                    node: self.node,
+                })
+            }
+            Some((_, true)) => {
+                return Err(AddError::BadRequest(format!(
+                    "{path} is being removed from this node"
+                )))
+            }
+            _ if served => {
+                return Err(AddError::BadRequest(format!(
+                    "{path} is still being removed from this node"
+                )))
+            }
+            _ => {}
         }
-        if self.replicas.devices().iter().any(|d| d.path == path) {
-            return Err(AddError::BadRequest(format!(
-                "{path} is still being removed from this node"
-            )));
-        }
-        let (s2, cluster) = (spec.clone(), self.cluster_id.clone());
-        let opened = tokio::task::spawn_blocking(move || open_new(&s2, &cluster))
+        let (s2, cluster, data) = (spec.clone(), self.cluster_id.clone(), self.data_dir.clone());
+        let opened = tokio::task::spawn_blocking(move || open_new(&s2, &cluster, &data))
             .await
             .map_err(|e| AddError::Open {
                 path: path.clone(),
                 error: e.to_string(),
             })??;
+        self.check_components(&path, &opened)?;
+        let mut next = ident.clone();
+        next.removed.retain(|p| *p != path);
+        if !self.command_line.iter().any(|d| d.path == spec.path) {
+            next.added.retain(|d| d.path != spec.path);
+            next.added.push(spec);
+        }
+        self.save(&next)?;
+        *ident = next;
         let capacity = opened.capacity();
         let r = self
             .dir
@@ -358,14 +417,11 @@ impl DeviceSet {
                 error: format!("starting its threads: {e}"),
             })?;
         self.replicas.add_device(dev);
-        ident.devices.retain(|(p, _)| *p != path);
-        ident.devices.push((path.clone(), id));
-        ident.removed.retain(|p| *p != path);
-        if !self.command_line.iter().any(|d| d.path == spec.path) {
-            ident.added.retain(|d| d.path != spec.path);
-            ident.added.push(spec);
-        }
-        self.save(&ident)?;
+        let mut next = ident.clone();
+        next.devices.retain(|(p, _)| *p != path);
+        next.devices.push((path.clone(), id));
+        self.save(&next)?;
+        *ident = next;
         tracing::info!(device = id, %path, capacity, "device added");
         Ok(DeviceAdded {
             device: id,
@@ -373,6 +429,28 @@ impl DeviceSet {
             path,
             capacity,
         })
+    }
+
+    /// Refuses a device holding components the directory places anywhere
+    /// (a copy of a device in service, or another node's device): serving
+    /// them here would split their writes between two places. A removed
+    /// device holds only components the directory has forgotten.
+    fn check_components(&self, path: &str, store: &Store) -> Result<(), AddError> {
+        let state = self.dir.state();
+        let live = store.components().into_iter().find(|c| {
+            state
+                .volumes
+                .values()
+                .any(|v| v.components.iter().any(|x| x.id == c.id))
+        });
+        match live {
+            Some(c) => Err(AddError::BadRequest(format!(
+                "{path} holds component {} of volume {}, placed elsewhere: a copy of a device \
+                 in service is not taken",
+                c.id, c.volume
+            ))),
+            None => Ok(()),
+        }
     }
 
     fn save(&self, ident: &Identity) -> Result<(), AddError> {
@@ -480,14 +558,16 @@ impl DeviceSet {
                 .map(|(p, _)| p.clone()),
         };
         if let Some(path) = &path {
-            ident.devices.retain(|(p, _)| p != path);
-            ident.added.retain(|d| d.path != Path::new(path));
+            let mut next = ident.clone();
+            next.devices.retain(|(p, _)| p != path);
+            next.added.retain(|d| d.path != Path::new(path));
             if self.command_line.iter().any(|d| d.path == Path::new(path))
-                && !ident.removed.contains(path)
+                && !next.removed.contains(path)
             {
-                ident.removed.push(path.clone());
+                next.removed.push(path.clone());
             }
-            self.save(&ident)?;
+            self.save(&next)?;
+            *ident = next;
         }
         match self
             .dir
@@ -504,9 +584,67 @@ impl DeviceSet {
     }
 }
 
+/// Largest device taken, in bytes (1 PiB): a size past it is a typo, and
+/// a sparse file that large would make placement overcommit.
+const MAX_DEVICE_BYTES: u64 = 1 << 50;
+
+/// Refuses a path that is not an existing regular file or block device
+/// (a symlink, a FIFO, a folder, a socket) or a new file in an existing
+/// folder, or that lies in the node's data folder; a new thick file must
+/// fit in the free space of its file system.
+fn check_path(spec: &DeviceSpec, data_dir: &Path) -> Result<(), AddError> {
+    use std::os::unix::fs::FileTypeExt;
+    let path = spec.path.display().to_string();
+    let bad = |m: String| Err(AddError::BadRequest(m));
+    if spec.size > MAX_DEVICE_BYTES {
+        return bad(format!(
+            "a device of {} bytes is past the largest taken (1 PiB)",
+            spec.size
+        ));
+    }
+    let parent = spec.path.parent().unwrap_or(Path::new("/"));
+    let folder = match std::fs::canonicalize(parent) {
+        Ok(f) => f,
+        Err(e) => return bad(format!("{path}: its folder: {e}")),
+    };
+    if let Ok(data) = std::fs::canonicalize(data_dir) {
+        if folder.starts_with(&data) {
+            return bad(format!("{path} is in the node's data folder"));
+        }
+    }
+    match std::fs::symlink_metadata(&spec.path) {
+        Ok(m) if m.file_type().is_file() || m.file_type().is_block_device() => Ok(()),
+        Ok(_) => bad(format!("{path} is not a regular file or a block device")),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if spec.thick && spec.size > free_bytes(&folder).unwrap_or(u64::MAX) {
+                return bad(format!(
+                    "{path}: {} bytes do not fit in its file system's free space",
+                    spec.size
+                ));
+            }
+            Ok(())
+        }
+        Err(e) => bad(format!("{path}: {e}")),
+    }
+}
+
+/// Bytes free for an unprivileged user in the file system of `folder`.
+fn free_bytes(folder: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(folder.as_os_str().as_bytes()).ok()?;
+    // SAFETY: a NUL-terminated path and a zeroed struct the call fills.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: both pointers are valid for the call.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
 /// Opens the device of `spec` for a `shoal device add`: formats it only
 /// when it is new or unused, opens it when it is a device of this cluster.
-fn open_new(spec: &DeviceSpec, cluster_id: &str) -> Result<Arc<Store>, AddError> {
+fn open_new(spec: &DeviceSpec, cluster_id: &str, data_dir: &Path) -> Result<Arc<Store>, AddError> {
+    check_path(spec, data_dir)?;
     let path = spec.path.display().to_string();
     let err = |e: String| AddError::Open {
         path: path.clone(),
@@ -608,12 +746,15 @@ mod tests {
         id.added.push(spec("/x"));
         id.added.push(spec("/a"));
         id.removed.push("/b".into());
-        let open: Vec<PathBuf> = id
+        let open: Vec<(PathBuf, bool)> = id
             .to_open(&[spec("/a"), spec("/b")])
             .into_iter()
-            .map(|d| d.path)
+            .map(|(d, added)| (d.path, added))
             .collect();
-        assert_eq!(open, vec![PathBuf::from("/a"), PathBuf::from("/x")]);
+        assert_eq!(
+            open,
+            vec![(PathBuf::from("/a"), false), (PathBuf::from("/x"), true)]
+        );
     }
 
     #[test]
@@ -666,6 +807,45 @@ mod tests {
     }
 
     #[test]
+    fn fifos_symlinks_folders_the_data_folder_and_huge_sizes_are_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let data = d.path().join("data");
+        std::fs::create_dir(&data).unwrap();
+        let at = |p: PathBuf, size: u64, thick: bool| DeviceSpec {
+            path: p,
+            size,
+            thick,
+        };
+        let fifo = d.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let target = d.path().join("target.dev");
+        std::os::unix::fs::symlink(&target, d.path().join("link")).unwrap();
+        for (spec, want) in [
+            (at(fifo, 1 << 30, false), "not a regular file"),
+            (
+                at(d.path().join("link"), 1 << 30, false),
+                "not a regular file",
+            ),
+            (at(data.clone(), 1 << 30, false), "not a regular file"),
+            (at(data.join("x.dev"), 1 << 30, false), "data folder"),
+            (at(d.path().join("big"), 1 << 51, false), "1 PiB"),
+            (at(d.path().join("thick"), 1 << 49, true), "free space"),
+            (
+                at(d.path().join("no/such/dir.dev"), 1 << 30, false),
+                "its folder",
+            ),
+        ] {
+            let e = check_path(&spec, &data).unwrap_err().to_string();
+            assert!(e.contains(want), "{}: {e}", spec.path.display());
+        }
+        // The dangling link's target was not created.
+        assert!(!target.exists());
+        assert!(check_path(&at(d.path().join("ok.dev"), 1 << 30, false), &data).is_ok());
+    }
+
+    #[test]
     fn only_a_new_or_zeroed_file_or_a_device_of_this_cluster_is_opened() {
         let d = tempfile::tempdir().unwrap();
         let at = |n: &str| DeviceSpec {
@@ -674,17 +854,17 @@ mod tests {
             thick: false,
         };
         // New: created.
-        let s = open_new(&at("new"), "c").unwrap();
+        let s = open_new(&at("new"), "c", Path::new("/nonexistent-data")).unwrap();
         assert_eq!(s.cluster_id(), "c");
         drop(s);
         // A device of this cluster: opened as it is.
-        let s = open_new(&at("new"), "c").unwrap();
+        let s = open_new(&at("new"), "c", Path::new("/nonexistent-data")).unwrap();
         drop(s);
         // Of another cluster, or foreign data: refused, the bytes unchanged.
-        let e = open_new(&at("new"), "other").unwrap_err();
+        let e = open_new(&at("new"), "other", Path::new("/nonexistent-data")).unwrap_err();
         assert!(matches!(e, AddError::NotEmpty(_)), "{e}");
         std::fs::write(d.path().join("data"), b"precious").unwrap();
-        let e = open_new(&at("data"), "c").unwrap_err();
+        let e = open_new(&at("data"), "c", Path::new("/nonexistent-data")).unwrap_err();
         assert!(e.to_string().contains("refusing to format"), "{e}");
         assert_eq!(std::fs::read(d.path().join("data")).unwrap(), b"precious");
         // All zeros (a new sparse file, a wiped disk): formatted.
@@ -692,10 +872,13 @@ mod tests {
         f.set_len(64 << 20).unwrap();
         let mut z = at("zeros");
         z.size = 0;
-        assert!(open_new(&z, "c").is_ok());
+        assert!(open_new(&z, "c", Path::new("/nonexistent-data")).is_ok());
         // Missing without a size: refused.
         let mut m = at("missing");
         m.size = 0;
-        assert!(matches!(open_new(&m, "c"), Err(AddError::BadRequest(_))));
+        assert!(matches!(
+            open_new(&m, "c", Path::new("/nonexistent-data")),
+            Err(AddError::BadRequest(_))
+        ));
     }
 }

@@ -448,15 +448,29 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
     }
     let to_open = match &identity {
         Some(id) => id.to_open(&cfg.devices),
-        None => cfg.devices.clone(),
+        None => cfg.devices.iter().map(|d| (d.clone(), false)).collect(),
     };
-    if to_open.is_empty() {
-        bail!("every device of the command line was removed (shoal device remove): add one");
-    }
     let mut stores = Vec::new();
-    for d in &to_open {
-        let s = devices::open_store(d, &cluster_id)?;
-        stores.push((d.path.display().to_string(), s));
+    for (d, added) in &to_open {
+        if !added {
+            let s = devices::open_store(d, &cluster_id)?;
+            stores.push((d.path.display().to_string(), s));
+            continue;
+        }
+        // A device added while the node ran is opened as it was formatted,
+        // or skipped (its copies are rebuilt elsewhere; `shoal device
+        // remove` takes it out): never formatted again, never a reason
+        // not to start.
+        match devices::open_added(d, &cluster_id) {
+            Ok(s) => stores.push((d.path.display().to_string(), s)),
+            Err(e) => tracing::error!(
+                error = %format!("{e:#}"),
+                "an added device cannot be opened; starting without it"
+            ),
+        }
+    }
+    if stores.is_empty() {
+        bail!("no device left to open (every one was removed or cannot be opened): add one");
     }
 
     // Bind every port now so that a port in use fails the start clearly.
