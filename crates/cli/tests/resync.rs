@@ -60,6 +60,14 @@ fn a_host_back_before_the_repair_delay_gets_only_the_regions_written_meanwhile()
     let before = c
         .metric(cut, "shoal_resync_bytes_total")
         .expect("the metric");
+    // The fill's last writes are settled on the host to be cut (the
+    // owner's next barrier): it would report their regions otherwise.
+    common::wait_for("the fill settled on the host to cut", HEAL, || {
+        match c.metric(cut, "shoal_unsettled_regions")? {
+            0 => Ok(()),
+            n => Err(format!("{n} regions unsettled")),
+        }
+    });
 
     let nemesis = c.hosts.start(Nemesis::Isolate(cut));
     // Acknowledged only once the cut copy is recorded absent.

@@ -550,7 +550,11 @@ impl DeviceSet {
     async fn close_and_unregister(&self, id: DeviceId) -> Result<(), AddError> {
         let mut ident = self.identity.lock().await;
         let path = match self.replicas.remove_device(id) {
-            Some(d) => Some(d.path.clone()),
+            Some(d) => {
+                let path = d.path.clone();
+                close(d).await;
+                Some(path)
+            }
             None => ident
                 .devices
                 .iter()
@@ -639,6 +643,30 @@ fn free_bytes(folder: &Path) -> Option<u64> {
         return None;
     }
     Some(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// Longest wait for the requests still at a removed device to finish
+/// before it is closed, in seconds: a request's I/O timeout and more.
+const CLOSE_WAIT_S: u64 = 30;
+
+/// Drops the last hold on a device no longer served, once the requests
+/// still at it are done (at most [`CLOSE_WAIT_S`]): its threads stop and
+/// its file is closed (and its lock released) with it.
+async fn close(d: Arc<Device>) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(CLOSE_WAIT_S);
+    while Arc::strong_count(&d) > 1 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if Arc::strong_count(&d) > 1 {
+        tracing::warn!(
+            device = d.id,
+            "requests still hold the removed device; it closes when they end"
+        );
+    }
+    // Joins the cleaner thread: off the runtime's worker.
+    let store = d.store.clone();
+    drop(d);
+    let _ = tokio::task::spawn_blocking(move || store.stop_background()).await;
 }
 
 /// Opens the device of `spec` for a `shoal device add`: formats it only

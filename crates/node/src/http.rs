@@ -1095,6 +1095,14 @@ async fn metrics(State(h): State<Http>) -> String {
          (and reconciliations after a crash)",
         &[(node.clone(), resync_bytes)],
     );
+    let unsettled = h.replicas.get().map_or(0, |r| r.unsettled_regions());
+    family(
+        &mut out,
+        "shoal_unsettled_regions",
+        "gauge",
+        "Regions of this node's copies written and not yet covered by an owner's barrier",
+        &[(node.clone(), unsettled)],
+    );
     component_metrics(&h, &node, &mut out);
     volume_metrics(&h, &node, &mut out);
     out

@@ -357,6 +357,14 @@ impl Replicas {
         self.devices_ref().get(&id).cloned()
     }
 
+    /// Regions of this node's components written and not yet covered by a
+    /// barrier (what a copy coming back after a cut would report as
+    /// possibly different).
+    pub fn unsettled_regions(&self) -> u64 {
+        let m = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
+        m.writes.values().map(|r| r.len() as u64).sum()
+    }
+
     /// Components stored here, with their volume ids.
     pub fn components(&self) -> Vec<(ComponentId, u64, DeviceId)> {
         let mut v = Vec::new();

@@ -112,9 +112,19 @@ impl Scrubber {
         let start = Instant::now();
         let mut done = 0u64;
         let (mut found, mut fixed) = (0u64, 0u64);
-        for d in replicas.devices() {
-            for c in d.store.components() {
-                for (off, len) in d.store.allocated_ranges(c.id) {
+        // Devices by id, each looked up again at every step: a device
+        // removed meanwhile is not kept open by a pass (`crate::devices`).
+        let ids: Vec<_> = replicas.devices().iter().map(|d| d.id).collect();
+        'devices: for dev in ids {
+            let Some(comps) = replicas.device(dev).map(|d| d.store.components()) else {
+                continue;
+            };
+            for c in comps {
+                let Some(ranges) = replicas.device(dev).map(|d| d.store.allocated_ranges(c.id))
+                else {
+                    continue 'devices;
+                };
+                for (off, len) in ranges {
                     let mut at = off;
                     while at < off + len {
                         let n = (off + len - at).min(STEP);
@@ -123,6 +133,9 @@ impl Scrubber {
                         if let Some(wait) = due.checked_sub(start.elapsed()) {
                             tokio::time::sleep(wait).await;
                         }
+                        let Some(d) = replicas.device(dev) else {
+                            continue 'devices;
+                        };
                         let (d2, id) = (d.clone(), c.id);
                         let r =
                             tokio::task::spawn_blocking(move || d2.store.scrub_range(id, at, n))
