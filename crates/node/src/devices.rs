@@ -723,16 +723,7 @@ fn begin_for(
     comps: &[ComponentId],
     device: DeviceId,
 ) -> Result<Command, String> {
-    let add = crate::rebuild::replacements(state, v, comps)
-        .map_err(|(id, e)| format!("no place for a replacement of component {id}: {e}"))?;
-    Ok(Command::BeginReconfig {
-        volume: v.id,
-        generation: v.generation,
-        add,
-        remove: comps.to_vec(),
-        policy: None,
-        reason: format!("removal of device {device}"),
-    })
+    crate::rebuild::move_off(state, v, comps, format!("removal of device {device}"))
 }
 
 /// `device` and its removal as `state` has it (None: no such device).

@@ -139,16 +139,12 @@ fn begin_for(
     node: NodeId,
     mode: MaintenanceMode,
 ) -> Result<Command, String> {
-    let add = crate::rebuild::replacements(state, v, comps)
-        .map_err(|(id, e)| format!("no place for a replacement of component {id}: {e}"))?;
-    Ok(Command::BeginReconfig {
-        volume: v.id,
-        generation: v.generation,
-        add,
-        remove: comps.to_vec(),
-        policy: None,
-        reason: format!("maintenance of node {node} ({mode})"),
-    })
+    crate::rebuild::move_off(
+        state,
+        v,
+        comps,
+        format!("maintenance of node {node} ({mode})"),
+    )
 }
 
 /// What putting `node` in maintenance in `mode` would do now, from

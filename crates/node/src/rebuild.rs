@@ -61,6 +61,27 @@ pub fn replacements(
     Ok(add)
 }
 
+/// The change that moves `comps` of `v` elsewhere (a replacement placed
+/// for each, as [`replacements`] places them, and `comps` dropped) for
+/// `reason`: the moves of maintenance and of a device's removal.
+pub fn move_off(
+    state: &ClusterState,
+    v: &shoal_model::Volume,
+    comps: &[ComponentId],
+    reason: String,
+) -> Result<Command, String> {
+    let add = replacements(state, v, comps)
+        .map_err(|(id, e)| format!("no place for a replacement of component {id}: {e}"))?;
+    Ok(Command::BeginReconfig {
+        volume: v.id,
+        generation: v.generation,
+        add,
+        remove: comps.to_vec(),
+        policy: None,
+        reason,
+    })
+}
+
 /// The command that begins rebuilding `lost` components of `volume`
 /// elsewhere, under the owner's `generation`.
 pub fn plan(
