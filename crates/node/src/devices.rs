@@ -690,13 +690,27 @@ fn open_new(spec: &DeviceSpec, cluster_id: &str, data_dir: &Path) -> Result<Arc<
         spec.size = existing_len(&spec.path).map_err(|e| err(e.to_string()))?;
     }
     if exists && !unused(&spec.path).map_err(|e| err(e.to_string()))? {
-        // Only a device of this cluster is taken as it is.
-        match Store::open(&spec.path) {
-            Ok(s) if s.cluster_id() == cluster_id => drop(s),
-            Ok(_) | Err(_) => return Err(AddError::NotEmpty(path)),
+        // Only a device of this cluster is taken as it is: told from its
+        // superblock alone, before anything opens it (opening replays
+        // and writes).
+        match Store::cluster_of(&spec.path) {
+            Ok(Some(c)) if c == cluster_id => {}
+            Ok(Some(c)) => {
+                return Err(AddError::BadRequest(format!(
+                    "{path} is a device of another cluster ({c}): refusing to format it"
+                )))
+            }
+            Ok(None) | Err(_) => return Err(AddError::NotEmpty(path)),
         }
     }
-    open_store(&spec, cluster_id).map_err(|e| err(format!("{e:#}")))
+    let created = !exists;
+    open_store(&spec, cluster_id).map_err(|e| {
+        if created {
+            // Nothing of it is anyone's: a partial (thick) file goes.
+            let _ = std::fs::remove_file(&spec.path);
+        }
+        err(format!("{e:#}"))
+    })
 }
 
 /// Length in bytes of an existing file or block device.
@@ -880,8 +894,10 @@ mod tests {
         let s = open_new(&at("new"), "c", Path::new("/nonexistent-data")).unwrap();
         drop(s);
         // Of another cluster, or foreign data: refused, the bytes unchanged.
+        let before = std::fs::read(d.path().join("new")).unwrap();
         let e = open_new(&at("new"), "other", Path::new("/nonexistent-data")).unwrap_err();
-        assert!(matches!(e, AddError::NotEmpty(_)), "{e}");
+        assert!(e.to_string().contains("another cluster (c)"), "{e}");
+        assert!(std::fs::read(d.path().join("new")).unwrap() == before);
         std::fs::write(d.path().join("data"), b"precious").unwrap();
         let e = open_new(&at("data"), "c", Path::new("/nonexistent-data")).unwrap_err();
         assert!(e.to_string().contains("refusing to format"), "{e}");

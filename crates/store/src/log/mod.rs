@@ -657,6 +657,21 @@ impl LogStore {
         Self::open_device(dev)
     }
 
+    /// The cluster a formatted device belongs to, from its superblock alone
+    /// (no lock taken, no log replayed, nothing written); None when it does
+    /// not start with a superblock.
+    pub fn cluster_of(path: &Path) -> Result<Option<String>> {
+        use std::os::unix::fs::FileExt;
+        let file = File::open(path)?;
+        let mut b = vec![0u8; 2 * BLOCK];
+        let n = file.read_at(&mut b, 0)?;
+        if n < BLOCK || !LogSuper::has_magic(&b[..BLOCK]) {
+            return Ok(None);
+        }
+        let len = if n >= 2 * BLOCK { 2 * BLOCK } else { BLOCK };
+        Ok(Some(Self::decode_super(&b[..len])?.cluster_id))
+    }
+
     /// Opens the device if it is formatted (and belongs to `cluster_id`),
     /// formats it otherwise.
     pub fn open_or_create(path: &Path, capacity: u64, cluster_id: &str) -> Result<LogStore> {
