@@ -176,14 +176,29 @@ fn connections(c: &Cluster, node: u32, volume: &str) -> Result<u64, String> {
     Ok(v["volumes"][volume].as_u64().unwrap_or(0))
 }
 
+/// Waits until `volume` has (or has no) connection on `node`, seen on
+/// five looks in a row: fio's nbd engine opens a first connection only to
+/// learn the size and closes it before the job's own, which a single look
+/// may catch.
 fn wait_connections(c: &Cluster, node: u32, volume: &str, open: bool) {
     let what = if open { "open" } else { "closed" };
+    let mut seen = 0;
     wait_for(
         &format!("a connection to {volume} on node {node} {what}"),
         Duration::from_secs(30),
         || match connections(c, node, volume)? {
-            n if (n > 0) == open => Ok(()),
-            n => Err(format!("{n} connections")),
+            n if (n > 0) == open => {
+                seen += 1;
+                if seen >= 5 {
+                    Ok(())
+                } else {
+                    Err(format!("{n} connections, {seen} looks in a row"))
+                }
+            }
+            n => {
+                seen = 0;
+                Err(format!("{n} connections"))
+            }
         },
     );
 }
