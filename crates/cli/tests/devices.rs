@@ -12,7 +12,7 @@
 mod common;
 
 use common::ledger::Writer;
-use common::{components_of, wait_for, Cluster};
+use common::{components_of, curl, wait_for, Cluster};
 use std::time::Duration;
 
 /// Time allowed for a move (a copy of what was written) on a slow machine.
@@ -96,6 +96,37 @@ fn a_device_is_replaced_on_a_running_node_under_writes() {
     let err = c.shoal_fails(&["device", "add", &tn, &p]);
     assert!(err.contains("refusing to format"), "{err}");
     assert_eq!(std::fs::read(&precious).expect("read"), b"someone's data");
+    // No token, no add, removal or look; the member route is not served
+    // to a plain caller.
+    let body = format!(
+        r#"{{"node":{t},"path":"{}/x.dev","size_bytes":1073741824}}"#,
+        disks.display()
+    );
+    let json = ["-H", "Content-Type: application/json", "-d", body.as_str()];
+    let (code, _) = curl(&format!("{}/v1/devices", c.api(1)), &json);
+    assert_eq!(code, 401, "add without a token");
+    let (code, _) = curl(&format!("{}/v1/devices/{old}", c.api(1)), &["-X", "DELETE"]);
+    assert_eq!(code, 401, "remove without a token");
+    let (code, _) = curl(&format!("{}/v1/devices/{old}", c.api(1)), &[]);
+    assert_eq!(code, 401, "look without a token");
+    let (code, _) = curl(&format!("{}/v1/local/devices", c.api(t)), &json);
+    assert!(
+        code == 401 || code == 403 || code == 404,
+        "member route: {code}"
+    );
+    // Nor to an admin: it is the nodes' own route.
+    let auth = format!("Authorization: Bearer {}", c.token());
+    let mut with_token = json.to_vec();
+    with_token.extend(["-H", auth.as_str()]);
+    let (code, _) = curl(&format!("{}/v1/local/devices", c.api(t)), &with_token);
+    assert!(
+        !(200..300).contains(&code),
+        "member route to an admin: {code}"
+    );
+    assert!(
+        !disks.join("x.dev").exists(),
+        "a refused add created its file"
+    );
     assert_eq!(devices_of(&c, t), vec![old]);
 
     // Add a device to node t while it runs.
