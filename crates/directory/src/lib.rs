@@ -187,6 +187,11 @@ struct Inner {
     transport: Transport,
     /// Serializes membership changes made by this node as leader.
     membership: tokio::sync::Mutex<()>,
+    /// One read barrier at a time from this member; holds the number of
+    /// the last one that succeeded (see [`Directory::catch_up`]).
+    barrier: tokio::sync::Mutex<u64>,
+    /// Read barriers begun by this member, numbered from 1.
+    barriers_begun: std::sync::atomic::AtomicU64,
     /// When this member last heard from a leader of the current term (an
     /// append accepted), in milliseconds after `started`.
     leader_contact_ms: std::sync::atomic::AtomicU64,
@@ -267,6 +272,8 @@ impl Directory {
                 state,
                 transport,
                 membership: tokio::sync::Mutex::new(()),
+                barrier: tokio::sync::Mutex::new(0),
+                barriers_begun: std::sync::atomic::AtomicU64::new(0),
                 // No leader heard yet.
                 leader_contact_ms: std::sync::atomic::AtomicU64::new(0),
                 started: Instant::now(),
@@ -330,6 +337,10 @@ impl Directory {
             .route(
                 "/directory/propose",
                 post(h_propose).layer(limit(SMALL_BODY_MAX_BYTES)),
+            )
+            .route(
+                "/directory/read-index",
+                post(h_read_index).layer(limit(SMALL_BODY_MAX_BYTES)),
             )
             .route(
                 "/directory/remove",
@@ -706,6 +717,64 @@ impl Directory {
             .clone()
     }
 
+    /// Waits, at most `bound`, until this member has applied every
+    /// command the leader had committed when asked: a read barrier, so
+    /// that a change made through another member (a volume just created)
+    /// is seen here. The leader confirms it still leads (a heartbeat round
+    /// to a majority) before it answers; nothing is written. One barrier
+    /// runs at a time per member, and a caller is served by any barrier
+    /// begun after it asked: many callers at once cost one round.
+    pub async fn catch_up(&self, bound: Duration) -> Result<(), DirectoryError> {
+        let queued = Instant::now();
+        let asked_after = self.inner.barriers_begun.load(Ordering::Acquire);
+        let mut last_done = self.inner.barrier.lock().await;
+        if *last_done > asked_after {
+            return Ok(());
+        }
+        let number = self.inner.barriers_begun.fetch_add(1, Ordering::AcqRel) + 1;
+        let index = tokio::time::timeout(bound, self.read_index())
+            .await
+            .map_err(|_| DirectoryError::Network(format!("no read index within {bound:?}")))??;
+        let left = bound.saturating_sub(queued.elapsed());
+        self.inner
+            .raft
+            .wait(Some(left))
+            .applied_index_at_least(index, "read barrier")
+            .await
+            .map_err(|e| DirectoryError::Network(format!("catching up to index {index:?}: {e}")))?;
+        *last_done = number;
+        Ok(())
+    }
+
+    /// The leader's committed index once it has confirmed it still leads;
+    /// asked of the leader when this member is not it.
+    async fn read_index(&self) -> Result<Option<u64>, DirectoryError> {
+        match self.leader() {
+            None => Err(DirectoryError::NoLeader),
+            Some(l) if l == self.inner.id => self.read_index_local().await.map_err(|e| match e {
+                WireError::NotLeader => DirectoryError::NoLeader,
+                other => DirectoryError::Network(format!("{other:?}")),
+            }),
+            Some(l) => {
+                let addr = self.node_addr(l).ok_or(DirectoryError::NoLeader)?;
+                let url = self.url(&addr, "/directory/read-index");
+                match self.post_json(&url, &(), PROPOSE_TIMEOUT).await {
+                    Ok(i) => Ok(i),
+                    Err(Attempt::Retry(e)) | Err(Attempt::Final(e)) => Err(e),
+                }
+            }
+        }
+    }
+
+    /// [`Directory::read_index`] on the leader itself.
+    async fn read_index_local(&self) -> Result<Option<u64>, WireError> {
+        match self.inner.raft.ensure_linearizable().await {
+            Ok(read) => Ok(read.map(|l| l.index)),
+            Err(RaftError::APIError(_)) => Err(WireError::NotLeader),
+            Err(e) => Err(WireError::Other(e.to_string())),
+        }
+    }
+
     /// The latest applied cluster state.
     pub fn state(&self) -> Arc<ClusterState> {
         self.inner.state.borrow().clone()
@@ -895,6 +964,20 @@ async fn h_propose(
         return Ok(Json(Err(WireError::NotLeader)));
     }
     Ok(Json(d.propose_local(cmd).await))
+}
+
+/// `/directory/read-index`: the leader's committed index, once it has
+/// confirmed that it still leads. Members only; changes nothing.
+async fn h_read_index(
+    State(d): State<Directory>,
+    c: Option<Extension<Caller>>,
+    Json(()): Json<()>,
+) -> Result<Json<Result<Option<u64>, WireError>>, Refused> {
+    caller_of(c)?;
+    if !d.is_leader() {
+        return Ok(Json(Err(WireError::NotLeader)));
+    }
+    Ok(Json(d.read_index_local().await))
 }
 
 #[cfg(test)]

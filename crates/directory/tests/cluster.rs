@@ -274,6 +274,22 @@ async fn three_members_replicate_fail_over_and_persist() {
         "{err:?}"
     );
 
+    // A read barrier: a change made through the leader is seen on a
+    // follower once `catch_up` returns, without waiting for the next
+    // heartbeat to bring the commit (every round, on both followers).
+    for (round, delay_s) in (100..110).enumerate() {
+        members[0]
+            .dir
+            .propose(Command::SetRepairDelay {
+                repair_delay_s: delay_s,
+            })
+            .await
+            .unwrap();
+        let m = &members[1 + round % 2].dir;
+        m.catch_up(secs(5)).await.unwrap();
+        assert_eq!(m.state().settings.repair_delay_s, delay_s, "round {round}");
+    }
+
     // Compare-and-set of the owner: two concurrent claims, exactly one wins.
     let claim = |node| Command::ClaimOwner {
         volume: vol,
