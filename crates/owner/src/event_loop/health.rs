@@ -362,28 +362,127 @@ impl<C: Control> Loop<C> {
         Flow::Continue
     }
 
-    /// Reconnects in-sync copies that lost their connection.
-    fn reconnect_lost(&mut self) {
-        let lost: ReplicaSet = (0..self.replicas.len())
+    /// In-sync copies that lost their connection and are not being
+    /// reconnected.
+    fn lost(&self) -> ReplicaSet {
+        (0..self.replicas.len())
             .filter(|&i| {
                 let r = &self.replicas[i];
                 r.mode == Mode::InSync && r.peer.is_none() && !r.reconnecting
             })
-            .collect();
-        for idx in lost.iter() {
+            .collect()
+    }
+
+    /// Reconnects in-sync copies that lost their connection, in three
+    /// steps: a bare connection shows the copy reachable again (nothing
+    /// is asked of the directory while it is not); the generation is
+    /// raised and the copies in service take it; only then is the copy
+    /// activated, under the new generation. A frame of the lost session
+    /// still queued at the copy can then never land after a newer write:
+    /// the copy refuses the older generation once it took the new one.
+    fn reconnect_lost(&mut self) {
+        if self.reconnect_reclaim {
+            return;
+        }
+        let auth = self.cfg.peer_auth.clone();
+        for idx in self.lost().iter() {
             let r = &mut self.replicas[idx];
             r.reconnecting = true;
-            let tmp = r.detached();
-            let (volume, size, generation, timeout) =
-                (self.volume, self.size, self.generation, self.cfg.io_timeout);
-            let auth = self.cfg.peer_auth.clone();
+            let (addr, auth) = (r.addr.clone(), auth.clone());
             self.spawn_report(async move {
-                let peer = activate(&tmp, &auth, volume, size, generation, timeout)
-                    .await
-                    .map(|a| a.peer);
-                Internal::Reconnected { idx, peer }
+                let result = connect(&addr, &auth).await.map(|_| ());
+                Internal::LostReached { idx, result }
             });
         }
+    }
+
+    /// A lost copy's node answered a connection (or not): raise the
+    /// generation to reconnect it, unless another raise or a record made
+    /// under the current generation is under way (then the next tick).
+    pub(super) fn lost_reached(&mut self, idx: usize, result: Result<(), RpcError>) -> Flow {
+        let r = &mut self.replicas[idx];
+        if let Err(e) = result {
+            tracing::debug!(
+                volume = self.volume,
+                component = r.component,
+                "still lost: {e}"
+            );
+            r.reconnecting = false;
+            return Flow::Continue;
+        }
+        if self.reconnect_reclaim || !self.may_raise_generation() {
+            self.replicas[idx].reconnecting = false;
+            return Flow::Continue;
+        }
+        self.reconnect_reclaim = true;
+        let control = self.control.clone();
+        let (volume, generation) = (self.volume, self.generation);
+        self.spawn_report(async move {
+            let result = control.reclaim(volume, generation).await;
+            Internal::ReconnectReclaimed { result }
+        });
+        Flow::Continue
+    }
+
+    /// Whether nothing in flight depends on the current generation staying
+    /// current: no record of a failed copy, no resync raising or using a
+    /// raised one. (The directory takes such a record only under the
+    /// generation it was made under.)
+    fn may_raise_generation(&self) -> bool {
+        use super::resync::ResyncPhase;
+        let resync_raising = self
+            .resync
+            .as_ref()
+            .is_some_and(|rs| matches!(rs.phase, ResyncPhase::Reclaiming | ResyncPhase::Reviving));
+        !resync_raising
+            && self.abandoned.is_none()
+            && self.replicas.iter().all(|r| r.mode != Mode::Failing)
+    }
+
+    /// The generation was raised for a reconnection: the copies in service
+    /// take it, then every lost copy is activated under it.
+    pub(super) fn reconnect_reclaimed(&mut self, result: Result<Generation, ControlError>) -> Flow {
+        self.reconnect_reclaim = false;
+        let lost: ReplicaSet = (0..self.replicas.len())
+            .filter(|&i| self.replicas[i].mode == Mode::InSync && self.replicas[i].peer.is_none())
+            .collect();
+        match result {
+            Ok(g) => {
+                assert!(g > self.generation, "reclaim must raise the generation");
+                self.generation = g;
+                self.fence_in_service();
+                for idx in lost.iter() {
+                    self.activate_lost(idx);
+                }
+            }
+            Err(ControlError::Conflict) => return Flow::Stop,
+            Err(e @ (ControlError::Unavailable(_) | ControlError::Refused(_))) => {
+                tracing::warn!(
+                    volume = self.volume,
+                    "cannot raise the generation to reconnect: {e}"
+                );
+                for idx in lost.iter() {
+                    self.replicas[idx].reconnecting = false;
+                }
+            }
+        }
+        Flow::Continue
+    }
+
+    /// Activates lost copy `idx` under the current generation.
+    fn activate_lost(&mut self, idx: usize) {
+        let r = &mut self.replicas[idx];
+        r.reconnecting = true;
+        let tmp = r.detached();
+        let (volume, size, generation, timeout) =
+            (self.volume, self.size, self.generation, self.cfg.io_timeout);
+        let auth = self.cfg.peer_auth.clone();
+        self.spawn_report(async move {
+            let peer = activate(&tmp, &auth, volume, size, generation, timeout)
+                .await
+                .map(|a| a.peer);
+            Internal::Reconnected { idx, peer }
+        });
     }
 
     pub(super) fn reconnected(&mut self, idx: usize, peer: Result<Arc<Peer>, RpcError>) -> Flow {

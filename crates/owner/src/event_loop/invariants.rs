@@ -172,6 +172,12 @@ impl<C: Control> Loop<C> {
         assert!(target.is_data(), "resync of a witness");
         match rs.phase {
             ResyncPhase::Reclaiming | ResyncPhase::Reviving => {
+                // One raise of the generation at a time: each expects the
+                // one before it.
+                assert!(
+                    !self.reconnect_reclaim,
+                    "a resync and a reconnection raising the generation at once"
+                );
                 assert_eq!(target.mode, Mode::Out, "target in service before revival");
                 assert!(rs.source.is_none(), "source chosen before revival");
             }

@@ -136,6 +136,15 @@ pub(crate) enum Internal {
         idx: usize,
         result: Result<(), RpcError>,
     },
+    /// A bare connection to lost in-sync replica `idx` was made (or not).
+    LostReached {
+        idx: usize,
+        result: Result<(), RpcError>,
+    },
+    /// The generation raised to reconnect lost in-sync copies (or why not).
+    ReconnectReclaimed {
+        result: Result<Generation, ControlError>,
+    },
     /// The reconnection of in-sync replica `idx` ended.
     Reconnected {
         idx: usize,
@@ -270,6 +279,9 @@ pub(super) struct Loop<C: Control> {
     resync_attempts: u64,
     /// Ticks to wait before trying another resync after a failed attempt.
     resync_backoff: u32,
+    /// The generation is being raised to reconnect lost in-sync copies
+    /// (`health`); no resync starts meanwhile.
+    reconnect_reclaim: bool,
     read_rr: usize,
     /// The local in-sync copy, shared with the [`crate::Owner`] handles for
     /// their reads.
@@ -344,6 +356,7 @@ impl<C: Control> Loop<C> {
             abandoned: None,
             resync_attempts: 0,
             resync_backoff: 0,
+            reconnect_reclaim: false,
             read_rr: 0,
             route: shared.route,
             routed: None,
@@ -435,6 +448,8 @@ impl<C: Control> Loop<C> {
             } => self.renewed(sent, generation, outcome),
             Internal::Tick => self.tick(),
             Internal::WitnessPing { idx, result } => self.witness_pinged(idx, result),
+            Internal::LostReached { idx, result } => self.lost_reached(idx, result),
+            Internal::ReconnectReclaimed { result } => self.reconnect_reclaimed(result),
             Internal::Reconnected { idx, peer } => self.reconnected(idx, peer),
             Internal::Probed { idx, result } => self.probed(idx, result),
             Internal::Reclaimed { attempt, result } => self.reclaimed(attempt, result),

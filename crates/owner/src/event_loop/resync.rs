@@ -131,7 +131,11 @@ impl<C: Control> Loop<C> {
             self.resync_backoff -= 1;
             return;
         }
-        if self.resync.is_some() || self.abandoned.is_some() || self.reconcile.is_some() {
+        if self.resync.is_some()
+            || self.abandoned.is_some()
+            || self.reconcile.is_some()
+            || self.reconnect_reclaim
+        {
             return;
         }
         // A copy of the volume's layout first (it restores protection),
@@ -213,7 +217,7 @@ impl<C: Control> Loop<C> {
     /// Has every copy in service take the generation just raised, ahead of
     /// anything sent to it under that generation: a replica refuses reads
     /// under a generation it has not taken (from an activation or a write).
-    fn fence_in_service(&self) {
+    pub(super) fn fence_in_service(&self) {
         for i in self.targets().iter() {
             let r = &self.replicas[i];
             let flush = Request::Flush {

@@ -213,7 +213,83 @@ async fn a_stale_generation_on_reconnect_deposes_the_owner() {
     assert!(rig
         .requests(0)
         .iter()
-        .any(|r| matches!(r, Request::Activate { generation: 1, .. })));
+        .any(|r| matches!(r, Request::Activate { generation: 2, .. })));
+}
+
+#[tokio::test]
+async fn a_lost_copy_is_reconnected_under_a_raised_generation_once_reachable() {
+    // The last in-sync copy lost its connection (its frames of that
+    // session may still be queued there). It is activated again only
+    // after the generation is raised and the copy in service took it, so
+    // a late frame of the old session is refused as stale.
+    let specs = [
+        copy(1, Mode::InSync, 1).disconnected(),
+        copy(2, Mode::InSync, 2),
+        witness(3),
+    ];
+    let mut rig = rig(&specs).await;
+    // While the copy's node does not answer, the directory is not asked.
+    rig.lp.replicas[0].reconnecting = true;
+    let refused = RpcError::Connect {
+        addr: "x".into(),
+        reason: "refused".into(),
+    };
+    let flow = rig.internal(Internal::LostReached {
+        idx: 0,
+        result: Err(refused),
+    });
+    assert_eq!(flow, Flow::Continue);
+    assert!(!rig.lp.replicas[0].reconnecting);
+    assert_eq!(rig.dir.generation.load(Ordering::SeqCst), 1);
+    assert!(rig.requests(0).is_empty());
+
+    // Reachable: raise, fence the copy in service, then activate.
+    rig.tick();
+    rig.run_until(|lp| lp.replicas[0].peer.is_some()).await;
+    assert_eq!(rig.lp.generation, 2);
+    assert_eq!(rig.dir.generation.load(Ordering::SeqCst), 2);
+    assert!(
+        matches!(
+            rig.requests(0).as_slice(),
+            [
+                Request::CreateComponent { .. },
+                Request::Activate { generation: 2, .. }
+            ]
+        ),
+        "lost copy got {:?}",
+        rig.requests(0)
+    );
+    assert!(
+        rig.requests(1)
+            .iter()
+            .any(|r| matches!(r, Request::Flush { generation: 2, .. })),
+        "the copy in service was not fenced: {:?}",
+        rig.requests(1)
+    );
+    assert_eq!(rig.lp.replicas[0].mode, Mode::InSync);
+    assert!(!rig.lp.reconnect_reclaim);
+}
+
+#[tokio::test]
+async fn a_lost_copy_waits_while_a_failed_copy_is_being_recorded() {
+    // A record made under generation 1 is in flight: raising now would
+    // have the directory refuse it, so the reconnection waits for a tick.
+    let specs = [
+        copy(1, Mode::InSync, 1).disconnected(),
+        copy(2, Mode::InSync, 2),
+        witness(3),
+    ];
+    let mut rig = rig(&specs).await;
+    rig.lp.replicas[1].mode = Mode::Failing;
+    rig.lp.replicas[1].peer = None;
+    rig.lp.replicas[0].reconnecting = true;
+    rig.internal(Internal::LostReached {
+        idx: 0,
+        result: Ok(()),
+    });
+    assert!(!rig.lp.reconnect_reclaim);
+    assert!(!rig.lp.replicas[0].reconnecting);
+    assert_eq!(rig.dir.generation.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]
