@@ -494,6 +494,7 @@ mod tests {
             problem: None,
             wrapped_key: None,
             reconfig: None,
+            wanted_policy: None,
         };
         let health = if states.iter().all(|s| *s == ComponentState::Active) {
             VolumeHealth::Healthy

@@ -173,15 +173,26 @@ async fn follow(
         }
     };
     let (mut healing, mut progress) = (String::new(), None::<(u64, Instant)>);
+    let mut told_aborted = false;
     loop {
         let error = match c.volume(name).await {
-            Ok(r) if !in_change(&r.volume, policy) => {
-                if r.volume.policy == *policy {
-                    return Ok(r);
+            Ok(r) if r.volume.policy == *policy => return Ok(r),
+            Ok(r) if !in_change(&r.volume, policy) && r.volume.wanted_policy == Some(*policy) => {
+                // Aborted, still wanted: the caretaker begins it again.
+                if !told_aborted {
+                    told_aborted = true;
+                    say(
+                        "the change was aborted (an added copy could not be brought in); the \
+                         volume's caretaker begins it again"
+                            .to_string(),
+                    );
                 }
+                None
+            }
+            Ok(r) if !in_change(&r.volume, policy) => {
                 bail!(
-                    "the change of volume {name} to {policy} was aborted (an added copy could \
-                     not be brought in); the volume keeps {}",
+                    "the change of volume {name} to {policy} ended without it (aborted, then \
+                     another policy was asked for); the volume keeps {}",
                     r.volume.policy
                 );
             }
@@ -245,6 +256,7 @@ mod tests {
             problem: None,
             wrapped_key: None,
             reconfig: None,
+            wanted_policy: None,
         }
     }
 

@@ -81,6 +81,14 @@ pub fn volume(r: &VolumeReport) {
     println!("volume      {}", v.name);
     println!("size        {} ({} bytes)", human_size(v.size), v.size);
     println!("policy      {}", v.policy);
+    match (&v.wanted_policy, &v.reconfig) {
+        (Some(w), None) => println!(
+            "wanted      {w} (its change ended without it; the volume's caretaker begins it \
+             again, or `set-policy` with the policy above keeps that one)"
+        ),
+        (Some(w), Some(_)) => println!("wanted      {w} (changing now)"),
+        (None, _) => {}
+    }
     println!("checksums   CRC-32C of every block, checked on every read and by the scrubber");
     println!("iops limit  {}", iops_line(r));
     println!("health      {}", r.health);

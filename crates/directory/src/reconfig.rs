@@ -164,6 +164,10 @@ impl ClusterState {
             });
             next_id += 1;
         }
+        if let Some(p) = b.policy {
+            // What the change is for, kept should it end aborted.
+            after.wanted_policy = (p != before.policy).then_some(p);
+        }
         after.reconfig = Some(Reconfig {
             reason: b.reason.to_string(),
             added,
@@ -305,6 +309,9 @@ impl ClusterState {
             }
         }
         after.policy = r.policy.unwrap_or(before.policy);
+        if after.wanted_policy == Some(after.policy) {
+            after.wanted_policy = None;
+        }
         after.reconfig = None;
         self.replace_volume(Some(&before), Some(after))?;
         Ok(Response::Ok)

@@ -200,6 +200,10 @@ pub enum Command {
         #[serde(default)]
         remove: Vec<ComponentId>,
     },
+    /// Drops a volume's wanted policy (`Volume::wanted_policy`): the
+    /// volume keeps the policy it has and nothing begins its change
+    /// again. No change when it has none.
+    KeepPolicy { volume: VolumeId },
     /// Sets the repair delay (`ClusterSettings::repair_delay_s`): refused
     /// outside `MIN_REPAIR_DELAY_S..=MAX_REPAIR_DELAY_S`.
     SetRepairDelay { repair_delay_s: u64 },
@@ -724,6 +728,7 @@ impl ClusterState {
                         problem: None,
                         wrapped_key: wrapped_key.clone(),
                         reconfig: None,
+                        wanted_policy: None,
                     },
                 );
                 Ok(Response::Id(id))
@@ -771,6 +776,14 @@ impl ClusterState {
                 None => Err(StateError::NoSuchToken(id.clone())),
             },
             Command::SetVolumeProblem { volume, problem } => self.set_problem(*volume, problem),
+            Command::KeepPolicy { volume } => {
+                let v = self
+                    .volumes
+                    .get_mut(volume)
+                    .ok_or(StateError::NoSuchVolumeId(*volume))?;
+                v.wanted_policy = None;
+                Ok(Response::Ok)
+            }
             Command::SetRepairDelay { repair_delay_s } => self.set_repair_delay(*repair_delay_s),
             Command::SetResyncLimit { resync_mib_per_s } => {
                 self.set_resync_limit(*resync_mib_per_s)
@@ -1554,6 +1567,7 @@ pub(crate) mod tests {
             (1u64..6).prop_map(|node| Command::RemoveNode { node }),
             (1u64..12).prop_map(|device| Command::RetireDevice { device }),
             (1u64..12).prop_map(|device| Command::UnregisterDevice { device }),
+            (1u64..20).prop_map(|volume| Command::KeepPolicy { volume }),
         ]
     }
 
@@ -1593,6 +1607,8 @@ pub(crate) mod tests {
                 }
                 assert!(r.added.iter().all(|a| !r.remove.contains(a)));
             }
+            // A wanted policy is one the volume does not have yet.
+            assert_ne!(v.wanted_policy, Some(v.policy), "{v:?}");
         }
         for d in s.devices.values() {
             assert_eq!(d.reserved, want.get(&d.id).copied().unwrap_or(0));

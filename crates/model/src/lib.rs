@@ -256,6 +256,13 @@ pub struct Volume {
     /// votes rule must hold in both.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reconfig: Option<Reconfig>,
+    /// The policy `set-policy` asked for, while the volume does not have
+    /// it yet: a change to it that ended aborted (an added copy's node
+    /// died) is begun again by the volume's caretaker. Cleared when a
+    /// change commits it, or when `set-policy` asks for the policy the
+    /// volume has. Never the volume's own policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wanted_policy: Option<Policy>,
 }
 
 /// A reconfiguration in progress (the one primitive behind rebuilds,
@@ -535,6 +542,7 @@ mod tests {
             problem: None,
             wrapped_key: None,
             reconfig: None,
+            wanted_policy: None,
             id: 1,
             name: "v".into(),
             size: 4096,

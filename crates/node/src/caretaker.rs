@@ -8,11 +8,18 @@
 //! active data copy whose node is up (one node per volume, spread over the
 //! cluster, and one that holds an up-to-date copy).
 //!
-//! Owns nothing but its timer; claims through the router like client I/O.
+//! A policy change that ended aborted (an added copy's node died) is
+//! still wanted (`Volume::wanted_policy`): the volume's caretaker begins
+//! it again once it has waited [`POLICY_RETRY_S`], placed afresh on the
+//! nodes up by then, and again every [`POLICY_RETRY_S`] while placement
+//! refuses it.
+//!
+//! Owns nothing but its timers; claims through the router like client
+//! I/O, and begins changes through `crate::policy_change` like the API.
 
 use crate::router::Router;
 use shoal_directory::ClusterState;
-use shoal_model::{ComponentRole, ComponentState, NodeId, NodeState, Volume, VolumeId};
+use shoal_model::{ComponentRole, ComponentState, NodeId, NodeState, Policy, Volume, VolumeId};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -74,6 +81,46 @@ pub fn to_claim(state: &ClusterState, me: NodeId) -> Vec<VolumeId> {
         .collect()
 }
 
+/// How long a wanted policy change waits, in seconds, after it ended
+/// aborted (or was refused) before the caretaker begins it again: long
+/// enough for the directory to find dead the node whose death aborted it
+/// (so placement does not choose it again), short against a person
+/// waiting for the change.
+pub const POLICY_RETRY_S: u64 = 10;
+
+/// The volumes whose caretaker is `me` and whose wanted policy change is
+/// not in progress: (name, the policy), to begin again.
+pub fn wanted_changes(state: &ClusterState, me: NodeId) -> Vec<(VolumeId, String, Policy)> {
+    state
+        .volumes
+        .values()
+        .filter(|v| v.reconfig.is_none() && v.problem.is_none())
+        .filter_map(|v| {
+            let p = v.wanted_policy.filter(|p| *p != v.policy)?;
+            (caretaker(state, v) == Some(me)).then(|| (v.id, v.name.clone(), p))
+        })
+        .collect()
+}
+
+/// Begins again, once each has waited [`POLICY_RETRY_S`] since it was
+/// last seen in progress (or tried), the policy changes this node takes
+/// care of. `waiting` is when each became due.
+async fn begin_wanted(router: &Router, waiting: &mut HashMap<VolumeId, Instant>) {
+    let due = wanted_changes(&router.dir.state(), router.node);
+    waiting.retain(|v, _| due.iter().any(|(d, _, _)| d == v));
+    for (volume, name, policy) in due {
+        let since = *waiting.entry(volume).or_insert_with(Instant::now);
+        if since.elapsed() < Duration::from_secs(POLICY_RETRY_S) {
+            continue;
+        }
+        waiting.insert(volume, Instant::now());
+        match crate::policy_change::change(&router.dir, &name, &policy).await {
+            Ok(o) => tracing::info!(volume, %policy, "wanted policy change begun again: {o:?}"),
+            Err(e) => tracing::warn!(volume, %policy, "wanted policy change not begun: {e}"),
+        }
+    }
+}
+
 /// How long a volume must have needed an owner, as this node saw it,
 /// before its caretaker claims it, in seconds: while a cluster starts, its
 /// nodes come up one after the other, and an owner claimed before the
@@ -86,8 +133,10 @@ pub async fn run(router: Arc<Router>) {
     t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     // Since when each volume has needed this node's care.
     let mut since: HashMap<VolumeId, Instant> = HashMap::new();
+    let mut policies_waiting: HashMap<VolumeId, Instant> = HashMap::new();
     loop {
         t.tick().await;
+        begin_wanted(&router, &mut policies_waiting).await;
         let state = router.dir.state();
         let due = to_claim(&state, router.node);
         since.retain(|v, _| due.contains(v));
@@ -142,5 +191,48 @@ mod tests {
         .unwrap();
         assert!(to_claim(&s, 3).is_empty());
         assert_eq!(to_claim(&s, 2), vec![v], "kept running by its caretaker");
+    }
+
+    #[test]
+    fn an_aborted_policy_change_is_left_to_the_caretaker_to_begin_again() {
+        let (mut s, v) = cluster();
+        let ftt0: Policy = "raid1 ftt=0".parse().unwrap();
+        let vol = &s.volumes[&v];
+        let (keeper, generation) = (caretaker(&s, vol).unwrap(), vol.generation);
+        let witness = vol
+            .components
+            .iter()
+            .find(|c| c.role == ComponentRole::Witness)
+            .map(|c| c.id)
+            .unwrap();
+        s.apply(&Command::BeginReconfig {
+            volume: v,
+            generation,
+            add: vec![],
+            remove: vec![witness],
+            policy: Some(ftt0),
+            reason: "policy raid1 ftt=0".into(),
+        })
+        .unwrap();
+        // In progress: the owner carries it, nobody begins it.
+        assert!((1..=3).all(|me| wanted_changes(&s, me).is_empty()));
+        s.apply(&Command::AbortReconfig {
+            volume: v,
+            generation,
+            added: vec![],
+            remove: vec![witness],
+        })
+        .unwrap();
+        // Aborted: its caretaker, and only it, begins it again.
+        for me in 1..=3 {
+            let want = if me == keeper {
+                vec![(v, "v".to_string(), ftt0)]
+            } else {
+                vec![]
+            };
+            assert_eq!(wanted_changes(&s, me), want, "node {me}");
+        }
+        s.apply(&Command::KeepPolicy { volume: v }).unwrap();
+        assert!(wanted_changes(&s, keeper).is_empty());
     }
 }

@@ -1275,6 +1275,7 @@ mod tests {
             problem: None,
             wrapped_key: None,
             reconfig: None,
+            wanted_policy: None,
         };
         s.volumes.insert(v.id, v);
         s

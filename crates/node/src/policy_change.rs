@@ -112,6 +112,9 @@ pub fn reason(policy: &Policy) -> String {
 pub enum Plan {
     /// The volume has the policy already: nothing to do.
     Unchanged,
+    /// The volume has the policy, and a change to another one is wanted
+    /// (it ended aborted): drop that want (`Command::KeepPolicy`).
+    Keep(Command),
     /// The change to propose.
     Begin(Command),
 }
@@ -147,7 +150,10 @@ pub fn plan(state: &ClusterState, name: &str, policy: &Policy) -> Result<Plan, P
         });
     }
     if *policy == v.policy {
-        return Ok(Plan::Unchanged);
+        return Ok(match v.wanted_policy {
+            Some(_) => Plan::Keep(Command::KeepPolicy { volume: v.id }),
+            None => Plan::Unchanged,
+        });
     }
     let nodes: Vec<_> = state.nodes.values().cloned().collect();
     let devices: Vec<_> = state.devices.values().cloned().collect();
@@ -187,7 +193,8 @@ pub fn plan(state: &ClusterState, name: &str, policy: &Policy) -> Result<Plan, P
 /// What a proposed change did.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
-    /// The volume had the policy already.
+    /// The volume had the policy already (a change to another one that
+    /// was still wanted is no longer).
     Unchanged,
     /// The change began: the owner carries it through.
     Begun {
@@ -227,6 +234,12 @@ where
         tries += 1;
         let cmd = match plan(&state(), name, policy)? {
             Plan::Unchanged => return Ok(Outcome::Unchanged),
+            Plan::Keep(cmd) => {
+                return match propose(cmd).await {
+                    Ok(_) => Ok(Outcome::Unchanged),
+                    Err(e) => Err(PolicyChangeError::Unavailable(e.to_string())),
+                }
+            }
             Plan::Begin(cmd) => cmd,
         };
         let Command::BeginReconfig { add, remove, .. } = &cmd else {

@@ -364,6 +364,7 @@ fn view(addrs: &[String], up: [bool; 3], gen: Generation) -> View {
             problem: None,
             wrapped_key: None,
             reconfig: None,
+            wanted_policy: None,
         },
         repair_delay: shoal_owner::DEFAULT_REPAIR_DELAY,
         resync_bytes_per_s: None,

@@ -175,6 +175,7 @@ pub(crate) fn volume_from(plan: &[Planned], policy: Policy, size: u64) -> Volume
         problem: None,
         wrapped_key: None,
         reconfig: None,
+        wanted_policy: None,
     }
 }
 

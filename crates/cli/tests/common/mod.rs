@@ -522,6 +522,20 @@ impl Cluster {
         });
     }
 
+    /// Waits, at most `timeout`, until some node's log holds every one of
+    /// `needles`; that node.
+    pub fn wait_log_any(&self, needles: &[&str], timeout: Duration) -> u32 {
+        wait_for(&format!("a node logging {needles:?}"), timeout, || {
+            (1..=self.nodes)
+                .find(|&n| {
+                    let log = self.node_dir(n).join("node.log");
+                    let text = std::fs::read_to_string(log).unwrap_or_default();
+                    needles.iter().all(|x| text.contains(x))
+                })
+                .ok_or_else(|| "none yet".to_string())
+        })
+    }
+
     pub fn verify_copies(&self, volume: &str) {
         self.shoal(&["volume", "verify", volume]);
     }

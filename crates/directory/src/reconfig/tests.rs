@@ -346,3 +346,36 @@ fn an_end_naming_another_change_is_refused() {
     assert!(s.apply(&other).is_err());
     assert_eq!(s, before);
 }
+
+#[test]
+fn a_policy_change_is_wanted_until_it_commits_or_the_policy_is_kept() {
+    let (mut s, _, v) = setup();
+    let ftt0: Policy = "raid1 ftt=0 reserve=100".parse().unwrap();
+    let to_ftt0 = |s: &ClusterState| Command::BeginReconfig {
+        volume: v,
+        generation: 0,
+        add: vec![],
+        remove: vec![component_on(s, v, 2), component_on(s, v, 3)],
+        policy: Some(ftt0),
+        reason: "policy raid1 ftt=0".into(),
+    };
+    s.apply(&to_ftt0(&s)).unwrap();
+    assert_eq!(s.volumes[&v].wanted_policy, Some(ftt0));
+    // Aborted: still wanted (the caretaker begins it again).
+    s.apply(&abort(v, 0)).unwrap();
+    assert_eq!(s.volumes[&v].wanted_policy, Some(ftt0));
+    assert_ne!(s.volumes[&v].policy, ftt0);
+    // Kept: no longer wanted; again on a volume without one, no change.
+    s.apply(&Command::KeepPolicy { volume: v }).unwrap();
+    assert_eq!(s.volumes[&v].wanted_policy, None);
+    s.apply(&Command::KeepPolicy { volume: v }).unwrap();
+    assert!(matches!(
+        s.apply(&Command::KeepPolicy { volume: 999 }),
+        Err(StateError::NoSuchVolumeId(999))
+    ));
+    // Begun again and committed: the volume has it, nothing is wanted.
+    s.apply(&to_ftt0(&s)).unwrap();
+    s.apply(&commit(v, 0)).unwrap();
+    assert_eq!(s.volumes[&v].policy, ftt0);
+    assert_eq!(s.volumes[&v].wanted_policy, None);
+}

@@ -42,7 +42,7 @@ fn cluster(n: u64, policy: &str) -> (ClusterState, VolumeId) {
 fn begin(s: &ClusterState, policy: &str) -> Command {
     match plan(s, "v", &pol(policy)).unwrap() {
         Plan::Begin(cmd) => cmd,
-        Plan::Unchanged => panic!("nothing to change"),
+        other => panic!("no begin: {other:?}"),
     }
 }
 
@@ -125,6 +125,32 @@ fn the_same_policy_changes_nothing_and_other_words_change_only_the_policy() {
         panic!("not a begin");
     };
     assert!(add.is_empty() && remove.is_empty());
+}
+
+#[test]
+fn asking_for_the_policy_a_volume_has_drops_a_wanted_change() {
+    let (mut s, v) = cluster(5, "raid1 ftt=1");
+    let cmd = begin(&s, "raid1 ftt=2");
+    s.apply(&cmd).unwrap();
+    let vol = &s.volumes[&v];
+    let r = vol.reconfig.clone().unwrap();
+    s.apply(&Command::AbortReconfig {
+        volume: v,
+        generation: vol.generation,
+        added: r.added,
+        remove: r.remove,
+    })
+    .unwrap();
+    assert_eq!(s.volumes[&v].wanted_policy, Some(pol("raid1 ftt=2")));
+    assert_eq!(
+        plan(&s, "v", &pol("raid1 ftt=1")),
+        Ok(Plan::Keep(Command::KeepPolicy { volume: v }))
+    );
+    // Asked again for the wanted one: a begin, as the first time.
+    assert!(matches!(
+        plan(&s, "v", &pol("raid1 ftt=2")),
+        Ok(Plan::Begin(_))
+    ));
 }
 
 #[test]

@@ -539,6 +539,7 @@ async fn a_newer_owner_in_the_view_stops_the_loop() {
         problem: None,
         wrapped_key: None,
         reconfig: None,
+        wanted_policy: None,
     };
     assert_eq!(
         rig.lp.apply(Event::View(View {

@@ -60,6 +60,7 @@ fn view(rig: &Rig, extra: &[Component], reconfig: Option<Reconfig>, addr4: &str)
             problem: None,
             wrapped_key: None,
             reconfig,
+            wanted_policy: None,
         },
         targets,
         repair_delay: Duration::from_secs(3600),
