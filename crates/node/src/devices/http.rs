@@ -157,8 +157,38 @@ pub async fn remove(
 }
 
 /// Why `device` cannot be removed now: it is its node's last one, or a
-/// component on it (of a volume without a change in progress) has no
-/// place to go once the device is retiring.
+/// component on it has no place to go once the device is retiring. A
+/// volume with a change in progress is judged as it will stand once that
+/// change ends: committed, or aborted when it cannot commit (an added
+/// copy failed).
+/// Ends, in `sim`, the change in progress on volume `vid` (if any) as it
+/// will most likely end: committed, or else aborted.
+fn end_change(sim: &mut ClusterState, vid: shoal_model::VolumeId) {
+    let Some(v) = sim.volumes.get(&vid) else {
+        return;
+    };
+    let Some(r) = v.reconfig.clone() else {
+        return;
+    };
+    let (volume, generation) = (v.id, v.generation);
+    let commit = Command::CommitReconfig {
+        volume,
+        generation,
+        added: r.added.clone(),
+        remove: r.remove.clone(),
+    };
+    if sim.apply(&commit).is_err() {
+        let abort = Command::AbortReconfig {
+            volume,
+            generation,
+            added: r.added,
+            remove: r.remove,
+        };
+        let ended = sim.apply(&abort);
+        debug_assert!(ended.is_ok(), "an abort of the change in progress: {ended:?}");
+    }
+}
+
 pub fn check_removal(state: &ClusterState, device: DeviceId) -> Result<(), String> {
     let Some(d) = state.devices.get(&device) else {
         return Err(format!("no device with id {device} is registered"));
@@ -182,9 +212,16 @@ pub fn check_removal(state: &ClusterState, device: DeviceId) -> Result<(), Strin
     sim.apply(&Command::RetireDevice { device })
         .map_err(|e| e.to_string())?;
     let mut why = Vec::new();
-    for (vid, comps) in to_move_off(state, device) {
+    for vid in to_move_off(state, device).into_keys() {
+        end_change(&mut sim, vid);
         let v = sim.volumes[&vid].clone();
-        if v.reconfig.is_some() {
+        let comps: Vec<_> = v
+            .components
+            .iter()
+            .filter(|c| c.device == device)
+            .map(|c| c.id)
+            .collect();
+        if comps.is_empty() {
             continue;
         }
         match begin_for(&sim, &v, &comps, device)
@@ -198,5 +235,73 @@ pub fn check_removal(state: &ClusterState, device: DeviceId) -> Result<(), Strin
         Ok(())
     } else {
         Err(why.join("; "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{create, nodes};
+    use shoal_directory::Response;
+    use shoal_model::ComponentRole::{Data, Witness};
+
+    /// Three nodes; volume "v" (`reserve=100`, so space counts) with
+    /// copies on nodes 1 and 2 and its witness on 3; a second device on
+    /// node 1 of `spare_bytes`. Answers the state, node 1's first device
+    /// and the volume.
+    fn cluster(spare_bytes: u64) -> (ClusterState, DeviceId, u64) {
+        let mut s = nodes(3);
+        let v = create(
+            &mut s,
+            "v",
+            "raid1 ftt=1 reserve=100",
+            &[(1, Data), (2, Data), (3, Witness)],
+        );
+        let first = s.devices.values().find(|d| d.node == 1).unwrap().id;
+        let Ok(Response::Id(_)) = s.apply(&Command::RegisterDevice {
+            node: 1,
+            path: "/spare".into(),
+            capacity: spare_bytes,
+        }) else {
+            panic!("spare device not registered");
+        };
+        (s, first, v)
+    }
+
+    /// Begins a change of `v` that moves nothing (its reserve only).
+    fn begin_reserve_change(s: &mut ClusterState, v: u64) {
+        let generation = s.volumes[&v].generation;
+        s.apply(&Command::BeginReconfig {
+            volume: v,
+            generation,
+            add: vec![],
+            remove: vec![],
+            policy: Some("raid1 ftt=1 reserve=90".parse().unwrap()),
+            reason: "policy raid1 ftt=1 reserve=90".into(),
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn a_removal_is_judged_with_the_change_in_progress_ended() {
+        // Every other fault domain holds a component of "v": its copy can
+        // only move to the spare device beside it, which is too small.
+        let (mut s, first, v) = cluster(64 << 10);
+        let why = check_removal(&s, first).unwrap_err();
+        assert!(why.contains("volume v"), "{why}");
+        // With a change in progress on "v", the same: it is judged as it
+        // will stand once the change commits (not skipped).
+        begin_reserve_change(&mut s, v);
+        let why = check_removal(&s, first).unwrap_err();
+        assert!(why.contains("volume v"), "{why}");
+
+        // A spare with room takes it, change in progress or not.
+        let (mut s, first, v) = cluster(1 << 30);
+        assert_eq!(check_removal(&s, first), Ok(()));
+        begin_reserve_change(&mut s, v);
+        assert_eq!(check_removal(&s, first), Ok(()));
+        // The state itself is left as it was.
+        assert!(s.volumes[&v].reconfig.is_some());
+        assert!(!s.devices[&first].retiring);
     }
 }
