@@ -6,6 +6,7 @@
 //! | `POST /v1/devices` | admin | open (or format) a device on a node and serve it at once ([`AddDevice`] → [`DeviceAdded`]); any node takes it and hands it to the device's node |
 //! | `GET /v1/devices/{id}` | read-only | a device and what its removal still waits for ([`DeviceRemoval`]) |
 //! | `DELETE /v1/devices/{id}` | admin | remove a device: its components move off it, then its node closes it and it leaves the directory ([`DeviceRemoval`]) |
+//! | `POST /v1/devices/{id}/keep` | admin | call a removal off while the device still holds components (those already moving still move); 409 once it holds none ([`DeviceRemoval`]) |
 
 use crate::{ApiError, Client};
 use serde::{Deserialize, Serialize};
@@ -74,5 +75,11 @@ impl Client {
     /// leaves once its components have moved off it.
     pub async fn remove_device(&self, id: DeviceId) -> Result<DeviceRemoval, ApiError> {
         self.delete(&format!("/v1/devices/{id}")).await
+    }
+
+    /// Calls a device's removal off (admin), while it still holds
+    /// components.
+    pub async fn keep_device(&self, id: DeviceId) -> Result<DeviceRemoval, ApiError> {
+        self.post(&format!("/v1/devices/{id}/keep"), &()).await
     }
 }

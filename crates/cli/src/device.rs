@@ -1,4 +1,4 @@
-//! `shoal device add|remove|show`: a node's devices while it runs, through
+//! `shoal device add|remove|keep|show`: a node's devices while it runs, through
 //! any node's REST API (`docs/reconfiguration.md`, Adding and removing
 //! devices).
 
@@ -41,6 +41,14 @@ pub enum DeviceCmd {
     /// nothing, for a node's last device or a component with nowhere to go.
     Remove {
         /// The device's id (`shoal status`).
+        id: u64,
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Call a device's removal off while it still holds components: the
+    /// moves already begun go on, and new components may be placed on it
+    /// again. Refused once it holds none (its node is closing it).
+    Keep {
         id: u64,
         #[command(flatten)]
         target: Target,
@@ -115,6 +123,13 @@ pub async fn run(cmd: DeviceCmd) -> Result<()> {
             }
         }
         DeviceCmd::Remove { id, target } => remove(id, &target).await?,
+        DeviceCmd::Keep { id, target } => {
+            let r = local::client(&target)?
+                .keep_device(id)
+                .await
+                .with_context(|| format!("keeping device {id}"))?;
+            println!("{}", line(&r));
+        }
         DeviceCmd::Show { id, target, json } => {
             let r = local::client(&target)?.device(id).await?;
             if json {

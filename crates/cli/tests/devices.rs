@@ -145,9 +145,40 @@ fn a_device_is_replaced_on_a_running_node_under_writes() {
     let err = c.shoal_fails(&["device", "add", &tn, &path]);
     assert!(err.contains(&format!("already device {new}")), "{err}");
 
-    // Remove the old one: the copy moves onto the new device (the only
-    // place left: the other hosts hold the volume's other components),
-    // then the old device leaves.
+    // A removal called off while the copy is still on the old device
+    // (the copy's pace held at 2 MiB/s: the 32 MiB take seconds): the
+    // move already begun goes on, the device stays, empty, in service.
+    c.shoal(&["cluster", "set", "resync-mib-per-s", "2"]);
+    let auth = format!("Authorization: Bearer {}", c.token());
+    let delete = ["-X", "DELETE", "-H", auth.as_str()];
+    let (code, body) = curl(&format!("{}/v1/devices/{old}", c.api(1)), &delete);
+    assert_eq!(code, 202, "removal: {body}");
+    wait_for("the move off the old device begun", MOVE, || {
+        let v = c.try_json(&["volume", "show", "mirror"])?;
+        match v["volume"]["reconfig"].is_null() {
+            false => Ok(()),
+            true => Err(components_of(&v)),
+        }
+    });
+    let out = c.shoal(&["device", "keep", &oldn]);
+    assert!(out.contains("in service"), "{out}");
+    wait_for("the move begun before the keep ended", MOVE, || {
+        let v = c.try_json(&["volume", "show", "mirror"])?;
+        match (v["volume"]["reconfig"].is_null(), copies(&c, "mirror")) {
+            (true, cs) if cs.contains(&(t, new)) => Ok(()),
+            _ => Err(components_of(&v)),
+        }
+    });
+    c.shoal(&["cluster", "set", "resync-mib-per-s", "0"]);
+    let out = c.shoal(&["device", "show", &oldn]);
+    assert!(out.contains("in service, 0 component(s)"), "{out}");
+    let mut now = devices_of(&c, t);
+    now.sort_unstable();
+    assert_eq!(now, vec![old, new]);
+
+    // Remove the old one, empty now: it leaves at once. (Had it held the
+    // copy, the copy would have moved onto the new device, the only place
+    // left: the other hosts hold the volume's other components.)
     let out = c.shoal(&["device", "remove", &oldn]);
     assert!(out.contains(&format!("device {old} removed")), "{out}");
     assert_eq!(devices_of(&c, t), vec![new]);

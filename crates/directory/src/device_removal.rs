@@ -10,6 +10,11 @@
 //!   no component (of any volume, in any state, also those a change in
 //!   progress adds or drops). Only its node proposes it, after closing it.
 //!
+//! - [`Command::KeepDevice`] calls a removal off while the device still
+//!   holds components. A retiring device only ever loses components, so
+//!   once it holds none it stays empty, and its node may close it: from
+//!   then on the removal cannot be called off.
+//!
 //! Which components move and the changes that move them are the node's
 //! (`shoal_node::devices`): the directory only records.
 
@@ -70,6 +75,22 @@ impl ClusterState {
                     });
                 }
                 self.devices.remove(device);
+                Ok(Response::Ok)
+            }
+            Command::KeepDevice { device } => {
+                let d = self
+                    .devices
+                    .get(device)
+                    .ok_or(StateError::NoSuchDevice(*device))?;
+                if !d.retiring {
+                    return Ok(Response::Ok);
+                }
+                if self.components_on_device(*device) == 0 {
+                    return Err(StateError::DeviceEmptied(*device));
+                }
+                if let Some(d) = self.devices.get_mut(device) {
+                    d.retiring = false;
+                }
                 Ok(Response::Ok)
             }
             _ => Err(input("not a device removal command")),
@@ -181,6 +202,36 @@ mod tests {
             capacity: 1 << 30,
         });
         assert!(matches!(r, Ok(Response::Id(id)) if id > 3), "{r:?}");
+    }
+
+    #[test]
+    fn a_removal_is_called_off_only_while_the_device_holds_components() {
+        let mut s = setup();
+        // In service: no change.
+        s.apply(&Command::KeepDevice { device: 1 }).unwrap();
+        assert!(!s.devices[&1].retiring);
+        assert_eq!(
+            s.apply(&Command::KeepDevice { device: 9 }),
+            Err(StateError::NoSuchDevice(9))
+        );
+        // Retiring with the volume's copy on it: kept, and usable again.
+        s.apply(&Command::RetireDevice { device: 1 }).unwrap();
+        s.apply(&Command::KeepDevice { device: 1 }).unwrap();
+        assert!(s.devices[&1].accepts_components());
+        assert_eq!(
+            s.apply(&Command::UnregisterDevice { device: 1 }),
+            Err(StateError::DeviceNotRetiring(1))
+        );
+        // Retiring and empty (device 3 holds nothing): its node may be
+        // closing it, so the removal stands.
+        let r = s.apply(&Command::RetireDevice { device: 3 });
+        assert_eq!(r, Ok(Response::Ok));
+        let before = s.clone();
+        assert_eq!(
+            s.apply(&Command::KeepDevice { device: 3 }),
+            Err(StateError::DeviceEmptied(3))
+        );
+        assert_eq!(s, before);
     }
 
     #[test]

@@ -225,6 +225,11 @@ pub enum Command {
     /// Removes a retiring device that holds no component; proposed by its
     /// node once it has closed it.
     UnregisterDevice { device: DeviceId },
+    /// Calls off the removal of a retiring device that still holds
+    /// components: placement may use it again. Refused once it holds
+    /// none (its node closes it then). Again on a device in service: no
+    /// change.
+    KeepDevice { device: DeviceId },
 }
 
 /// A component chosen by placement, before it has an id.
@@ -323,6 +328,11 @@ pub enum StateError {
     DeviceNotRetiring(DeviceId),
     #[error("device {0} is being removed: no new component is placed on it")]
     DeviceRetiring(DeviceId),
+    #[error(
+        "device {0} holds nothing any more and its node is closing it: the removal cannot be \
+         called off now (add the device again once it is gone)"
+    )]
+    DeviceEmptied(DeviceId),
     #[error(
         "device {device} is the last device of node {node} not being removed: add another \
          first (shoal device add {node} PATH), or remove the node"
@@ -443,6 +453,7 @@ impl ClusterState {
                     | Command::ResizeVolume { .. }
                     | Command::RegisterDevice { .. }
                     | Command::UnregisterDevice { .. }
+                    | Command::KeepDevice { .. }
                     | Command::BeginReconfig { .. }
                     | Command::CommitReconfig { .. }
                     | Command::AbortReconfig { .. }
@@ -791,9 +802,9 @@ impl ClusterState {
             Command::EnterMaintenance { .. }
             | Command::ExitMaintenance { .. }
             | Command::RemoveNode { .. } => self.apply_maintenance(cmd),
-            Command::RetireDevice { .. } | Command::UnregisterDevice { .. } => {
-                self.apply_device_removal(cmd)
-            }
+            Command::RetireDevice { .. }
+            | Command::UnregisterDevice { .. }
+            | Command::KeepDevice { .. } => self.apply_device_removal(cmd),
             Command::SetIopsLimit { name, iops_limit } => {
                 let id = self.volume_id_by_name(name)?;
                 if let Some(v) = self.volumes.get_mut(&id) {
@@ -1567,6 +1578,7 @@ pub(crate) mod tests {
             (1u64..6).prop_map(|node| Command::RemoveNode { node }),
             (1u64..12).prop_map(|device| Command::RetireDevice { device }),
             (1u64..12).prop_map(|device| Command::UnregisterDevice { device }),
+            (1u64..12).prop_map(|device| Command::KeepDevice { device }),
             (1u64..20).prop_map(|volume| Command::KeepPolicy { volume }),
         ]
     }

@@ -217,6 +217,7 @@ pub fn routes(h: Http) -> axum::Router {
             "/v1/devices/{id}",
             get(crate::devices::http::show).delete(crate::devices::http::remove),
         )
+        .route("/v1/devices/{id}/keep", post(crate::devices::http::keep))
         .route("/v1/certs/client", post(client_cert))
         .route("/v1/certs/client/{name}/revoke", post(revoke_client))
         .route("/livez", get(livez))

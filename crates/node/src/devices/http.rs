@@ -156,6 +156,20 @@ pub async fn remove(
     Ok((StatusCode::ACCEPTED, Json(known(&dir.state(), id)?)))
 }
 
+/// `POST /v1/devices/{id}/keep` (admin): calls the device's removal off
+/// while it still holds components (moves already begun go on; placement
+/// may use the device again); 409, changing nothing, once it holds none.
+pub async fn keep(
+    State(h): State<Http>,
+    Path(id): Path<DeviceId>,
+) -> Result<Json<DeviceRemoval>, Refused> {
+    let dir = &h.router.dir;
+    known(&dir.state(), id)?;
+    dir.propose(Command::KeepDevice { device: id }).await?;
+    tracing::info!(device = id, "device removal called off");
+    Ok(Json(known(&dir.state(), id)?))
+}
+
 /// Why `device` cannot be removed now: it is its node's last one, or a
 /// component on it has no place to go once the device is retiring. A
 /// volume with a change in progress is judged as it will stand once that
@@ -185,7 +199,10 @@ fn end_change(sim: &mut ClusterState, vid: shoal_model::VolumeId) {
             remove: r.remove,
         };
         let ended = sim.apply(&abort);
-        debug_assert!(ended.is_ok(), "an abort of the change in progress: {ended:?}");
+        debug_assert!(
+            ended.is_ok(),
+            "an abort of the change in progress: {ended:?}"
+        );
     }
 }
 
