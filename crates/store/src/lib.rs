@@ -106,6 +106,36 @@ pub(crate) fn random_u64() -> u64 {
     h.finish()
 }
 
+/// Opens a device read-write (a missing file is created when `create`).
+/// A block device is opened exclusively (`O_EXCL`): the kernel refuses it
+/// while it is mounted or held by md, LVM or another exclusive opener,
+/// which the advisory lock of [`lock_file`] cannot see.
+pub(crate) fn open_device_file(path: &Path, create: bool) -> Result<File> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let block = std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device());
+    let mut o = std::fs::OpenOptions::new();
+    o.read(true).write(true);
+    if block {
+        o.custom_flags(libc::O_EXCL);
+    } else if create {
+        o.create(true).truncate(false);
+    }
+    match o.open(path) {
+        Ok(f) => Ok(f),
+        Err(e) if block && e.raw_os_error() == Some(libc::EBUSY) => {
+            Err(StoreError::Io(io::Error::new(
+                e.kind(),
+                format!(
+                    "block device {} is in use by the system (mounted, or held by md, LVM or \
+                     another program): {e}",
+                    path.display()
+                ),
+            )))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Takes an exclusive advisory lock so two stores never share a device.
 pub(crate) fn lock_file(file: &File, path: &Path) -> Result<()> {
     // SAFETY: flock on a valid, owned descriptor.

@@ -47,7 +47,7 @@ use format::{
 use index::BlockIndex;
 use segment::{SegState, Segments};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -584,12 +584,7 @@ impl LogStore {
                 "cluster id {cluster_id:?} is longer than {MAX_CLUSTER_ID} bytes"
             )));
         }
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)?;
+        let mut file = crate::open_device_file(path, true)?;
         lock_file(&file, path)?;
         let (len, block) = crate::device_len(&mut file)?;
         let capacity = if block && (capacity == 0 || capacity > len) {
@@ -650,7 +645,7 @@ impl LogStore {
     /// Opens a formatted log device: validates the superblock, loads the
     /// newest checkpoint and replays the log after it.
     pub fn open(path: &Path) -> Result<LogStore> {
-        let mut file = OpenOptions::new().read(true).write(true).open(path)?;
+        let mut file = crate::open_device_file(path, false)?;
         lock_file(&file, path)?;
         let (len, block) = crate::device_len(&mut file)?;
         let dev = uring::open_file_device(file, path, len, block)?;

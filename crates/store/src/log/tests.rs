@@ -6,6 +6,7 @@ use super::*;
 use crate::GroupCommit;
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashMap};
+use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use tempfile::TempDir;
