@@ -469,6 +469,7 @@ mod tests {
                 provisioned: 0,
                 maintenance: false,
                 retiring: false,
+                store_uuid: 0,
             })
             .collect();
         let comp = |i: usize, role| Component {

@@ -176,6 +176,35 @@ fn a_device_is_replaced_on_a_running_node_under_writes() {
     now.sort_unstable();
     assert_eq!(now, vec![old, new]);
 
+    // The two device files trade places while the node is down (disks
+    // moved between slots): each store keeps its device id, known by its
+    // uuid, and serves on from its new path.
+    let path_of = |id: u64| -> String {
+        let st = c.json(&["status"]);
+        st["devices"]
+            .as_array()
+            .expect("devices")
+            .iter()
+            .find(|d| d["id"] == id)
+            .and_then(|d| d["path"].as_str())
+            .map(String::from)
+            .unwrap_or_else(|| panic!("no device {id} in {st}"))
+    };
+    let (old_path, new_path) = (path_of(old), path_of(new));
+    c.signal(t, "9");
+    c.wait_node(t, "down", MOVE);
+    let swap = disks.join("swap.tmp");
+    std::fs::rename(&old_path, &swap).expect("rename");
+    std::fs::rename(&new_path, &old_path).expect("rename");
+    std::fs::rename(&swap, &new_path).expect("rename");
+    c.up();
+    c.wait_node(t, "up", MOVE);
+    assert_eq!(path_of(old), new_path, "device {old} after the swap");
+    assert_eq!(path_of(new), old_path, "device {new} after the swap");
+    c.wait_healthy("mirror", MOVE);
+    assert!(copies(&c, "mirror").contains(&(t, new)));
+    more_writes(&w, 500);
+
     // Remove the old one, empty now: it leaves at once. (Had it held the
     // copy, the copy would have moved onto the new device, the only place
     // left: the other hosts hold the volume's other components.)

@@ -114,6 +114,7 @@ mod tests {
                 node: n,
                 path: "/a".into(),
                 capacity: 1 << 30,
+                store_uuid: 0,
             })
             .unwrap();
         }
@@ -121,6 +122,7 @@ mod tests {
             node: 1,
             path: "/b".into(),
             capacity: 1 << 30,
+            store_uuid: 0,
         });
         assert_eq!(r, Ok(Response::Id(3)));
         s.apply(&Command::CreateVolume {
@@ -200,6 +202,7 @@ mod tests {
             node: 1,
             path: "/a".into(),
             capacity: 1 << 30,
+            store_uuid: 0,
         });
         assert!(matches!(r, Ok(Response::Id(id)) if id > 3), "{r:?}");
     }

@@ -99,6 +99,7 @@ mod tests {
                 node: n,
                 path: "/a".into(),
                 capacity: 1 << 30,
+                store_uuid: 0,
             })
             .unwrap();
         }
@@ -149,6 +150,7 @@ mod tests {
                 node: 3,
                 path: "/b".into(),
                 capacity: 1 << 30,
+                store_uuid: 0,
             })
             .unwrap()
         else {

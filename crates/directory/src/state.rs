@@ -95,6 +95,10 @@ pub enum Command {
         node: NodeId,
         path: String,
         capacity: u64,
+        /// The uuid in the store's superblock: the device is known by it
+        /// wherever its path moves (0: not told; known by its path).
+        #[serde(default)]
+        store_uuid: u64,
     },
     /// Usage and health as reported by the device's node.
     ReportDeviceUsage {
@@ -478,6 +482,24 @@ impl ClusterState {
         }
     }
 
+    /// The registered device of `node` that a registration of the store
+    /// `store_uuid` at `path` names: the one holding that store, wherever
+    /// it was (device names change when disks move); else the one at
+    /// `path` registered before stores were told apart (uuid 0), or at
+    /// `path` when the registration names no store. A device at `path`
+    /// holding another store is another disk: not this one.
+    fn known_device(&self, node: NodeId, path: &str, store_uuid: u64) -> Option<DeviceId> {
+        let mine = || self.devices.values().filter(move |d| d.node == node);
+        if store_uuid != 0 {
+            if let Some(d) = mine().find(|d| d.store_uuid == store_uuid) {
+                return Some(d.id);
+            }
+        }
+        mine()
+            .find(|d| d.path == path && (d.store_uuid == 0 || store_uuid == 0))
+            .map(|d| d.id)
+    }
+
     /// The node a command acts for, when it names one: only that node may
     /// propose it (its registration, devices and usage, its claims).
     pub fn actor(&self, cmd: &Command) -> Option<NodeId> {
@@ -634,6 +656,7 @@ impl ClusterState {
                 node,
                 path,
                 capacity,
+                store_uuid,
             } => {
                 if !self.nodes.contains_key(node) {
                     return Err(StateError::NoSuchNode(*node));
@@ -641,13 +664,15 @@ impl ClusterState {
                 if path.is_empty() {
                     return Err(input("the device path must not be empty"));
                 }
-                if let Some(d) = self
-                    .devices
-                    .values_mut()
-                    .find(|d| d.node == *node && &d.path == path)
-                {
-                    d.capacity = *capacity;
-                    return Ok(Response::Id(d.id));
+                if let Some(id) = self.known_device(*node, path, *store_uuid) {
+                    if let Some(d) = self.devices.get_mut(&id) {
+                        d.capacity = *capacity;
+                        d.path = path.clone();
+                        if *store_uuid != 0 {
+                            d.store_uuid = *store_uuid;
+                        }
+                    }
+                    return Ok(Response::Id(id));
                 }
                 let id = self.alloc_id();
                 self.devices.insert(
@@ -663,6 +688,7 @@ impl ClusterState {
                         provisioned: 0,
                         maintenance: self.maintenance.contains_key(node),
                         retiring: false,
+                        store_uuid: *store_uuid,
                     },
                 );
                 Ok(Response::Id(id))
@@ -948,6 +974,7 @@ pub(crate) mod tests {
                     node: n,
                     path: "/dev/a".into(),
                     capacity: 1 << 30,
+                    store_uuid: 0,
                 })
                 .unwrap()
             else {
@@ -1084,6 +1111,39 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_device_is_known_by_its_store_wherever_its_path_moves() {
+        let (mut s, devs) = cluster();
+        let reg = |path: &str, uuid: u64| Command::RegisterDevice {
+            node: 1,
+            path: path.into(),
+            capacity: 1 << 30,
+            store_uuid: uuid,
+        };
+        // A device registered before stores were told apart takes the
+        // uuid of the store at its path.
+        assert_eq!(s.apply(&reg("/dev/a", 7)), Ok(Response::Id(devs[0])));
+        assert_eq!(s.devices[&devs[0]].store_uuid, 7);
+        let Ok(Response::Id(b)) = s.apply(&reg("/dev/b", 8)) else {
+            panic!("no id for /dev/b");
+        };
+        // The two disks trade slots: each keeps its id, at its new path.
+        assert_eq!(s.apply(&reg("/dev/b", 7)), Ok(Response::Id(devs[0])));
+        assert_eq!(s.apply(&reg("/dev/a", 8)), Ok(Response::Id(b)));
+        assert_eq!(s.devices[&devs[0]].path, "/dev/b");
+        assert_eq!(s.devices[&b].path, "/dev/a");
+        // Another disk at a known path is another device.
+        let Ok(Response::Id(c)) = s.apply(&reg("/dev/a", 9)) else {
+            panic!("no id for the third disk");
+        };
+        assert!(c != devs[0] && c != b);
+        // Told no uuid, a registration is known by its path; the device
+        // keeps the uuid it has.
+        let path_only = reg("/dev/b", 0);
+        assert_eq!(s.apply(&path_only), Ok(Response::Id(devs[0])));
+        assert_eq!(s.devices[&devs[0]].store_uuid, 7);
+    }
+
+    #[test]
     fn devices_upsert_by_node_and_path() {
         let (mut s, devs) = cluster();
         let again = s
@@ -1091,6 +1151,7 @@ pub(crate) mod tests {
                 node: 1,
                 path: "/dev/a".into(),
                 capacity: 2 << 30,
+                store_uuid: 0,
             })
             .unwrap();
         assert_eq!(again, Response::Id(devs[0]));
@@ -1100,7 +1161,8 @@ pub(crate) mod tests {
             s.apply(&Command::RegisterDevice {
                 node: 9,
                 path: "/x".into(),
-                capacity: 1
+                capacity: 1,
+                store_uuid: 0,
             }),
             Err(StateError::NoSuchNode(9))
         );
@@ -1473,7 +1535,8 @@ pub(crate) mod tests {
                 .prop_map(|(n, p, c)| Command::RegisterDevice {
                     node: n,
                     path: p.into(),
-                    capacity: c
+                    capacity: c,
+                    store_uuid: 0,
                 }),
             (1u64..12, 0u64..1 << 30).prop_map(|(d, u)| Command::ReportDeviceUsage {
                 device: d,
@@ -1661,7 +1724,7 @@ pub(crate) mod tests {
             // Nodes 1..=4 with device i on node i, so that creates succeed.
             for n in 1..=4 {
                 s.apply(&Command::RegisterNode { node: node(n) }).unwrap();
-                s.apply(&Command::RegisterDevice { node: n, path: "/a".into(), capacity: 1 << 40 }).unwrap();
+                s.apply(&Command::RegisterDevice { node: n, path: "/a".into(), capacity: 1 << 40, store_uuid: 0 }).unwrap();
             }
             prop_assert_eq!(s.devices.keys().copied().collect::<Vec<_>>(), vec![1, 2, 3, 4]);
             let mut seen_volume_ids = BTreeSet::new();

@@ -156,6 +156,7 @@ async fn populate(via: &Directory) -> u64 {
                 node: n,
                 path: "/data/dev0".into(),
                 capacity: 1 << 30,
+                store_uuid: 0,
             })
             .await
             .unwrap()

@@ -153,6 +153,11 @@ pub struct DeviceInfo {
     /// unregisters it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub retiring: bool,
+    /// The uuid in its store's superblock, by which its node registers it
+    /// again wherever its path moves; 0 for a device registered before
+    /// it was recorded.
+    #[serde(default)]
+    pub store_uuid: u64,
 }
 
 impl DeviceInfo {

@@ -49,8 +49,9 @@ const MAX_PATH_BYTES: usize = 4096;
 const DEVICE_FILE_MODE: u32 = 0o600;
 
 /// Version of the identity file written now. Version 1 had no field of
-/// its own and no device lists besides `devices`.
-const IDENTITY_VERSION: u32 = 2;
+/// its own and no device lists besides `devices`; version 2 had no
+/// `store_uuids`.
+const IDENTITY_VERSION: u32 = 3;
 
 const IDENTITY: &str = "identity.json";
 
@@ -70,6 +71,11 @@ pub(crate) struct Identity {
     /// Paths of devices removed while the node ran: not opened again.
     #[serde(default)]
     pub removed: Vec<String>,
+    /// Directory id → the uuid of the store it was registered with: a
+    /// path that names another disk by now (disks moved) is not served
+    /// under the old id.
+    #[serde(default)]
+    pub store_uuids: Vec<(DeviceId, u64)>,
 }
 
 fn version_one() -> u32 {
@@ -85,7 +91,31 @@ impl Identity {
             devices: Vec::new(),
             added: Vec::new(),
             removed: Vec::new(),
+            store_uuids: Vec::new(),
         }
+    }
+
+    /// The directory id the store `uuid` found at `path` was registered
+    /// under: the id recorded with that uuid, wherever the store was; else
+    /// the id recorded for `path`, unless that id was recorded with
+    /// another store (then `path` names another disk now: None).
+    pub fn device_for(&self, path: &str, uuid: u64) -> Option<DeviceId> {
+        if let Some((id, _)) = self.store_uuids.iter().find(|(_, u)| *u == uuid) {
+            return Some(*id);
+        }
+        let (_, id) = self.devices.iter().find(|(p, _)| p == path)?;
+        match self.store_uuids.iter().find(|(i, _)| i == id) {
+            Some(_) => None,
+            None => Some(*id),
+        }
+    }
+
+    /// Records that device `id` is the store `uuid` at `path`.
+    pub fn record(&mut self, path: &str, id: DeviceId, uuid: u64) {
+        self.devices.retain(|(p, i)| p != path && *i != id);
+        self.devices.push((path.to_string(), id));
+        self.store_uuids.retain(|(i, u)| *i != id && *u != uuid);
+        self.store_uuids.push((id, uuid));
     }
 
     /// The devices to open at start: the command line's, less the ones
@@ -403,6 +433,7 @@ impl DeviceSet {
                 node: self.node,
                 path: path.clone(),
                 capacity,
+                store_uuid: opened.uuid(),
             })
             .await?;
         let Response::Id(id) = r else {
@@ -411,6 +442,7 @@ impl DeviceSet {
                 error: format!("unexpected answer to its registration: {r:?}"),
             });
         };
+        let uuid = opened.uuid();
         let dev =
             Device::new(id, path.clone(), opened, &self.tuning).map_err(|e| AddError::Open {
                 path: path.clone(),
@@ -418,8 +450,7 @@ impl DeviceSet {
             })?;
         self.replicas.add_device(dev);
         let mut next = ident.clone();
-        next.devices.retain(|(p, _)| *p != path);
-        next.devices.push((path.clone(), id));
+        next.record(&path, id, uuid);
         self.save(&next)?;
         *ident = next;
         tracing::info!(device = id, %path, capacity, "device added");
@@ -788,6 +819,28 @@ mod tests {
             open,
             vec![(PathBuf::from("/a"), false), (PathBuf::from("/x"), true)]
         );
+    }
+
+    #[test]
+    fn a_store_is_served_under_the_id_it_was_registered_with_wherever_it_is() {
+        let mut id = Identity::new(1, "c".into());
+        id.record("/a", 10, 0xa);
+        id.record("/b", 11, 0xb);
+        // In place; traded places; a disk never seen at a known path.
+        assert_eq!(id.device_for("/a", 0xa), Some(10));
+        assert_eq!(id.device_for("/a", 0xb), Some(11));
+        assert_eq!(id.device_for("/b", 0xa), Some(10));
+        assert_eq!(id.device_for("/a", 0xc), None);
+        assert_eq!(id.device_for("/c", 0xc), None);
+        // An identity of version 2 knows paths only: taken by path.
+        let mut old = Identity::new(1, "c".into());
+        old.devices.push(("/a".into(), 10));
+        assert_eq!(old.device_for("/a", 0xc), Some(10));
+        // Recording again replaces what the path or the id had (device 10
+        // keeps its store's uuid: found again by it, wherever it is).
+        id.record("/a", 11, 0xb);
+        assert_eq!(id.devices, vec![("/a".to_string(), 11)]);
+        assert_eq!(id.store_uuids, vec![(10, 0xa), (11, 0xb)]);
     }
 
     #[test]

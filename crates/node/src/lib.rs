@@ -518,11 +518,12 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
         admit: admit.clone(),
     });
 
-    // Replica side first: it needs only the device ids we remember.
-    let known: Vec<(String, DeviceId)> = identity
-        .as_ref()
-        .map(|i| i.devices.clone())
-        .unwrap_or_default();
+    // Replica side first: it needs only the device ids we remember, each
+    // for the store it was registered with.
+    let known: Vec<Option<DeviceId>> = stores
+        .iter()
+        .map(|(p, s)| identity.as_ref().and_then(|i| i.device_for(p, s.uuid())))
+        .collect();
     let owner_cfg = OwnerConfig {
         node: cfg.id,
         peer_auth: peer_auth.clone(),
@@ -550,11 +551,9 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
     // Device ids are final only after registration; start with what we know.
     let initial = stores
         .iter()
-        .filter_map(|(p, s)| {
-            known
-                .iter()
-                .find(|(kp, _)| kp == p)
-                .map(|(_, id)| replica::Device::new(*id, p.clone(), s.clone(), &cfg.tuning))
+        .zip(&known)
+        .filter_map(|((p, s), id)| {
+            id.map(|id| replica::Device::new(id, p.clone(), s.clone(), &cfg.tuning))
         })
         .collect::<std::io::Result<Vec<_>>>()
         .context("starting the device flusher threads")?;
@@ -642,6 +641,7 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
                 node: cfg.id,
                 path: path.clone(),
                 capacity: s.capacity(),
+                store_uuid: s.uuid(),
             })
         })
         .await?;
@@ -650,10 +650,27 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
         };
         device_ids.push((path.clone(), id));
     }
+    // Served from the start under the ids remembered: the directory must
+    // know each store by the same id, or this node would answer for
+    // components under the wrong device.
+    if have_all {
+        for ((path, id), remembered) in device_ids.iter().zip(&known) {
+            if Some(*id) != *remembered {
+                bail!(
+                    "device {path} was served as device {remembered:?} but the directory knows \
+                     its store as device {id}: refusing to go on (were the disks moved?)"
+                );
+            }
+        }
+    }
     let mut ident = identity
         .clone()
         .unwrap_or_else(|| devices::Identity::new(cfg.id, cluster_id.clone()));
-    ident.devices = device_ids.clone();
+    ident.devices.clear();
+    ident.store_uuids.clear();
+    for ((path, id), (_, s)) in device_ids.iter().zip(&stores) {
+        ident.record(path, *id, s.uuid());
+    }
     devices::save_identity(&cfg.data_dir, &ident)
         .with_context(|| format!("saving the identity in {}", cfg.data_dir.display()))?;
     if !have_all {

@@ -702,6 +702,23 @@ impl Replicas {
                 let d = self
                     .device(device)
                     .ok_or(RemoteError::NoSuchDevice(device))?;
+                // Component ids are never reused, and a move gives the
+                // copy a new id: one already on another device here is
+                // that device's, and a second, empty one beside it would
+                // hide its data.
+                let elsewhere = self
+                    .placement
+                    .lock()
+                    .map_err(|_| RemoteError::Io("poisoned".into()))?
+                    .get(&component)
+                    .copied()
+                    .filter(|&on| on != device);
+                if let Some(on) = elsewhere {
+                    return Err(RemoteError::Io(format!(
+                        "component {component} is on device {on} of this node, not device \
+                         {device}: not created twice"
+                    )));
+                }
                 let before = d.store.component(component);
                 d.store
                     .create_component(component, volume, size)

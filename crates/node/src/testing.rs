@@ -27,6 +27,7 @@ pub(crate) fn nodes(n: u64) -> ClusterState {
             node: i,
             path: "/d".into(),
             capacity: 1 << 30,
+            store_uuid: 0,
         })
         .unwrap();
     }

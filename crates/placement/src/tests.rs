@@ -25,6 +25,7 @@ pub(crate) fn dev(id: DeviceId, node: NodeId, capacity: u64, used: u64) -> Devic
         provisioned: 0,
         maintenance: false,
         retiring: false,
+        store_uuid: 0,
     }
 }
 
@@ -308,6 +309,7 @@ fn arb_cluster() -> impl Strategy<Value = Cluster> {
                     provisioned: 0,
                     maintenance: false,
                     retiring: false,
+                    store_uuid: 0,
                 });
             }
         }
@@ -323,6 +325,7 @@ fn arb_cluster() -> impl Strategy<Value = Cluster> {
             provisioned: 0,
             maintenance: false,
             retiring: false,
+            store_uuid: 0,
         });
         Cluster { nodes, devices }
     })

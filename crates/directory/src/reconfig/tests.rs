@@ -28,6 +28,7 @@ fn setup() -> (ClusterState, Vec<DeviceId>, VolumeId) {
                 node: n,
                 path: "/dev/a".into(),
                 capacity: 4 * SIZE,
+                store_uuid: 0,
             })
             .unwrap()
         else {

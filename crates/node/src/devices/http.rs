@@ -279,6 +279,7 @@ mod tests {
             node: 1,
             path: "/spare".into(),
             capacity: spare_bytes,
+            store_uuid: 0,
         }) else {
             panic!("spare device not registered");
         };
