@@ -96,7 +96,14 @@ pub fn healing_text(health: VolumeHealth, healing: Option<&HealingReport>) -> St
 /// [`lost_detail`] says, then a resync.
 fn healing_detail(h: &HealingReport) -> Option<String> {
     if let Some(reason) = &h.change {
-        return Some(format!("rebuilding ({reason})"));
+        // A rebuild restores protection; any other change (a policy
+        // change, a move for maintenance or a device removal) reshapes it.
+        let what = if reason.starts_with("rebuild") {
+            "rebuilding"
+        } else {
+            "changing layout"
+        };
+        return Some(format!("{what} ({reason})"));
     }
     lost_detail(h).or_else(|| h.resync.as_ref().map(|_| "resyncing".to_string()))
 }
@@ -197,6 +204,11 @@ mod tests {
         assert_eq!(
             healing_text(Reduced, Some(&h)),
             "reduced availability: rebuilding (rebuild of component 3)"
+        );
+        h.change = Some("policy raid1 ftt=2".into());
+        assert_eq!(
+            healing_text(Reduced, Some(&h)),
+            "reduced availability: changing layout (policy raid1 ftt=2)"
         );
     }
 
