@@ -123,6 +123,14 @@ fn a_device_is_replaced_on_a_running_node_under_writes() {
         !(200..300).contains(&code),
         "member route to an admin: {code}"
     );
+    let blocked = format!("{}/v1/local/devices/{old}/blocked", c.api(t));
+    for (who, args) in [
+        ("a plain caller", vec![]),
+        ("an admin", vec!["-H", auth.as_str()]),
+    ] {
+        let (code, _) = curl(&blocked, &args);
+        assert!(!(200..300).contains(&code), "member route to {who}: {code}");
+    }
     assert!(
         !disks.join("x.dev").exists(),
         "a refused add created its file"

@@ -235,6 +235,10 @@ pub fn member_routes(h: Http) -> axum::Router {
     axum::Router::new()
         .route("/v1/heartbeat", post(heartbeat))
         .route("/v1/local/devices", post(crate::devices::http::add_here))
+        .route(
+            "/v1/local/devices/{id}/blocked",
+            get(crate::devices::http::blocked_here),
+        )
         .layer(axum::extract::DefaultBodyLimit::max(API_BODY_MAX_BYTES))
         .with_state(h.clone())
         .merge(h.router.dir.router())

@@ -123,15 +123,69 @@ fn known(state: &ClusterState, id: DeviceId) -> Result<DeviceRemoval, Refused> {
     ))
 }
 
+/// Longest wait for another node to say what its device's removal waits
+/// for, in seconds: the report goes out without it after that.
+const BLOCKED_ASK_TIMEOUT_S: u64 = 2;
+
 /// `GET /v1/devices/{id}`: the device and what its removal waits for
-/// (why it cannot go on, when its node is this one).
+/// (why it cannot go on, as the device's node says: asked on the member
+/// route when it is another node).
 pub async fn show(
     State(h): State<Http>,
     Path(id): Path<DeviceId>,
 ) -> Result<Json<DeviceRemoval>, Refused> {
-    let mut r = known(&h.router.dir.state(), id)?;
-    r.blocked = h.devices.get().and_then(|s| s.blocked(id));
+    let state = h.router.dir.state();
+    let mut r = known(&state, id)?;
+    if !r.retiring {
+        return Ok(Json(r));
+    }
+    let here = h.devices.get().map(|s| s.node());
+    r.blocked = match here {
+        Some(n) if n == r.node => h.devices.get().and_then(|s| s.blocked(id)),
+        _ => ask_blocked(&h, &state, r.node, id).await,
+    };
     Ok(Json(r))
+}
+
+/// What node `node` says its device `id`'s removal waits for; None when
+/// it waits for nothing, or the node is down or does not answer in time.
+async fn ask_blocked(h: &Http, state: &ClusterState, node: u64, id: DeviceId) -> Option<String> {
+    let n = state
+        .nodes
+        .get(&node)
+        .filter(|n| n.state == NodeState::Up)?;
+    let t = h.liveness.transport();
+    let url = format!(
+        "{}://{}/v1/local/devices/{id}/blocked",
+        t.scheme, n.api_addr
+    );
+    let r = t
+        .client
+        .get(&url)
+        .timeout(Duration::from_secs(BLOCKED_ASK_TIMEOUT_S))
+        .send()
+        .await
+        .ok()?;
+    if !r.status().is_success() {
+        return None;
+    }
+    r.json::<Option<String>>().await.ok().flatten()
+}
+
+/// `GET /v1/local/devices/{id}/blocked` (member route): what the removal
+/// of this node's device `id` waits for, if anything.
+pub async fn blocked_here(
+    State(h): State<Http>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<DeviceId>,
+) -> Result<Json<Option<String>>, Refused> {
+    if !matches!(caller, Caller::Node(_)) {
+        return Err(Refused(
+            StatusCode::FORBIDDEN,
+            format!("{caller:?} may not ask this"),
+        ));
+    }
+    Ok(Json(local(&h)?.blocked(id)))
 }
 
 /// `DELETE /v1/devices/{id}` (admin): refused, changing nothing, when it
