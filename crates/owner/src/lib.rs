@@ -18,6 +18,7 @@ mod event_loop;
 pub mod lease;
 pub mod pace;
 pub mod status;
+pub mod stripes;
 pub mod throttle;
 
 use bytes::Bytes;

@@ -1,0 +1,405 @@
+//! On-disk forms of the capacity leg's map (`docs/erasure-coding.md`),
+//! each one 4 KiB block, versioned and checksummed (CRC-32C):
+//!
+//! - [`Summary`]: the first block of every data unit of a stripe, naming
+//!   the volume block of each data block of the stripe.
+//! - [`MapRecord`]: one record of the map log (a stripe destaged or
+//!   cleaned, blocks unmapped, or a part of a checkpoint of the whole map).
+//!
+//! Every field is little-endian. Decoding never panics on any input: a
+//! block that is not a valid record of this version is an error.
+
+use super::Loc;
+use std::collections::BTreeMap;
+
+/// Bytes of a summary block and of a map record: one store block.
+pub const RECORD_BYTES: usize = 4096;
+/// Data blocks per stripe unit: 32 blocks of 4 KiB (128 KiB), the first
+/// of them the summary.
+pub const BLOCKS_PER_UNIT: usize = 31;
+/// Most data blocks a stripe (and its summary or record) names: 16 data
+/// units (`shoal_erasure::MAX_DATA_SHARDS`) of [`BLOCKS_PER_UNIT`].
+pub const MAX_SUMMARY_BLOCKS: usize = 16 * BLOCKS_PER_UNIT;
+/// The block number that fills a stripe's unused places.
+pub const PAD_BLOCK: u64 = u64::MAX;
+
+const SUMMARY_MAGIC: &[u8; 8] = b"SHOALSTR";
+const RECORD_MAGIC: &[u8; 8] = b"SHOALMAP";
+const VERSION: u16 = 1;
+
+const KIND_STRIPE: u8 = 1;
+const KIND_UNMAP: u8 = 2;
+const KIND_CHECKPOINT: u8 = 3;
+
+/// Bytes of a checkpoint run: block u64, len u32, slot u64, index u16.
+const RUN_BYTES: usize = 22;
+/// Bytes before a record's payload: magic, version, kind, pad, volume,
+/// seq, payload length.
+const RECORD_HEADER: usize = 8 + 2 + 1 + 1 + 8 + 8 + 4;
+/// Bytes before a checkpoint part's runs: part, parts, last stripe seq,
+/// run count.
+const CHECKPOINT_HEADER: usize = 4 + 4 + 8 + 4;
+/// Runs one checkpoint part holds.
+pub(super) const RUNS_PER_CHECKPOINT_PART: usize =
+    (RECORD_BYTES - RECORD_HEADER - 4 - CHECKPOINT_HEADER) / RUN_BYTES;
+
+/// Why a block is not a valid summary or record.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RecordError {
+    #[error("not a {0} (magic)")]
+    Magic(&'static str),
+    #[error("{what} of version {version}, this binary reads version {VERSION}")]
+    Version { what: &'static str, version: u16 },
+    #[error("checksum mismatch")]
+    Checksum,
+    #[error("malformed: {0}")]
+    Malformed(&'static str),
+    #[error("{0} too large for one block")]
+    TooLarge(&'static str),
+}
+
+/// A run of blocks that sit in order in one stripe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    pub block: u64,
+    pub len: u32,
+    pub slot: u64,
+    pub index: u16,
+}
+
+/// The map as runs, in block order.
+pub(super) fn runs(blocks: &BTreeMap<u64, Loc>) -> Vec<Run> {
+    let mut out: Vec<Run> = Vec::new();
+    for (&b, l) in blocks {
+        if let Some(r) = out.last_mut() {
+            let next = r.block + u64::from(r.len) == b
+                && r.slot == l.slot
+                && u32::from(r.index) + r.len == u32::from(l.index);
+            if next {
+                r.len += 1;
+                continue;
+            }
+        }
+        out.push(Run {
+            block: b,
+            len: 1,
+            slot: l.slot,
+            index: l.index,
+        });
+    }
+    out
+}
+
+/// The first block of every data unit of a stripe.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Summary {
+    pub data_shards: u8,
+    pub parity_shards: u8,
+    pub volume: u64,
+    pub stripe_seq: u64,
+    pub slot: u64,
+    /// The volume block of each data block of the stripe, in order
+    /// ([`PAD_BLOCK`] where none).
+    pub blocks: Vec<u64>,
+}
+
+impl Summary {
+    pub fn encode(&self) -> Result<Vec<u8>, RecordError> {
+        if self.blocks.len() > MAX_SUMMARY_BLOCKS {
+            return Err(RecordError::TooLarge("summary"));
+        }
+        let mut b = Vec::with_capacity(RECORD_BYTES);
+        b.extend_from_slice(SUMMARY_MAGIC);
+        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.push(self.data_shards);
+        b.push(self.parity_shards);
+        b.extend_from_slice(&self.volume.to_le_bytes());
+        b.extend_from_slice(&self.stripe_seq.to_le_bytes());
+        b.extend_from_slice(&self.slot.to_le_bytes());
+        b.extend_from_slice(&(self.blocks.len() as u32).to_le_bytes());
+        for x in &self.blocks {
+            b.extend_from_slice(&x.to_le_bytes());
+        }
+        seal(b)
+    }
+
+    pub fn decode(block: &[u8]) -> Result<Summary, RecordError> {
+        let mut r = Reader::open(block, SUMMARY_MAGIC, "stripe summary")?;
+        let data_shards = r.u8()?;
+        let parity_shards = r.u8()?;
+        let volume = r.u64()?;
+        let stripe_seq = r.u64()?;
+        let slot = r.u64()?;
+        let n = r.u32()? as usize;
+        if n > MAX_SUMMARY_BLOCKS {
+            return Err(RecordError::Malformed("summary block count"));
+        }
+        let blocks = (0..n).map(|_| r.u64()).collect::<Result<_, _>>()?;
+        r.close()?;
+        Ok(Summary {
+            data_shards,
+            parity_shards,
+            volume,
+            stripe_seq,
+            slot,
+            blocks,
+        })
+    }
+}
+
+/// One record of the map log. `seq` orders the records of a volume's log
+/// from 1; the log is circular, and replay finds its order by `seq`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MapRecord {
+    /// A stripe became durable in `slot`: its data blocks, in order.
+    Stripe {
+        volume: u64,
+        seq: u64,
+        stripe_seq: u64,
+        slot: u64,
+        blocks: Vec<u64>,
+    },
+    /// Blocks `first..first + count` were trimmed: they read as zeros.
+    Unmap {
+        volume: u64,
+        seq: u64,
+        first: u64,
+        count: u64,
+    },
+    /// Part `part` of `parts` of the whole map as it stood before record
+    /// `seq - part`; the parts take consecutive seqs.
+    Checkpoint {
+        volume: u64,
+        seq: u64,
+        part: u32,
+        parts: u32,
+        last_stripe_seq: u64,
+        runs: Vec<Run>,
+    },
+}
+
+impl MapRecord {
+    pub fn seq(&self) -> u64 {
+        match self {
+            MapRecord::Stripe { seq, .. }
+            | MapRecord::Unmap { seq, .. }
+            | MapRecord::Checkpoint { seq, .. } => *seq,
+        }
+    }
+
+    pub fn volume(&self) -> u64 {
+        match self {
+            MapRecord::Stripe { volume, .. }
+            | MapRecord::Unmap { volume, .. }
+            | MapRecord::Checkpoint { volume, .. } => *volume,
+        }
+    }
+
+    pub fn encode(&self) -> Result<Vec<u8>, RecordError> {
+        let mut p = Vec::new();
+        let kind = match self {
+            MapRecord::Stripe {
+                stripe_seq,
+                slot,
+                blocks,
+                ..
+            } => {
+                if blocks.len() > MAX_SUMMARY_BLOCKS {
+                    return Err(RecordError::TooLarge("stripe record"));
+                }
+                p.extend_from_slice(&stripe_seq.to_le_bytes());
+                p.extend_from_slice(&slot.to_le_bytes());
+                p.extend_from_slice(&(blocks.len() as u32).to_le_bytes());
+                for b in blocks {
+                    p.extend_from_slice(&b.to_le_bytes());
+                }
+                KIND_STRIPE
+            }
+            MapRecord::Unmap { first, count, .. } => {
+                p.extend_from_slice(&first.to_le_bytes());
+                p.extend_from_slice(&count.to_le_bytes());
+                KIND_UNMAP
+            }
+            MapRecord::Checkpoint {
+                part,
+                parts,
+                last_stripe_seq,
+                runs,
+                ..
+            } => {
+                if runs.len() > RUNS_PER_CHECKPOINT_PART {
+                    return Err(RecordError::TooLarge("checkpoint part"));
+                }
+                p.extend_from_slice(&part.to_le_bytes());
+                p.extend_from_slice(&parts.to_le_bytes());
+                p.extend_from_slice(&last_stripe_seq.to_le_bytes());
+                p.extend_from_slice(&(runs.len() as u32).to_le_bytes());
+                for r in runs {
+                    p.extend_from_slice(&r.block.to_le_bytes());
+                    p.extend_from_slice(&r.len.to_le_bytes());
+                    p.extend_from_slice(&r.slot.to_le_bytes());
+                    p.extend_from_slice(&r.index.to_le_bytes());
+                }
+                KIND_CHECKPOINT
+            }
+        };
+        let mut b = Vec::with_capacity(RECORD_BYTES);
+        b.extend_from_slice(RECORD_MAGIC);
+        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.push(kind);
+        b.push(0);
+        b.extend_from_slice(&self.volume().to_le_bytes());
+        b.extend_from_slice(&self.seq().to_le_bytes());
+        b.extend_from_slice(&(p.len() as u32).to_le_bytes());
+        b.extend_from_slice(&p);
+        seal(b)
+    }
+
+    pub fn decode(block: &[u8]) -> Result<MapRecord, RecordError> {
+        let mut r = Reader::open(block, RECORD_MAGIC, "map record")?;
+        let kind = r.u8()?;
+        let _pad = r.u8()?;
+        let volume = r.u64()?;
+        let seq = r.u64()?;
+        let len = r.u32()? as usize;
+        let start = r.at;
+        let rec = match kind {
+            KIND_STRIPE => {
+                let stripe_seq = r.u64()?;
+                let slot = r.u64()?;
+                let n = r.u32()? as usize;
+                if n > MAX_SUMMARY_BLOCKS {
+                    return Err(RecordError::Malformed("stripe block count"));
+                }
+                let blocks = (0..n).map(|_| r.u64()).collect::<Result<_, _>>()?;
+                MapRecord::Stripe {
+                    volume,
+                    seq,
+                    stripe_seq,
+                    slot,
+                    blocks,
+                }
+            }
+            KIND_UNMAP => MapRecord::Unmap {
+                volume,
+                seq,
+                first: r.u64()?,
+                count: r.u64()?,
+            },
+            KIND_CHECKPOINT => decode_checkpoint(&mut r, volume, seq)?,
+            _ => return Err(RecordError::Malformed("record kind")),
+        };
+        if r.at - start != len {
+            return Err(RecordError::Malformed("payload length"));
+        }
+        r.close()?;
+        Ok(rec)
+    }
+}
+
+fn decode_checkpoint(r: &mut Reader<'_>, volume: u64, seq: u64) -> Result<MapRecord, RecordError> {
+    let part = r.u32()?;
+    let parts = r.u32()?;
+    let last_stripe_seq = r.u64()?;
+    let n = r.u32()? as usize;
+    if part >= parts || n > RUNS_PER_CHECKPOINT_PART {
+        return Err(RecordError::Malformed("checkpoint part"));
+    }
+    let mut runs = Vec::with_capacity(n);
+    for _ in 0..n {
+        let run = Run {
+            block: r.u64()?,
+            len: r.u32()?,
+            slot: r.u64()?,
+            index: r.u16()?,
+        };
+        let past = u32::from(run.index) + run.len > MAX_SUMMARY_BLOCKS as u32;
+        if run.len == 0 || past || run.block.checked_add(u64::from(run.len)).is_none() {
+            return Err(RecordError::Malformed("checkpoint run"));
+        }
+        runs.push(run);
+    }
+    Ok(MapRecord::Checkpoint {
+        volume,
+        seq,
+        part,
+        parts,
+        last_stripe_seq,
+        runs,
+    })
+}
+
+/// Appends the CRC-32C of `b` and pads it to [`RECORD_BYTES`].
+fn seal(mut b: Vec<u8>) -> Result<Vec<u8>, RecordError> {
+    if b.len() + 4 > RECORD_BYTES {
+        return Err(RecordError::TooLarge("record"));
+    }
+    let crc = crc32c::crc32c(&b);
+    b.extend_from_slice(&crc.to_le_bytes());
+    b.resize(RECORD_BYTES, 0);
+    Ok(b)
+}
+
+/// Reads the fields of a sealed block in order.
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    /// Checks the block's size, magic and version.
+    fn open(b: &'a [u8], magic: &[u8; 8], what: &'static str) -> Result<Reader<'a>, RecordError> {
+        if b.len() != RECORD_BYTES {
+            return Err(RecordError::Malformed("block size"));
+        }
+        if &b[..8] != magic {
+            return Err(RecordError::Magic(what));
+        }
+        let mut r = Reader { b, at: 8 };
+        let version = r.u16()?;
+        if version != VERSION {
+            return Err(RecordError::Version { what, version });
+        }
+        Ok(r)
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], RecordError> {
+        let end = self.at.checked_add(n).filter(|&e| e + 4 <= self.b.len());
+        let end = end.ok_or(RecordError::Malformed("truncated"))?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    fn u8(&mut self) -> Result<u8, RecordError> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u16(&mut self) -> Result<u16, RecordError> {
+        let mut a = [0u8; 2];
+        a.copy_from_slice(self.take(2)?);
+        Ok(u16::from_le_bytes(a))
+    }
+
+    fn u32(&mut self) -> Result<u32, RecordError> {
+        let mut a = [0u8; 4];
+        a.copy_from_slice(self.take(4)?);
+        Ok(u32::from_le_bytes(a))
+    }
+
+    fn u64(&mut self) -> Result<u64, RecordError> {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(a))
+    }
+
+    /// Checks the CRC-32C after the fields read.
+    fn close(self) -> Result<(), RecordError> {
+        let mut a = [0u8; 4];
+        a.copy_from_slice(&self.b[self.at..self.at + 4]);
+        if crc32c::crc32c(&self.b[..self.at]) != u32::from_le_bytes(a) {
+            return Err(RecordError::Checksum);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,283 @@
+//! The capacity leg's map of a RAID-5/6 volume (`docs/erasure-coding.md`):
+//! which stripe slot holds each destaged block, and the two on-disk forms
+//! it is kept in, the stripes' summary blocks and the map log.
+//!
+//! Owns the in-memory map and its records' formats, and rebuilds the map
+//! from whatever records survived a crash. Never does I/O: the owner reads
+//! and writes the records and stripes, in the order the design note gives.
+//!
+//! The writer's rules, which replay relies on (and the property test
+//! checks with a circular log and torn writes):
+//! - a record is applied (and its blocks trimmed from the performance
+//!   leg) only once it and every record before it are durable, so a
+//!   record found past a missing one was never applied: replay stops at
+//!   the first missing seq;
+//! - a checkpoint is taken from the applied map, and a new one is written
+//!   before the log could wrap over the newest complete one;
+//! - a new owner starts from [`StripeMap::recover`] and writes a
+//!   checkpoint before any other record.
+
+mod format;
+#[cfg(test)]
+mod tests;
+
+pub use format::{
+    MapRecord, RecordError, Run, Summary, BLOCKS_PER_UNIT, MAX_SUMMARY_BLOCKS, PAD_BLOCK,
+    RECORD_BYTES,
+};
+
+use std::collections::BTreeMap;
+
+/// Where a destaged block is: stripe slot and its place among the
+/// stripe's data blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Loc {
+    pub slot: u64,
+    pub index: u16,
+}
+
+/// The map of one volume's capacity leg.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StripeMap {
+    blocks: BTreeMap<u64, Loc>,
+    /// Live (mapped) blocks per slot; a slot absent here is free.
+    live: BTreeMap<u64, u32>,
+    /// The last stripe seq applied: the next stripe takes one more.
+    last_stripe_seq: u64,
+    /// The last record seq applied.
+    last_record_seq: u64,
+}
+
+/// Why records cannot be replayed into a map.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MapError {
+    #[error("map record {got} applied after record {last}: records apply in order")]
+    OutOfOrder { last: u64, got: u64 },
+    #[error("stripe {seq} in slot {slot}, which still holds {live} live blocks")]
+    SlotInUse { seq: u64, slot: u64, live: u32 },
+    #[error("no complete checkpoint among the map records")]
+    NoCheckpoint,
+}
+
+impl StripeMap {
+    /// Where block `block` is, if destaged.
+    pub fn get(&self, block: u64) -> Option<Loc> {
+        self.blocks.get(&block).copied()
+    }
+
+    /// Blocks destaged and mapped.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// Live blocks of slot `slot`.
+    pub fn live(&self, slot: u64) -> u32 {
+        self.live.get(&slot).copied().unwrap_or(0)
+    }
+
+    /// The lowest slot holding no live block: where the next stripe goes.
+    pub fn free_slot(&self) -> u64 {
+        let mut want = 0;
+        for &s in self.live.keys() {
+            if s != want {
+                break;
+            }
+            want += 1;
+        }
+        want
+    }
+
+    /// The stripe seq the next stripe takes.
+    pub fn next_stripe_seq(&self) -> u64 {
+        self.last_stripe_seq + 1
+    }
+
+    /// The record seq the next record takes.
+    pub fn next_record_seq(&self) -> u64 {
+        self.last_record_seq + 1
+    }
+
+    /// Used slots, fewest live blocks first: what the cleaner empties.
+    pub fn emptiest(&self, n: usize) -> Vec<(u64, u32)> {
+        let mut v: Vec<(u64, u32)> = self.live.iter().map(|(&s, &l)| (s, l)).collect();
+        v.sort_by_key(|&(s, l)| (l, s));
+        v.truncate(n);
+        v
+    }
+
+    /// Applies one durable record. A stripe record maps its blocks to its
+    /// slot (a block mapped elsewhere moves), an unmap record forgets
+    /// blocks; a checkpoint part adds its entries. Records apply in seq
+    /// order, each once.
+    pub fn apply(&mut self, rec: &MapRecord) -> Result<(), MapError> {
+        let seq = rec.seq();
+        if seq <= self.last_record_seq {
+            return Err(MapError::OutOfOrder {
+                last: self.last_record_seq,
+                got: seq,
+            });
+        }
+        match rec {
+            MapRecord::Stripe {
+                stripe_seq,
+                slot,
+                blocks,
+                ..
+            } => self.apply_stripe(*stripe_seq, *slot, blocks)?,
+            MapRecord::Unmap { first, count, .. } => {
+                for b in *first..first.saturating_add(*count) {
+                    self.unmap(b);
+                }
+            }
+            MapRecord::Checkpoint {
+                last_stripe_seq,
+                runs,
+                ..
+            } => {
+                for r in runs {
+                    for i in 0..r.len {
+                        let loc = Loc {
+                            slot: r.slot,
+                            index: r.index + i as u16,
+                        };
+                        self.map(r.block + u64::from(i), loc);
+                    }
+                }
+                self.last_stripe_seq = self.last_stripe_seq.max(*last_stripe_seq);
+            }
+        }
+        self.last_record_seq = seq;
+        self.check();
+        Ok(())
+    }
+
+    fn apply_stripe(&mut self, stripe_seq: u64, slot: u64, blocks: &[u64]) -> Result<(), MapError> {
+        let live = self.live(slot);
+        if live > 0 {
+            return Err(MapError::SlotInUse {
+                seq: stripe_seq,
+                slot,
+                live,
+            });
+        }
+        for (i, &b) in blocks.iter().enumerate() {
+            if b != PAD_BLOCK {
+                self.map(
+                    b,
+                    Loc {
+                        slot,
+                        index: i as u16,
+                    },
+                );
+            }
+        }
+        self.last_stripe_seq = self.last_stripe_seq.max(stripe_seq);
+        Ok(())
+    }
+
+    fn map(&mut self, block: u64, loc: Loc) {
+        if let Some(old) = self.blocks.insert(block, loc) {
+            self.drop_live(old.slot);
+        }
+        *self.live.entry(loc.slot).or_default() += 1;
+    }
+
+    fn unmap(&mut self, block: u64) {
+        if let Some(old) = self.blocks.remove(&block) {
+            self.drop_live(old.slot);
+        }
+    }
+
+    fn drop_live(&mut self, slot: u64) {
+        if let Some(n) = self.live.get_mut(&slot) {
+            *n -= 1;
+            if *n == 0 {
+                self.live.remove(&slot);
+            }
+        }
+    }
+
+    /// The map of volume `volume` as checkpoint records starting at
+    /// record seq `seq`, in parts that each fit a record; runs of blocks
+    /// that sit in order in one stripe take one entry.
+    pub fn checkpoint(&self, volume: u64, seq: u64) -> Vec<MapRecord> {
+        let runs = format::runs(&self.blocks);
+        let per = format::RUNS_PER_CHECKPOINT_PART;
+        let parts = runs.len().div_ceil(per).max(1);
+        (0..parts)
+            .map(|p| MapRecord::Checkpoint {
+                volume,
+                seq: seq + p as u64,
+                part: p as u32,
+                parts: parts as u32,
+                last_stripe_seq: self.last_stripe_seq,
+                runs: runs.iter().skip(p * per).take(per).copied().collect(),
+            })
+            .collect()
+    }
+
+    /// The map that `records` (every valid record found in the log, in any
+    /// order) leave: the newest complete checkpoint, then every record
+    /// after it in seq order up to the first missing seq (a record never
+    /// made durable; nothing after it was acknowledged to the map).
+    pub fn replay(records: &[MapRecord]) -> Result<StripeMap, MapError> {
+        let mut by_seq: BTreeMap<u64, &MapRecord> = BTreeMap::new();
+        for r in records {
+            by_seq.insert(r.seq(), r);
+        }
+        let start = newest_checkpoint(&by_seq).ok_or(MapError::NoCheckpoint)?;
+        let mut map = StripeMap {
+            last_record_seq: start - 1,
+            ..StripeMap::default()
+        };
+        for (want, (&seq, r)) in (start..).zip(by_seq.range(start..)) {
+            if seq != want {
+                break;
+            }
+            map.apply(r)?;
+        }
+        Ok(map)
+    }
+
+    /// What a new owner starts from: the map [`replay`](Self::replay)
+    /// gives, numbered to go on above every record found (also those past
+    /// a missing one, written before a crash but never all durable). The
+    /// caller writes a checkpoint before any other record: replay then
+    /// starts there and never meets those stale records again.
+    pub fn recover(records: &[MapRecord]) -> Result<StripeMap, MapError> {
+        let mut map = StripeMap::replay(records)?;
+        let highest = records.iter().map(MapRecord::seq).max().unwrap_or(0);
+        map.last_record_seq = map.last_record_seq.max(highest);
+        Ok(map)
+    }
+
+    /// Invariants: every mapped block counts once in its slot's live
+    /// count, and a counted slot has live blocks.
+    fn check(&self) {
+        if cfg!(debug_assertions) {
+            let mut live: BTreeMap<u64, u32> = BTreeMap::new();
+            for l in self.blocks.values() {
+                *live.entry(l.slot).or_default() += 1;
+            }
+            assert_eq!(live, self.live, "live counts out of step with the map");
+        }
+    }
+}
+
+/// The first seq of the newest checkpoint whose parts are all present.
+fn newest_checkpoint(by_seq: &BTreeMap<u64, &MapRecord>) -> Option<u64> {
+    by_seq.iter().rev().find_map(|(&seq, r)| match r {
+        MapRecord::Checkpoint { part: 0, parts, .. } => {
+            let whole = (0..u64::from(*parts)).all(|p| {
+                matches!(by_seq.get(&(seq + p)),
+                    Some(MapRecord::Checkpoint { part, .. }) if u64::from(*part) == p)
+            });
+            whole.then_some(seq)
+        }
+        _ => None,
+    })
+}

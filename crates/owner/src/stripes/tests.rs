@@ -1,0 +1,359 @@
+//! The map against a model through destages, cleaning, trims, checkpoints
+//! and crashes that lose the last records written, on a circular log;
+//! the formats round-trip and refuse damaged blocks.
+
+use super::*;
+use proptest::prelude::*;
+use std::collections::BTreeMap;
+
+const VOLUME: u64 = 7;
+/// Blocks of the test volume.
+const BLOCKS: u64 = 300;
+/// Data blocks per stripe in the model (a 2+1 stripe of 31-block units).
+const STRIPE_BLOCKS: usize = 2 * BLOCKS_PER_UNIT;
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Destage these blocks (deduplicated) into the lowest free slot.
+    Destage(Vec<u64>),
+    /// Move the live blocks of the emptiest slot into a new stripe.
+    Clean,
+    Unmap(u64, u64),
+    Checkpoint,
+    /// The last `n` records written were never made durable; with a
+    /// hole, the very last one was (written at once with the others).
+    Crash(u64, bool),
+}
+
+fn ops() -> impl Strategy<Value = Vec<Op>> {
+    let op = prop_oneof![
+        4 => prop::collection::vec(0..BLOCKS, 1..STRIPE_BLOCKS).prop_map(Op::Destage),
+        2 => Just(Op::Clean),
+        1 => (0..BLOCKS, 1u64..40).prop_map(|(a, n)| Op::Unmap(a, n)),
+        1 => Just(Op::Checkpoint),
+        1 => (0u64..4, any::<bool>()).prop_map(|(n, hole)| Op::Crash(n, hole)),
+    ];
+    prop::collection::vec(op, 1..60)
+}
+
+/// A circular map log of `capacity` records; each place keeps what was
+/// written there before, so that a crash can take back a write that never
+/// became durable.
+struct Log {
+    capacity: u64,
+    places: BTreeMap<u64, Vec<Vec<u8>>>,
+}
+
+impl Log {
+    fn write(&mut self, rec: &MapRecord) {
+        let at = rec.seq() % self.capacity;
+        self.places
+            .entry(at)
+            .or_default()
+            .push(rec.encode().unwrap());
+    }
+
+    /// What the log holds now, as a reader finds it.
+    fn records(&self) -> Vec<MapRecord> {
+        self.places
+            .values()
+            .filter_map(|h| h.last())
+            .filter_map(|b| MapRecord::decode(b).ok())
+            .collect()
+    }
+
+    /// The writes of the records in `lost` were torn: their places hold
+    /// neither the record nor what was there before.
+    fn lose(&mut self, lost: std::ops::RangeInclusive<u64>) {
+        for h in self.places.values_mut() {
+            let torn = h
+                .last()
+                .is_some_and(|b| MapRecord::decode(b).is_ok_and(|r| lost.contains(&r.seq())));
+            if torn {
+                h.pop();
+                h.push(vec![0xA5; RECORD_BYTES]);
+            }
+        }
+    }
+}
+
+/// The owner's side: the map it keeps in memory, the log, every record in
+/// order (the model), and where its complete checkpoints start and end.
+struct Writer {
+    map: StripeMap,
+    log: Log,
+    history: Vec<MapRecord>,
+    checkpoints: Vec<(u64, u64)>,
+}
+
+impl Writer {
+    fn new(capacity: u64) -> Writer {
+        let mut w = Writer {
+            map: StripeMap::default(),
+            log: Log {
+                capacity,
+                places: BTreeMap::new(),
+            },
+            history: Vec::new(),
+            checkpoints: Vec::new(),
+        };
+        w.checkpoint();
+        w
+    }
+
+    fn append(&mut self, rec: MapRecord) {
+        self.log.write(&rec);
+        self.map.apply(&rec).unwrap();
+        self.history.push(rec);
+    }
+
+    fn checkpoint(&mut self) {
+        let start = self.map.next_record_seq();
+        for p in self.map.checkpoint(VOLUME, start) {
+            self.append(p);
+        }
+        self.checkpoints
+            .push((start, self.map.next_record_seq() - 1));
+    }
+
+    /// The writer's rule: a checkpoint before the log could wrap over the
+    /// newest complete one (room for one record and a checkpoint more).
+    fn room(&mut self) {
+        let parts = self.map.checkpoint(VOLUME, 0).len() as u64;
+        let (start, _) = *self.checkpoints.last().unwrap();
+        let used = self.map.next_record_seq() - start;
+        if used + 2 * parts + 2 >= self.log.capacity {
+            self.checkpoint();
+        }
+    }
+
+    fn stripe(&mut self, blocks: Vec<u64>) {
+        // In the order given (scattered: runs of one, checkpoints of
+        // several parts), each block once.
+        let mut seen = std::collections::BTreeSet::new();
+        let mut blocks: Vec<u64> = blocks.into_iter().filter(|b| seen.insert(*b)).collect();
+        blocks.resize(STRIPE_BLOCKS.max(blocks.len()), PAD_BLOCK);
+        self.room();
+        let rec = MapRecord::Stripe {
+            volume: VOLUME,
+            seq: self.map.next_record_seq(),
+            stripe_seq: self.map.next_stripe_seq(),
+            slot: self.map.free_slot(),
+            blocks,
+        };
+        self.append(rec);
+    }
+
+    fn clean(&mut self) {
+        let Some(&(slot, _)) = self.map.emptiest(1).first() else {
+            return;
+        };
+        let live: Vec<u64> = (0..BLOCKS)
+            .filter(|&b| self.map.get(b).is_some_and(|l| l.slot == slot))
+            .collect();
+        self.stripe(live);
+        assert_eq!(self.map.live(slot), 0, "a cleaned slot still holds blocks");
+    }
+
+    /// The last `n` records were never durable (but the very last one,
+    /// with a hole): the log loses them, and a new owner starts from what
+    /// it finds, with a checkpoint first.
+    fn crash(&mut self, n: u64, hole: bool) -> Result<(), TestCaseError> {
+        let last = self.map.next_record_seq() - 1;
+        // The first checkpoint is written when the leg is made, before the
+        // volume serves: durable before anything else.
+        let made = self.checkpoints[0].1;
+        let kept = last.saturating_sub(n).max(made);
+        // A record past a hole was written, never applied: records apply
+        // (and their blocks leave the performance leg) in seq order only,
+        // and a checkpoint is taken from applied records, so the record
+        // kept past a hole is never a checkpoint.
+        let last_is_checkpoint = self
+            .history
+            .last()
+            .is_some_and(|r| matches!(r, MapRecord::Checkpoint { .. }));
+        let lost_to = if hole && kept + 1 < last && !last_is_checkpoint {
+            last - 1
+        } else {
+            last
+        };
+        if kept < lost_to {
+            self.log.lose(kept + 1..=lost_to);
+        }
+        // Past the hole nothing counts as durable.
+        self.history.retain(|r| r.seq() <= kept);
+        self.checkpoints.retain(|&(_, end)| end <= kept);
+        prop_assert!(
+            !self.checkpoints.is_empty(),
+            "the writer's rule lost every checkpoint"
+        );
+        let found = self.log.records();
+        let replayed = StripeMap::replay(&found).expect("a complete checkpoint survives");
+        prop_assert_eq!(blocks_of(&replayed), blocks_of(&self.model()));
+        // Replay stops where the chain of records does (a torn checkpoint
+        // of an earlier recovery, records lost past a hole): never past
+        // the last durable record.
+        let durable = self.history.last().map_or(0, MapRecord::seq);
+        prop_assert!(replayed.next_record_seq() <= durable + 1);
+        self.map = StripeMap::recover(&found).unwrap();
+        prop_assert!(
+            self.map.next_record_seq() > found.iter().map(MapRecord::seq).max().unwrap_or(0)
+        );
+        self.checkpoint();
+        Ok(())
+    }
+
+    /// The map every record written so far leaves, applied in order from
+    /// nothing.
+    fn model(&self) -> StripeMap {
+        let mut m = StripeMap::default();
+        for r in &self.history {
+            m.apply(r).unwrap();
+        }
+        m
+    }
+}
+
+fn blocks_of(map: &StripeMap) -> BTreeMap<u64, Loc> {
+    (0..BLOCKS)
+        .filter_map(|b| map.get(b).map(|l| (b, l)))
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    #[test]
+    fn replay_gives_back_the_map_of_the_durable_records(ops in ops(), capacity in 12u64..40) {
+        let mut w = Writer::new(capacity);
+        for op in ops {
+            match op {
+                Op::Destage(blocks) => w.stripe(blocks),
+                Op::Clean => w.clean(),
+                Op::Unmap(first, count) => {
+                    w.room();
+                    let seq = w.map.next_record_seq();
+                    w.append(MapRecord::Unmap { volume: VOLUME, seq, first, count });
+                }
+                Op::Checkpoint => w.checkpoint(),
+                Op::Crash(n, hole) => w.crash(n, hole)?,
+            }
+            // A stripe never lands in a slot still holding live blocks.
+            let used: u64 = (0..=w.map.free_slot()).map(|s| u64::from(w.map.live(s))).sum();
+            prop_assert!(used <= BLOCKS);
+        }
+        let replayed = StripeMap::replay(&w.log.records()).unwrap();
+        prop_assert_eq!(blocks_of(&replayed), blocks_of(&w.map));
+        prop_assert_eq!(blocks_of(&replayed), blocks_of(&w.model()));
+        prop_assert_eq!(replayed.next_stripe_seq(), w.map.next_stripe_seq());
+    }
+
+    /// Any damage to an encoded record or summary is refused, never a
+    /// panic or a different record.
+    #[test]
+    fn damaged_blocks_are_refused(at in 0usize..RECORD_BYTES, bit in 0u8..8, n in 0usize..MAX_SUMMARY_BLOCKS) {
+        let rec = MapRecord::Stripe {
+            volume: VOLUME,
+            seq: 9,
+            stripe_seq: 4,
+            slot: 2,
+            blocks: (0..n as u64).collect(),
+        };
+        let mut b = rec.encode().unwrap();
+        prop_assert_eq!(MapRecord::decode(&b), Ok(rec.clone()));
+        b[at] ^= 1 << bit;
+        if let Ok(other) = MapRecord::decode(&b) {
+            // Only the padding past the checksum may change unnoticed.
+            prop_assert_eq!(other, rec);
+        }
+        let s = Summary {
+            data_shards: 2,
+            parity_shards: 1,
+            volume: VOLUME,
+            stripe_seq: 4,
+            slot: 2,
+            blocks: (0..n as u64).collect(),
+        };
+        let mut b = s.encode().unwrap();
+        prop_assert_eq!(Summary::decode(&b), Ok(s.clone()));
+        b[at] ^= 1 << bit;
+        if let Ok(other) = Summary::decode(&b) {
+            prop_assert_eq!(other, s);
+        }
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic(b in prop::collection::vec(any::<u8>(), RECORD_BYTES)) {
+        let _ = MapRecord::decode(&b);
+        let _ = Summary::decode(&b);
+    }
+}
+
+#[test]
+fn records_of_every_kind_round_trip_and_checkpoints_split_into_parts() {
+    let mut m = StripeMap::default();
+    // Many scattered blocks: runs of one, more than one part holds.
+    let blocks: Vec<u64> = (0..MAX_SUMMARY_BLOCKS as u64).map(|i| i * 2).collect();
+    m.apply(&MapRecord::Stripe {
+        volume: VOLUME,
+        seq: 1,
+        stripe_seq: 1,
+        slot: 0,
+        blocks,
+    })
+    .unwrap();
+    let parts = m.checkpoint(VOLUME, 2);
+    assert!(parts.len() > 1, "{} parts", parts.len());
+    for p in &parts {
+        assert_eq!(MapRecord::decode(&p.encode().unwrap()).as_ref(), Ok(p));
+    }
+    let back = StripeMap::replay(&parts).unwrap();
+    assert_eq!(blocks_of(&back), blocks_of(&m));
+    let unmap = MapRecord::Unmap {
+        volume: VOLUME,
+        seq: 3,
+        first: 10,
+        count: 5,
+    };
+    assert_eq!(MapRecord::decode(&unmap.encode().unwrap()), Ok(unmap));
+    // A checkpoint missing a part is no checkpoint.
+    assert_eq!(StripeMap::replay(&parts[1..]), Err(MapError::NoCheckpoint));
+    // Too many blocks for one block: refused, not truncated.
+    let big = MapRecord::Stripe {
+        volume: VOLUME,
+        seq: 1,
+        stripe_seq: 1,
+        slot: 0,
+        blocks: vec![1; MAX_SUMMARY_BLOCKS + 1],
+    };
+    assert!(matches!(big.encode(), Err(RecordError::TooLarge(_))));
+}
+
+#[test]
+fn a_stripe_into_a_slot_with_live_blocks_or_an_old_record_is_refused() {
+    let mut m = StripeMap::default();
+    let stripe = |seq, slot| MapRecord::Stripe {
+        volume: VOLUME,
+        seq,
+        stripe_seq: seq,
+        slot,
+        blocks: vec![1, 2, PAD_BLOCK],
+    };
+    m.apply(&stripe(1, 0)).unwrap();
+    assert_eq!(m.free_slot(), 1);
+    assert_eq!(
+        m.apply(&stripe(2, 0)),
+        Err(MapError::SlotInUse {
+            seq: 2,
+            slot: 0,
+            live: 2
+        })
+    );
+    assert_eq!(
+        m.apply(&stripe(1, 1)),
+        Err(MapError::OutOfOrder { last: 1, got: 1 })
+    );
+    // Moved elsewhere, slot 0 is free again.
+    m.apply(&stripe(2, 1)).unwrap();
+    assert_eq!((m.live(0), m.live(1), m.free_slot()), (0, 2, 0));
+}
