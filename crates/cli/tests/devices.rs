@@ -12,7 +12,7 @@
 mod common;
 
 use common::ledger::Writer;
-use common::{components_of, curl, wait_for, Cluster};
+use common::{components_of, curl, run, wait_for, Cluster};
 use std::time::Duration;
 
 /// Time allowed for a move (a copy of what was written) on a slow machine.
@@ -75,7 +75,7 @@ fn a_device_is_replaced_on_a_running_node_under_writes() {
     // Refused, changing nothing.
     let err = c.shoal_fails(&["device", "remove", &oldn]);
     assert!(
-        err.contains("last device of node") && err.contains("nothing changed"),
+        err.contains("last device node") && err.contains("nothing changed"),
         "{err}"
     );
     let err = c.shoal_fails(&["device", "add", &tn, "relative.dev", "--size", "1G"]);
@@ -219,6 +219,21 @@ fn a_device_is_replaced_on_a_running_node_under_writes() {
     let out = c.shoal(&["device", "remove", &oldn]);
     assert!(out.contains(&format!("device {old} removed")), "{out}");
     assert_eq!(devices_of(&c, t), vec![new]);
+    // Closed: the node holds the file no more (it was opened at the
+    // node's start, since the swap: new_path is where its store is).
+    let pid = std::fs::read_to_string(c.node_dir(t).join("node.pid")).expect("node.pid");
+    let fds = format!("/proc/{}/fd", pid.trim());
+    wait_for("the removed device's file closed", MOVE, || {
+        let open: Vec<_> = std::fs::read_dir(&fds)
+            .map_err(|e| e.to_string())?
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|l| l.to_str() == Some(new_path.as_str()))
+            .collect();
+        match open.len() {
+            0 => Ok(()),
+            n => Err(format!("{n} descriptors of {new_path} open")),
+        }
+    });
     assert!(copies(&c, "mirror").contains(&(t, new)));
     c.wait_healthy("mirror", MOVE);
     let v = c.json(&["volume", "show", "mirror"]);
@@ -240,4 +255,43 @@ fn a_device_is_replaced_on_a_running_node_under_writes() {
     let b = l.check(&c.nbd_addr(t), "mirror");
     assert!(a == b, "two nodes read different versions");
     c.verify_copies("mirror");
+
+    // The disk of a node that is down is still its device: another node
+    // refuses it, before opening it (not a byte of it changes).
+    let x = (2..=3).find(|&n| n != t).expect("a third node");
+    let x_dev = c.node_dir(x).join("dev0.img").display().to_string();
+    c.signal(x, "9");
+    c.wait_node(x, "down", MOVE);
+    let digest = |p: &str| common::sh(&format!("sha256sum {p}; stat -c '%s %b' {p}"));
+    let before = digest(&x_dev);
+    let err = c.shoal_fails(&["device", "add", "1", &x_dev]);
+    assert!(err.contains("holds the store of device"), "{err}");
+    assert_eq!(digest(&x_dev), before, "a refused add changed the disk");
+
+    // An add the directory could not decide (no quorum: node 1 is down
+    // too) is recorded on its node and carried through once the
+    // directory answers, without asking again.
+    c.signal(1, "9");
+    let late = disks.join("late.dev").display().to_string();
+    let out = run(c
+        .cmd()
+        .args(["device", "add", &tn, &late, "--size", "1G", "--api"])
+        .arg(c.api(t)));
+    assert!(
+        !out.status.success(),
+        "an add without a quorum went through"
+    );
+    c.up();
+    wait_for("the recorded add served", MOVE, || {
+        let st = c.try_json(&["status"])?;
+        let served = st["devices"].as_array().is_some_and(|ds| {
+            ds.iter()
+                .any(|d| d["path"] == late.as_str() && d["node"] == t && d["state"] == "Healthy")
+        });
+        match served {
+            true => Ok(()),
+            false => Err(format!("devices: {}", st["devices"])),
+        }
+    });
+    c.wait_healthy("mirror", MOVE);
 }

@@ -44,10 +44,14 @@ impl ClusterState {
                 // Decided here, on the state every command sees in order:
                 // two removals checked on the same snapshot cannot both
                 // pass and leave a node without a device.
-                let others = self
-                    .devices
-                    .values()
-                    .any(|o| o.node == node && o.id != *device && !o.retiring);
+                // A failed device (one its node does not serve) is no
+                // device to keep the node's components on.
+                let others = self.devices.values().any(|o| {
+                    o.node == node
+                        && o.id != *device
+                        && !o.retiring
+                        && o.state != shoal_model::DeviceState::Failed
+                });
                 if !d.retiring && !others {
                     return Err(StateError::LastDevice {
                         device: *device,
@@ -205,6 +209,28 @@ mod tests {
             store_uuid: 0,
         });
         assert!(matches!(r, Ok(Response::Id(id)) if id > 3), "{r:?}");
+    }
+
+    #[test]
+    fn a_failed_device_does_not_count_as_the_node_keeping_one() {
+        let mut s = setup();
+        s.apply(&Command::ReportDeviceUsage {
+            device: 3,
+            used: 0,
+            state: shoal_model::DeviceState::Failed,
+        })
+        .unwrap();
+        assert_eq!(
+            s.apply(&Command::RetireDevice { device: 1 }),
+            Err(StateError::LastDevice { device: 1, node: 1 })
+        );
+        s.apply(&Command::ReportDeviceUsage {
+            device: 3,
+            used: 0,
+            state: shoal_model::DeviceState::Healthy,
+        })
+        .unwrap();
+        s.apply(&Command::RetireDevice { device: 1 }).unwrap();
     }
 
     #[test]

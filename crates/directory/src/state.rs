@@ -338,7 +338,7 @@ pub enum StateError {
     )]
     DeviceEmptied(DeviceId),
     #[error(
-        "device {device} is the last device of node {node} not being removed: add another \
+        "device {device} is the last device node {node} serves and is not removing: add another \
          first (shoal device add {node} PATH), or remove the node"
     )]
     LastDevice { device: DeviceId, node: NodeId },

@@ -279,9 +279,10 @@ fn unused(path: &Path) -> std::io::Result<bool> {
 /// Checks an [`shoal_api::AddDevice`]'s own fields.
 pub fn check_request(req: &shoal_api::AddDevice) -> Result<DeviceSpec, AddError> {
     let bad = |m: String| Err(AddError::BadRequest(m));
-    if req.path.len() > MAX_PATH_BYTES || req.path.contains('\0') {
+    if req.path.len() > MAX_PATH_BYTES || req.path.chars().any(char::is_control) {
         return bad(format!(
-            "a device path is at most {MAX_PATH_BYTES} bytes, without NUL"
+            "a device path is at most {MAX_PATH_BYTES} bytes, without control characters \
+             (NUL, newline, ...)"
         ));
     }
     let path = PathBuf::from(&req.path);
@@ -327,6 +328,9 @@ pub struct DeviceSet {
     /// The identity file as last written; one change at a time.
     identity: tokio::sync::Mutex<Identity>,
     blocked: Mutex<Blocked>,
+    /// Why each recorded add this node does not serve is not, as the
+    /// last pass found it (logged when it changes).
+    incomplete: Mutex<BTreeMap<String, String>>,
 }
 
 impl DeviceSet {
@@ -351,6 +355,7 @@ impl DeviceSet {
             replicas,
             identity: tokio::sync::Mutex::new(identity),
             blocked: Mutex::new(Blocked::new()),
+            incomplete: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -410,6 +415,7 @@ impl DeviceSet {
             }
             _ => {}
         }
+        self.check_not_elsewhere(&spec.path, &path)?;
         let (s2, cluster, data) = (spec.clone(), self.cluster_id.clone(), self.data_dir.clone());
         let opened = tokio::task::spawn_blocking(move || open_new(&s2, &cluster, &data))
             .await
@@ -417,7 +423,7 @@ impl DeviceSet {
                 path: path.clone(),
                 error: e.to_string(),
             })??;
-        self.check_components(&path, &opened)?;
+        self.check_components(&path, &opened, registered.map(|(id, _)| id))?;
         let mut next = ident.clone();
         next.removed.retain(|p| *p != path);
         if !self.command_line.iter().any(|d| d.path == spec.path) {
@@ -426,14 +432,26 @@ impl DeviceSet {
         }
         self.save(&next)?;
         *ident = next;
-        let capacity = opened.capacity();
+        self.register_and_serve(&mut ident, path, opened).await
+    }
+
+    /// Registers the store `opened` at `path` (the same id again when it
+    /// is registered already), serves it, and records it in the identity
+    /// file.
+    async fn register_and_serve(
+        &self,
+        ident: &mut Identity,
+        path: String,
+        opened: Arc<Store>,
+    ) -> Result<DeviceAdded, AddError> {
+        let (capacity, uuid) = (opened.capacity(), opened.uuid());
         let r = self
             .dir
             .propose(Command::RegisterDevice {
                 node: self.node,
                 path: path.clone(),
                 capacity,
-                store_uuid: opened.uuid(),
+                store_uuid: uuid,
             })
             .await?;
         let Response::Id(id) = r else {
@@ -442,7 +460,6 @@ impl DeviceSet {
                 error: format!("unexpected answer to its registration: {r:?}"),
             });
         };
-        let uuid = opened.uuid();
         let dev =
             Device::new(id, path.clone(), opened, &self.tuning).map_err(|e| AddError::Open {
                 path: path.clone(),
@@ -462,17 +479,100 @@ impl DeviceSet {
         })
     }
 
+    /// Carries through the adds the identity file records and this node
+    /// does not serve: one cut short after it was recorded (its
+    /// registration failed, say for want of a quorum), or one that could
+    /// not be opened at the node's start. Each is only opened, as the
+    /// device of this cluster it was formatted as (never created or
+    /// formatted), then registered (the same id again if it is) and
+    /// served. Answers why each that cannot be, by path.
+    async fn complete_adds(&self) -> BTreeMap<String, String> {
+        let mut out = BTreeMap::new();
+        let mut ident = self.identity.lock().await;
+        let served: Vec<String> = self
+            .replicas
+            .devices()
+            .iter()
+            .map(|d| d.path.clone())
+            .collect();
+        let due: Vec<DeviceSpec> = ident
+            .added
+            .iter()
+            .filter(|d| !served.iter().any(|p| Path::new(p) == d.path))
+            .cloned()
+            .collect();
+        for spec in due {
+            let path = spec.path.display().to_string();
+            if let Err(e) = self.check_not_elsewhere(&spec.path, &path) {
+                out.insert(path, e.to_string());
+                continue;
+            }
+            let (s2, cluster) = (spec.clone(), self.cluster_id.clone());
+            let opened = match tokio::task::spawn_blocking(move || open_added(&s2, &cluster)).await
+            {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    out.insert(path, format!("{e:#}"));
+                    continue;
+                }
+                Err(e) => {
+                    out.insert(path, e.to_string());
+                    continue;
+                }
+            };
+            if let Err(e) = self
+                .register_and_serve(&mut ident, path.clone(), opened)
+                .await
+            {
+                out.insert(path, e.to_string());
+            }
+        }
+        out
+    }
+
+    /// Refuses, before anything opens it, a store the directory has
+    /// registered anywhere but as this node's device at `path` (another
+    /// node's disk, down or not; a copy of a disk in service): told from
+    /// its superblock's uuid alone, so nothing of it is written.
+    fn check_not_elsewhere(&self, file: &Path, path: &str) -> Result<(), AddError> {
+        let Ok(Some((cluster, uuid))) = Store::identify(file) else {
+            return Ok(());
+        };
+        if cluster != self.cluster_id || uuid == 0 {
+            return Ok(());
+        }
+        let state = self.dir.state();
+        let elsewhere = state
+            .devices
+            .values()
+            .find(|d| d.store_uuid == uuid && !(d.node == self.node && d.path == path));
+        match elsewhere {
+            Some(d) => Err(AddError::BadRequest(format!(
+                "{path} holds the store of device {} of node {} (registered at {}): a disk is a \
+                 device in one place only (remove that device first)",
+                d.id, d.node, d.path
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Refuses a device holding components the directory places anywhere
     /// (a copy of a device in service, or another node's device): serving
     /// them here would split their writes between two places. A removed
     /// device holds only components the directory has forgotten.
-    fn check_components(&self, path: &str, store: &Store) -> Result<(), AddError> {
+    fn check_components(
+        &self,
+        path: &str,
+        store: &Store,
+        mine: Option<DeviceId>,
+    ) -> Result<(), AddError> {
         let state = self.dir.state();
         let live = store.components().into_iter().find(|c| {
-            state
-                .volumes
-                .values()
-                .any(|v| v.components.iter().any(|x| x.id == c.id))
+            state.volumes.values().any(|v| {
+                v.components
+                    .iter()
+                    .any(|x| x.id == c.id && Some(x.device) != mine)
+            })
         });
         match live {
             Some(c) => Err(AddError::BadRequest(format!(
@@ -510,9 +610,18 @@ impl DeviceSet {
         });
     }
 
-    /// One pass over this node's retiring devices: moves begun, empty
-    /// devices closed and unregistered.
+    /// One pass over this node's devices: recorded adds carried through,
+    /// retiring devices' moves begun, empty ones closed and unregistered.
     async fn removal_pass(&self) {
+        let incomplete = self.complete_adds().await;
+        if let Ok(mut was) = self.incomplete.lock() {
+            for (path, why) in &incomplete {
+                if was.get(path) != Some(why) {
+                    tracing::warn!(%path, "an added device is not served: {why}");
+                }
+            }
+            *was = incomplete;
+        }
         let state = self.dir.state();
         let mine: Vec<DeviceId> = state
             .devices
@@ -651,9 +760,13 @@ fn check_path(spec: &DeviceSpec, data_dir: &Path) -> Result<(), AddError> {
         Ok(m) if m.file_type().is_file() || m.file_type().is_block_device() => Ok(()),
         Ok(_) => bad(format!("{path} is not a regular file or a block device")),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            if spec.thick && spec.size > free_bytes(&folder).unwrap_or(u64::MAX) {
+            // Sparse or not: a device file its file system cannot hold
+            // fails writes once it fills, after placement counted on it.
+            let free = free_bytes(&folder).unwrap_or(u64::MAX);
+            if spec.size > free {
                 return bad(format!(
-                    "{path}: {} bytes do not fit in its file system's free space",
+                    "{path}: {} bytes do not fit in its file system's free space ({free} bytes): \
+                     give a smaller --size",
                     spec.size
                 ));
             }
@@ -740,7 +853,12 @@ fn open_new(spec: &DeviceSpec, cluster_id: &str, data_dir: &Path) -> Result<Arc<
             // Nothing of it is anyone's: a partial (thick) file goes.
             let _ = std::fs::remove_file(&spec.path);
         }
-        err(format!("{e:#}"))
+        // The context names the device, as `AddError::Open` does, and the
+        // store's error quotes its cause: that one error alone.
+        err(e
+            .chain()
+            .nth(1)
+            .map_or_else(|| e.to_string(), ToString::to_string))
     })
 }
 
@@ -878,7 +996,8 @@ mod tests {
         for (r, want) in [
             (req("relative/dev", Some(1 << 30), false), "absolute"),
             (req("/a/../etc/dev", Some(1 << 30), false), "absolute"),
-            (req("/a\0b", Some(1 << 30), false), "NUL"),
+            (req("/a\0b", Some(1 << 30), false), "control characters"),
+            (req("/a\nb", Some(1 << 30), false), "control characters"),
             (req("/dev/x", Some(4096), false), "too small"),
             (req("/dev/x", None, true), "needs its size"),
             (
@@ -918,6 +1037,7 @@ mod tests {
             (at(data.join("x.dev"), 1 << 30, false), "data folder"),
             (at(d.path().join("big"), 1 << 51, false), "1 PiB"),
             (at(d.path().join("thick"), 1 << 49, true), "free space"),
+            (at(d.path().join("sparse"), 1 << 49, false), "free space"),
             (
                 at(d.path().join("no/such/dir.dev"), 1 << 30, false),
                 "its folder",

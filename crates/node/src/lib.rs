@@ -685,6 +685,9 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
         shoal_rpc::register_local(&cfg.peer_addr, r.clone());
         let _ = replicas_cell.set(r.clone());
     }
+    // The replica side holds the stores from here on: a device removed
+    // later closes when it lets go of it.
+    drop(stores);
     let replicas = replicas_cell
         .get()
         .cloned()

@@ -10,7 +10,7 @@
 
 use shoal_api::{DeviceUsage, Heartbeat};
 use shoal_directory::{Command, Directory};
-use shoal_model::{DeviceState, NodeId, NodeState};
+use shoal_model::{DeviceId, DeviceState, NodeId, NodeState};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -80,6 +80,32 @@ impl Liveness {
                 .propose(Command::SetNodeState {
                     node: hb.node,
                     state: NodeState::Up,
+                })
+                .await;
+        }
+        // A device registered for the node that it does not serve (one
+        // that could not be opened at its start) is failed: placement
+        // skips it and a removal does not count on it.
+        let served: Vec<DeviceId> = hb.devices.iter().map(|u| u.device).collect();
+        let unserved: Vec<(DeviceId, u64)> = state
+            .devices
+            .values()
+            .filter(|d| d.node == hb.node && !served.contains(&d.id))
+            .filter(|d| d.state != DeviceState::Failed && !served.is_empty())
+            .map(|d| (d.id, d.used))
+            .collect();
+        for (device, used) in unserved {
+            tracing::warn!(
+                node = hb.node,
+                device,
+                "device not served by its node: failed"
+            );
+            let _ = self
+                .dir
+                .propose(Command::ReportDeviceUsage {
+                    device,
+                    used,
+                    state: DeviceState::Failed,
                 })
                 .await;
         }

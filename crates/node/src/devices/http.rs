@@ -148,12 +148,15 @@ pub async fn show(
 }
 
 /// What node `node` says its device `id`'s removal waits for; None when
-/// it waits for nothing, or the node is down or does not answer in time.
+/// it waits for nothing or does not answer in time.
 async fn ask_blocked(h: &Http, state: &ClusterState, node: u64, id: DeviceId) -> Option<String> {
-    let n = state
-        .nodes
-        .get(&node)
-        .filter(|n| n.state == NodeState::Up)?;
+    let n = state.nodes.get(&node)?;
+    if n.state != NodeState::Up {
+        return Some(format!(
+            "node {node} is {}: the removal goes on when it is back (or remove the node)",
+            n.state
+        ));
+    }
     let t = h.liveness.transport();
     let url = format!(
         "{}://{}/v1/local/devices/{id}/blocked",
@@ -267,13 +270,15 @@ pub fn check_removal(state: &ClusterState, device: DeviceId) -> Result<(), Strin
     if d.retiring {
         return Ok(());
     }
-    if !state
-        .devices
-        .values()
-        .any(|o| o.node == d.node && o.id != device && !o.retiring)
-    {
+    let serving = |o: &&shoal_model::DeviceInfo| {
+        o.node == d.node
+            && o.id != device
+            && !o.retiring
+            && o.state != shoal_model::DeviceState::Failed
+    };
+    if !state.devices.values().any(|o| serving(&o)) {
         return Err(format!(
-            "it is the last device of node {n}: add another first (shoal device add {n} PATH), \
+            "it is the last device node {n} serves: add another first (shoal device add {n} PATH), \
              or remove the node (shoal maintenance enter {n} --mode full-data-migration, then \
              shoal cluster remove-node {n})",
             n = d.node

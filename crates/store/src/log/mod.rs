@@ -656,6 +656,13 @@ impl LogStore {
     /// (no lock taken, no log replayed, nothing written); None when it does
     /// not start with a superblock.
     pub fn cluster_of(path: &Path) -> Result<Option<String>> {
+        Ok(Self::identify(path)?.map(|(cluster, _)| cluster))
+    }
+
+    /// The cluster and the store uuid of a formatted device, from its
+    /// superblock alone (no lock taken, no log replayed, nothing
+    /// written); None when it does not start with a superblock.
+    pub fn identify(path: &Path) -> Result<Option<(String, u64)>> {
         use std::os::unix::fs::FileExt;
         let file = File::open(path)?;
         let mut b = vec![0u8; 2 * BLOCK];
@@ -664,7 +671,8 @@ impl LogStore {
             return Ok(None);
         }
         let len = if n >= 2 * BLOCK { 2 * BLOCK } else { BLOCK };
-        Ok(Some(Self::decode_super(&b[..len])?.cluster_id))
+        let sb = Self::decode_super(&b[..len])?;
+        Ok(Some((sb.cluster_id, sb.uuid)))
     }
 
     /// Opens the device if it is formatted (and belongs to `cluster_id`),

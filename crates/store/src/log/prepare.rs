@@ -44,6 +44,31 @@ pub(super) const PREPARED_AHEAD_MIB: u64 = 64;
 /// cluster's first minutes must not pay for much of it.
 pub(super) const PREPARE_IDLE_MIB_PER_SEC: u64 = 4;
 
+/// Idle preparation stops while the file system holding the device file
+/// has less than this free, in MiB: a sparse device file larger than its
+/// file system (a thin file on a small disk) must not fill it with zeros
+/// no one wrote. Preparation ahead of the log goes on: the log writes
+/// there next in any case.
+const PREPARE_FS_FLOOR_MIB: u64 = 1024;
+
+/// How long idle preparation waits, in seconds, before it looks at the
+/// file system's free space again.
+const PREPARE_FS_RETRY_S: u64 = 10;
+
+/// Free bytes of the file system holding `path` (for unprivileged use),
+/// if it can be told.
+fn fs_free_bytes(path: &std::path::Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statvfs fills the zeroed struct it is given from a valid
+    // NUL-terminated path; nothing is kept.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
 /// The store is idle when nothing was appended to the log for this long,
 /// in milliseconds (a QD1 client seals a batch every millisecond or so).
 const IDLE_QUIET_MS: u64 = 250;
@@ -298,6 +323,7 @@ impl LogStore {
             return PrepStep::Later(None);
         }
         let now = Instant::now();
+        let fs_low = fs_free_bytes(self.dev.name()).is_some_and(|f| f < PREPARE_FS_FLOOR_MIB << 20);
         let (seg, idle) = {
             let mut st = self.lock_state();
             if st.segs.unprepared_count() == 0 || st.segs.zeroing().is_some() {
@@ -322,6 +348,10 @@ impl LogStore {
                     if self.prep.idle_bytes_per_sec.load(Ordering::Relaxed) == 0 {
                         // (Tests: no idle preparation.)
                         return PrepStep::Later(None);
+                    }
+                    if fs_low {
+                        let retry = now + Duration::from_secs(PREPARE_FS_RETRY_S);
+                        return PrepStep::Later(Some(retry));
                     }
                     let activity = (st.seq, st.stats.client_bytes);
                     if activity != p.seen {
