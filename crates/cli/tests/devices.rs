@@ -294,4 +294,34 @@ fn a_device_is_replaced_on_a_running_node_under_writes() {
         }
     });
     c.wait_healthy("mirror", MOVE);
+
+    // An added device its node cannot open at a start is failed: nothing
+    // new lands on it, and it does not count as a device the node keeps;
+    // once it can be opened again, the node serves it without a restart.
+    let state_of = |path: &str| -> Result<String, String> {
+        let st = c.try_json(&["status"])?;
+        st["devices"]
+            .as_array()
+            .and_then(|ds| ds.iter().find(|d| d["path"] == path))
+            .and_then(|d| d["state"].as_str().map(String::from))
+            .ok_or_else(|| format!("no device at {path}: {}", st["devices"]))
+    };
+    c.signal(t, "9");
+    c.wait_node(t, "down", MOVE);
+    let aside = disks.join("late.aside");
+    std::fs::rename(&late, &aside).expect("rename");
+    c.up();
+    c.wait_node(t, "up", MOVE);
+    wait_for("the unopened device failed", MOVE, || match state_of(&late)? {
+        s if s == "Failed" => Ok(()),
+        s => Err(s),
+    });
+    let err = c.shoal_fails(&["device", "remove", &new.to_string()]);
+    assert!(err.contains("last device node"), "{err}");
+    std::fs::rename(&aside, &late).expect("rename");
+    wait_for("the device served again", MOVE, || match state_of(&late)? {
+        s if s == "Healthy" => Ok(()),
+        s => Err(s),
+    });
+    c.wait_healthy("mirror", MOVE);
 }
