@@ -312,9 +312,11 @@ fn a_device_is_replaced_on_a_running_node_under_writes() {
     std::fs::rename(&late, &aside).expect("rename");
     c.up();
     c.wait_node(t, "up", MOVE);
-    wait_for("the unopened device failed", MOVE, || match state_of(&late)? {
-        s if s == "Failed" => Ok(()),
-        s => Err(s),
+    wait_for("the unopened device failed", MOVE, || {
+        match state_of(&late)? {
+            s if s == "Failed" => Ok(()),
+            s => Err(s),
+        }
     });
     let err = c.shoal_fails(&["device", "remove", &new.to_string()]);
     assert!(err.contains("last device node"), "{err}");

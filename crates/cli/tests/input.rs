@@ -254,6 +254,41 @@ fn node_refuses_small_device_and_foreign_data_folder() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("too small"), "{err}");
 
+    // A device file holding data that is not a device (a wiped first
+    // MiB over data, as a typo on the command line would name a disk in
+    // use): refused, not formatted, unchanged.
+    let disk = tmp.path().join("data.img");
+    let f = std::fs::File::create(&disk).expect("create");
+    f.set_len(256 << 20).expect("set_len");
+    std::os::unix::fs::FileExt::write_all_at(&f, b"someone's data", 8 << 20).expect("write");
+    drop(f);
+    let before = std::fs::read(&disk).expect("read");
+    let out = run(Command::new(shoal_bin()).args([
+        "node",
+        "--id",
+        "1",
+        "--data",
+        &tmp.path().join("n2").display().to_string(),
+        "--device",
+        &format!("{}:256M", disk.display()),
+        "--api",
+        &net.api_addr(1),
+        "--nbd",
+        &net.nbd_addr(1),
+        "--peer",
+        &net.peer_addr(1),
+    ]));
+    assert!(
+        !out.status.success(),
+        "a node formatted a disk holding data"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("refusing to format"), "{err}");
+    assert!(
+        std::fs::read(&disk).expect("read") == before,
+        "the disk changed"
+    );
+
     // Two clusters; a node folder of the first cannot join the second.
     let a = Cluster::start(1);
     let b = Cluster::start(1);

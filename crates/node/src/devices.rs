@@ -194,19 +194,24 @@ pub enum AddError {
     Directory(#[from] DirectoryError),
 }
 
-/// Creates `path` as a file of `size` bytes of zeros, all allocated, if
-/// it does not exist yet.
+/// Makes `path` a file of `size` bytes of zeros, all allocated (mode
+/// 0600 from the start): created, or, when it exists without being a
+/// device yet (a thick add cut short, an empty sparse file), written over
+/// in full. The caller has checked that it holds nothing.
 pub(crate) fn create_thick(path: &Path, size: u64) -> std::io::Result<()> {
-    use std::io::Write;
-    let mut f = match std::fs::OpenOptions::new()
+    use std::io::{Seek, SeekFrom, Write};
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let mut f = std::fs::OpenOptions::new()
         .write(true)
-        .create_new(true)
-        .open(path)
-    {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(()),
-        Err(e) => return Err(e),
-    };
+        .create(true)
+        .truncate(false)
+        .mode(DEVICE_FILE_MODE)
+        .open(path)?;
+    let m = f.metadata()?;
+    if !m.is_file() || (m.len() >= size && m.blocks().saturating_mul(512) >= m.len()) {
+        return Ok(());
+    }
+    f.seek(SeekFrom::Start(0))?;
     let zeros = vec![0u8; 8 << 20];
     let mut left = size;
     while left > 0 {
@@ -222,7 +227,26 @@ pub(crate) fn create_thick(path: &Path, size: u64) -> std::io::Result<()> {
 pub(crate) fn open_store(spec: &DeviceSpec, cluster_id: &str) -> anyhow::Result<Arc<Store>> {
     use anyhow::Context;
     let path = &spec.path;
-    if spec.thick && spec.size > 0 {
+    // Formatted only when new or empty: never a disk or file holding data
+    // that is not a device (a typo on a command line).
+    let formatted = match Store::identify(path) {
+        Ok(found) => found.is_some(),
+        // Not there yet: created below.
+        Err(shoal_store::StoreError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) => anyhow::bail!(
+            "{} starts like a Shoal device but its superblock cannot be read ({e}): refusing \
+             to format it",
+            path.display()
+        ),
+    };
+    if !formatted && !unused(path).with_context(|| format!("reading {}", path.display()))? {
+        anyhow::bail!(
+            "{} holds data that is not a device of a Shoal cluster: refusing to format it \
+             (wipe it first if it is meant to be one)",
+            path.display()
+        );
+    }
+    if spec.thick && spec.size > 0 && !formatted {
         create_thick(path, spec.size).with_context(|| format!("creating {}", path.display()))?;
     }
     let s = Store::open_or_create(path, spec.size, cluster_id)
@@ -262,18 +286,77 @@ pub(crate) fn open_added(spec: &DeviceSpec, cluster_id: &str) -> anyhow::Result<
     Ok(s)
 }
 
-/// Whether `path` may be formatted: it does not exist, or its first
-/// [`UNUSED_PREFIX_BYTES`] (or all of it, if shorter) are zeros.
+/// Bytes read at each place [`unused`] samples beyond the ends.
+const UNUSED_SAMPLE_BYTES: u64 = 64 << 10;
+/// Places [`unused`] samples beyond the ends: the starts of a file's
+/// first data extents, or points spread over a block device.
+const UNUSED_SAMPLES: u64 = 64;
+
+/// Whether `path` may be formatted: it does not exist, or it reads as
+/// zeros where data would show: its first and last
+/// [`UNUSED_PREFIX_BYTES`], and [`UNUSED_SAMPLE_BYTES`] at the start of
+/// each of its first [`UNUSED_SAMPLES`] data extents (a file: its holes
+/// are zeros) or at as many points spread over it (a block device). A
+/// wiped partition table over a disk still full of data is found so.
 fn unused(path: &Path) -> std::io::Result<bool> {
-    use std::io::Read;
+    use std::os::unix::fs::FileExt;
+    use std::os::unix::fs::FileTypeExt;
     let f = match std::fs::File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(true),
         Err(e) => return Err(e),
     };
-    let mut buf = Vec::with_capacity(UNUSED_PREFIX_BYTES);
-    f.take(UNUSED_PREFIX_BYTES as u64).read_to_end(&mut buf)?;
-    Ok(buf.iter().all(|&b| b == 0))
+    let len = existing_len(path)?;
+    let block = f.metadata()?.file_type().is_block_device();
+    let prefix = UNUSED_PREFIX_BYTES as u64;
+    let mut places = vec![(0, prefix), (len.saturating_sub(prefix), prefix)];
+    if block {
+        let step = len / (UNUSED_SAMPLES + 1);
+        places.extend((1..=UNUSED_SAMPLES).map(|i| (i * step, UNUSED_SAMPLE_BYTES)));
+    } else {
+        places.extend(
+            data_starts(&f, len)?
+                .into_iter()
+                .map(|at| (at, UNUSED_SAMPLE_BYTES)),
+        );
+    }
+    let mut buf = vec![0u8; UNUSED_PREFIX_BYTES];
+    for (at, n) in places {
+        let n = n.min(len.saturating_sub(at)) as usize;
+        let got = f.read_at(&mut buf[..n], at)?;
+        if buf[..got].iter().any(|&b| b != 0) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Where the first [`UNUSED_SAMPLES`] data extents of a file start.
+fn data_starts(f: &std::fs::File, len: u64) -> std::io::Result<Vec<u64>> {
+    use std::os::fd::AsRawFd;
+    let mut out = Vec::new();
+    let mut pos = 0u64;
+    while pos < len && (out.len() as u64) < UNUSED_SAMPLES {
+        // SAFETY: lseek on a descriptor we own, with integer arguments;
+        // the position it moves is used by nothing (reads are positional).
+        let d = unsafe { libc::lseek(f.as_raw_fd(), pos as libc::off_t, libc::SEEK_DATA) };
+        if d < 0 {
+            let e = std::io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::ENXIO) => Ok(out),
+                _ => Err(e),
+            };
+        }
+        let d = d as u64;
+        out.push(d);
+        // SAFETY: as above.
+        let h = unsafe { libc::lseek(f.as_raw_fd(), d as libc::off_t, libc::SEEK_HOLE) };
+        if h < 0 || (h as u64) <= d {
+            return Ok(out);
+        }
+        pos = h as u64;
+    }
+    Ok(out)
 }
 
 /// Checks an [`shoal_api::AddDevice`]'s own fields.
@@ -1052,6 +1135,23 @@ mod tests {
     }
 
     #[test]
+    fn a_thick_file_is_written_in_full_even_when_an_add_left_part_of_it() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("thick.dev");
+        // What an add killed while writing leaves: shorter, and sparse.
+        std::fs::File::create(&p).unwrap().set_len(8 << 20).unwrap();
+        create_thick(&p, 16 << 20).unwrap();
+        let m = std::fs::metadata(&p).unwrap();
+        assert_eq!(m.len(), 16 << 20);
+        assert!(m.blocks() * 512 >= m.len(), "not fully allocated");
+        let fresh = d.path().join("fresh.dev");
+        create_thick(&fresh, 4 << 20).unwrap();
+        let mode = std::fs::metadata(&fresh).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, DEVICE_FILE_MODE);
+    }
+
+    #[test]
     fn only_a_new_or_zeroed_file_or_a_device_of_this_cluster_is_opened() {
         let d = tempfile::tempdir().unwrap();
         let at = |n: &str| DeviceSpec {
@@ -1075,6 +1175,22 @@ mod tests {
         let e = open_new(&at("data"), "c", Path::new("/nonexistent-data")).unwrap_err();
         assert!(e.to_string().contains("refusing to format"), "{e}");
         assert_eq!(std::fs::read(d.path().join("data")).unwrap(), b"precious");
+        // A wiped first MiB over data further on (at 2 MiB, and near the
+        // end): refused, unchanged.
+        use std::os::unix::fs::FileExt;
+        for at_byte in [2u64 << 20, (64 << 20) - 4096] {
+            let p = d.path().join(format!("wiped-{at_byte}"));
+            let f = std::fs::File::create(&p).unwrap();
+            f.set_len(64 << 20).unwrap();
+            f.write_all_at(b"PRECIOUS", at_byte).unwrap();
+            let mut w = at(&format!("wiped-{at_byte}"));
+            w.size = 0;
+            let e = open_new(&w, "c", Path::new("/nonexistent-data")).unwrap_err();
+            assert!(e.to_string().contains("refusing to format"), "{e}");
+            let back = std::fs::read(&p).unwrap();
+            let at_byte = at_byte as usize;
+            assert_eq!(&back[at_byte..at_byte + 8], b"PRECIOUS");
+        }
         // All zeros (a new sparse file, a wiped disk): formatted.
         let f = std::fs::File::create(d.path().join("zeros")).unwrap();
         f.set_len(64 << 20).unwrap();

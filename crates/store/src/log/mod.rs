@@ -661,14 +661,24 @@ impl LogStore {
 
     /// The cluster and the store uuid of a formatted device, from its
     /// superblock alone (no lock taken, no log replayed, nothing
-    /// written); None when it does not start with a superblock.
+    /// written); None when it does not start with a superblock. A format
+    /// cut short after superblock copy 1 and before copy 0 (the last
+    /// write of a format) names its cluster too: such a device was never
+    /// opened, and formatting it again loses nothing.
     pub fn identify(path: &Path) -> Result<Option<(String, u64)>> {
         use std::os::unix::fs::FileExt;
         let file = File::open(path)?;
         let mut b = vec![0u8; 2 * BLOCK];
         let n = file.read_at(&mut b, 0)?;
-        if n < BLOCK || !LogSuper::has_magic(&b[..BLOCK]) {
+        if n < BLOCK {
             return Ok(None);
+        }
+        if !LogSuper::has_magic(&b[..BLOCK]) {
+            if n < 2 * BLOCK || !LogSuper::has_magic(&b[BLOCK..]) {
+                return Ok(None);
+            }
+            let sb = LogSuper::decode(&b[BLOCK..2 * BLOCK])?;
+            return Ok(Some((sb.cluster_id, sb.uuid)));
         }
         let len = if n >= 2 * BLOCK { 2 * BLOCK } else { BLOCK };
         let sb = Self::decode_super(&b[..len])?;

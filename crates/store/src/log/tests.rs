@@ -2878,3 +2878,29 @@ fn power_cuts_amid(streamed: bool, prepare: bool) {
         }
     }
 }
+
+#[test]
+fn identify_reads_the_superblock_alone_and_names_a_format_cut_short() {
+    let dir = TempDir::new().unwrap();
+    let p = dev_path(&dir);
+    assert!(matches!(LogStore::identify(&p), Err(StoreError::Io(_))));
+    let uuid = {
+        let s = LogStore::create(&p, 64 << 20, "c1").unwrap();
+        s.uuid()
+    };
+    assert_eq!(LogStore::identify(&p).unwrap(), Some(("c1".into(), uuid)));
+    // A format whose last write (superblock copy 0) never landed.
+    let f = OpenOptions::new().write(true).open(&p).unwrap();
+    f.write_all_at(&[0u8; 4096], 0).unwrap();
+    drop(f);
+    assert_eq!(LogStore::identify(&p).unwrap(), Some(("c1".into(), uuid)));
+    // Formatted again: a new store, which opens.
+    let again = LogStore::open_or_create(&p, 64 << 20, "c1").unwrap();
+    assert_ne!(again.uuid(), uuid);
+    drop(again);
+    LogStore::open(&p).unwrap();
+    // Not a device at all: none.
+    let q = dir.path().join("zeros");
+    std::fs::File::create(&q).unwrap().set_len(1 << 20).unwrap();
+    assert_eq!(LogStore::identify(&q).unwrap(), None);
+}
