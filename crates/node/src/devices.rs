@@ -294,10 +294,11 @@ const UNUSED_SAMPLES: u64 = 64;
 
 /// Whether `path` may be formatted: it does not exist, or it reads as
 /// zeros where data would show: its first and last
-/// [`UNUSED_PREFIX_BYTES`], and [`UNUSED_SAMPLE_BYTES`] at the start of
-/// each of its first [`UNUSED_SAMPLES`] data extents (a file: its holes
-/// are zeros) or at as many points spread over it (a block device). A
-/// wiped partition table over a disk still full of data is found so.
+/// [`UNUSED_PREFIX_BYTES`], [`UNUSED_SAMPLE_BYTES`] at
+/// [`UNUSED_SAMPLES`] points spread over it, and, in a file, as much at
+/// the start of each of its first [`UNUSED_SAMPLES`] data extents (its
+/// holes are zeros). A wiped partition table over a disk still full of
+/// data is found so.
 fn unused(path: &Path) -> std::io::Result<bool> {
     use std::os::unix::fs::FileExt;
     use std::os::unix::fs::FileTypeExt;
@@ -310,15 +311,11 @@ fn unused(path: &Path) -> std::io::Result<bool> {
     let block = f.metadata()?.file_type().is_block_device();
     let prefix = UNUSED_PREFIX_BYTES as u64;
     let mut places = vec![(0, prefix), (len.saturating_sub(prefix), prefix)];
-    if block {
-        let step = len / (UNUSED_SAMPLES + 1);
-        places.extend((1..=UNUSED_SAMPLES).map(|i| (i * step, UNUSED_SAMPLE_BYTES)));
-    } else {
-        places.extend(
-            data_starts(&f, len)?
-                .into_iter()
-                .map(|at| (at, UNUSED_SAMPLE_BYTES)),
-        );
+    let step = len / (UNUSED_SAMPLES + 1);
+    places.extend((1..=UNUSED_SAMPLES).map(|i| (i * step, UNUSED_SAMPLE_BYTES)));
+    if !block {
+        let starts = data_starts(&f, len)?;
+        places.extend(starts.into_iter().map(|at| (at, UNUSED_SAMPLE_BYTES)));
     }
     let mut buf = vec![0u8; UNUSED_PREFIX_BYTES];
     for (at, n) in places {
@@ -1191,6 +1188,17 @@ mod tests {
             let at_byte = at_byte as usize;
             assert_eq!(&back[at_byte..at_byte + 8], b"PRECIOUS");
         }
+        // A file written in full (one extent: a raw image), zeros at both
+        // ends, data in the middle: found by the spread samples.
+        let full = d.path().join("full");
+        let mut bytes = vec![0u8; 64 << 20];
+        bytes[(26 << 20)..(30 << 20)].fill(0x5a);
+        std::fs::write(&full, &bytes).unwrap();
+        let mut w = at("full");
+        w.size = 0;
+        let e = open_new(&w, "c", Path::new("/nonexistent-data")).unwrap_err();
+        assert!(e.to_string().contains("refusing to format"), "{e}");
+        assert!(std::fs::read(&full).unwrap() == bytes);
         // All zeros (a new sparse file, a wiped disk): formatted.
         let f = std::fs::File::create(d.path().join("zeros")).unwrap();
         f.set_len(64 << 20).unwrap();

@@ -57,7 +57,13 @@ async fn record_state<C: Control>(
             .await
         {
             Ok(()) => return Some(Internal::Marked { idx }),
-            Err(ControlError::Conflict) => return Some(Internal::Deposed),
+            Err(ControlError::Conflict) => {
+                return Some(Internal::RecordConflict {
+                    idx,
+                    state,
+                    generation,
+                })
+            }
             // The directory no longer has the component (a change that
             // dropped or undid it ended): nothing can read from it.
             Err(ControlError::Refused(e)) => {
@@ -173,6 +179,22 @@ impl<C: Control> Loop<C> {
                 report(&tx, ev);
             }
         });
+    }
+
+    /// A record of replica `idx` was refused under `generation`: made
+    /// again under the generation this owner raised since, or the owner
+    /// is deposed.
+    pub(super) fn record_conflict(
+        &mut self,
+        idx: usize,
+        state: ComponentState,
+        generation: Generation,
+    ) -> Flow {
+        if generation >= self.generation {
+            return Flow::Stop;
+        }
+        self.record(idx, state);
+        Flow::Continue
     }
 
     /// The directory recorded replica `idx` out of service: the writes
@@ -430,10 +452,12 @@ impl<C: Control> Loop<C> {
     /// generation it was made under.)
     fn may_raise_generation(&self) -> bool {
         use super::resync::ResyncPhase;
-        let resync_raising = self
-            .resync
-            .as_ref()
-            .is_some_and(|rs| matches!(rs.phase, ResyncPhase::Reclaiming | ResyncPhase::Reviving));
+        let resync_raising = self.resync.as_ref().is_some_and(|rs| {
+            matches!(
+                rs.phase,
+                ResyncPhase::Reclaiming | ResyncPhase::Reviving | ResyncPhase::Finishing
+            )
+        });
         !resync_raising
             && self.abandoned.is_none()
             && self.replicas.iter().all(|r| r.mode != Mode::Failing)
@@ -446,6 +470,13 @@ impl<C: Control> Loop<C> {
         let lost: ReplicaSet = (0..self.replicas.len())
             .filter(|&i| self.replicas[i].mode == Mode::InSync && self.replicas[i].peer.is_none())
             .collect();
+        // A copy that left service meanwhile is reconnected no more (its
+        // mark would otherwise keep it from every later reconnection).
+        for (i, r) in self.replicas.iter_mut().enumerate() {
+            if r.reconnecting && !lost.contains(i) {
+                r.reconnecting = false;
+            }
+        }
         match result {
             Ok(g) => {
                 assert!(g > self.generation, "reclaim must raise the generation");

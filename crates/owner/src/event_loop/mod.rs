@@ -115,8 +115,14 @@ pub(crate) enum Internal {
     Marked {
         idx: usize,
     },
-    /// The directory refused a change: another owner holds a newer generation.
-    Deposed,
+    /// The directory refused to record replica `idx` in `state` under
+    /// `generation`: another owner holds a newer one, unless this owner
+    /// raised it itself since (then recorded again under its own).
+    RecordConflict {
+        idx: usize,
+        state: ComponentState,
+        generation: Generation,
+    },
     /// A lease renewal round sent at `sent` under `generation` ended.
     Renewed {
         sent: Instant,
@@ -195,6 +201,8 @@ pub(crate) enum Internal {
     /// attempt, or of an abandoned one's wait ([`resync::Abandoned`]).
     ResyncDone {
         attempt: u64,
+        /// The generation the request was made under.
+        generation: Generation,
         result: Result<(), ControlError>,
     },
     /// The directory answered the commit or abort of the change in
@@ -440,7 +448,11 @@ impl<C: Control> Loop<C> {
                 reply,
             } => self.read_failed(idx, (offset, len), tried, error, reply),
             Internal::Marked { idx } => self.marked(idx),
-            Internal::Deposed => Flow::Stop,
+            Internal::RecordConflict {
+                idx,
+                state,
+                generation,
+            } => self.record_conflict(idx, state, generation),
             Internal::Renewed {
                 sent,
                 generation,
@@ -469,7 +481,11 @@ impl<C: Control> Loop<C> {
             Internal::CopyPaced { attempt } => self.copy_paced(attempt),
             Internal::ReconcileRead { region, result } => self.reconcile_read(region, result),
             Internal::ReconcileWritten { failed } => self.reconcile_written(failed),
-            Internal::ResyncDone { attempt, result } => self.resync_done(attempt, result),
+            Internal::ResyncDone {
+                attempt,
+                generation,
+                result,
+            } => self.resync_done(attempt, generation, result),
             Internal::ChangeEnded {
                 end,
                 generation,

@@ -131,10 +131,13 @@ impl<C: Control> Loop<C> {
             self.resync_backoff -= 1;
             return;
         }
+        // Nor while a lost copy is being reconnected: a raise of the
+        // generation now could overtake its activation.
         if self.resync.is_some()
             || self.abandoned.is_some()
             || self.reconcile.is_some()
             || self.reconnect_reclaim
+            || self.replicas.iter().any(|r| r.reconnecting)
         {
             return;
         }
@@ -460,6 +463,13 @@ impl<C: Control> Loop<C> {
             return;
         }
         rs.phase = ResyncPhase::Finishing;
+        self.record_active();
+    }
+
+    /// Has the directory record the resync's target active, under the
+    /// current generation.
+    fn record_active(&mut self) {
+        let Some(rs) = &self.resync else { return };
         let attempt = rs.attempt;
         let component = self.replicas[rs.idx].component;
         let (volume, generation) = (self.volume, self.generation);
@@ -468,7 +478,11 @@ impl<C: Control> Loop<C> {
             let result = control
                 .set_component_state(volume, component, ComponentState::Active, generation)
                 .await;
-            Internal::ResyncDone { attempt, result }
+            Internal::ResyncDone {
+                attempt,
+                generation,
+                result,
+            }
         });
     }
 
@@ -614,9 +628,23 @@ impl<C: Control> Loop<C> {
         Flow::Continue
     }
 
-    pub(super) fn resync_done(&mut self, attempt: u64, result: Result<(), ControlError>) -> Flow {
+    pub(super) fn resync_done(
+        &mut self,
+        attempt: u64,
+        generation: Generation,
+        result: Result<(), ControlError>,
+    ) -> Flow {
         if result == Err(ControlError::Conflict) {
-            return Flow::Stop;
+            // Refused under a generation this owner raised since (a
+            // reconnection's): asked again under its own. Anyone else's:
+            // deposed.
+            if generation >= self.generation {
+                return Flow::Stop;
+            }
+            if self.is_current(attempt) {
+                self.record_active();
+                return Flow::Continue;
+            }
         }
         if self
             .abandoned

@@ -8,10 +8,11 @@
 //!
 //! The writer's rules, which replay relies on (and the property test
 //! checks with a circular log and torn writes):
-//! - a record is applied (and its blocks trimmed from the performance
-//!   leg) only once it and every record before it are durable, so a
-//!   record found past a missing one was never applied: replay stops at
-//!   the first missing seq;
+//! - one record in flight at a time: a record is written once the one
+//!   before it is durable, and applied (its blocks trimmed from the
+//!   performance leg) only then; a checkpoint taken from the applied map
+//!   so covers every record before its seq. Replay stops at the first
+//!   missing seq all the same;
 //! - a checkpoint is taken from the applied map, and a new one is written
 //!   before the log could wrap over the newest complete one;
 //! - a new owner starts from [`StripeMap::recover`] and writes a
@@ -129,7 +130,11 @@ impl StripeMap {
                 ..
             } => self.apply_stripe(*stripe_seq, *slot, blocks)?,
             MapRecord::Unmap { first, count, .. } => {
-                for b in *first..first.saturating_add(*count) {
+                // Only the mapped blocks of the range: a whole-volume trim
+                // is one record, not a walk over every block number.
+                let end = first.saturating_add(*count);
+                let mapped: Vec<u64> = self.blocks.range(*first..end).map(|(&b, _)| b).collect();
+                for b in mapped {
                     self.unmap(b);
                 }
             }
@@ -226,7 +231,8 @@ impl StripeMap {
     /// made durable; nothing after it was acknowledged to the map).
     pub fn replay(records: &[MapRecord]) -> Result<StripeMap, MapError> {
         let mut by_seq: BTreeMap<u64, &MapRecord> = BTreeMap::new();
-        for r in records {
+        // Seqs start at 1: a record numbered 0 is no record of a writer.
+        for r in records.iter().filter(|r| r.seq() > 0) {
             by_seq.insert(r.seq(), r);
         }
         let start = newest_checkpoint(&by_seq).ok_or(MapError::NoCheckpoint)?;
@@ -252,6 +258,17 @@ impl StripeMap {
         let mut map = StripeMap::replay(records)?;
         let highest = records.iter().map(MapRecord::seq).max().unwrap_or(0);
         map.last_record_seq = map.last_record_seq.max(highest);
+        // Stripe seqs too: a stripe written past a missing record must not
+        // share its seq with a new one (a rebuild from the summaries
+        // takes the later seq).
+        let stripes = records.iter().filter_map(|r| match r {
+            MapRecord::Stripe { stripe_seq, .. } => Some(*stripe_seq),
+            MapRecord::Checkpoint {
+                last_stripe_seq, ..
+            } => Some(*last_stripe_seq),
+            MapRecord::Unmap { .. } => None,
+        });
+        map.last_stripe_seq = map.last_stripe_seq.max(stripes.max().unwrap_or(0));
         Ok(map)
     }
 

@@ -20,9 +20,9 @@ enum Op {
     Clean,
     Unmap(u64, u64),
     Checkpoint,
-    /// The last `n` records written were never made durable; with a
-    /// hole, the very last one was (written at once with the others).
-    Crash(u64, bool),
+    /// The last `n` records written were never made durable (the writer
+    /// has one record in flight at a time; a crash tears it).
+    Crash(u64),
 }
 
 fn ops() -> impl Strategy<Value = Vec<Op>> {
@@ -31,7 +31,7 @@ fn ops() -> impl Strategy<Value = Vec<Op>> {
         2 => Just(Op::Clean),
         1 => (0..BLOCKS, 1u64..40).prop_map(|(a, n)| Op::Unmap(a, n)),
         1 => Just(Op::Checkpoint),
-        1 => (0u64..4, any::<bool>()).prop_map(|(n, hole)| Op::Crash(n, hole)),
+        1 => (0u64..4).prop_map(Op::Crash),
     ];
     prop::collection::vec(op, 1..60)
 }
@@ -155,32 +155,18 @@ impl Writer {
         assert_eq!(self.map.live(slot), 0, "a cleaned slot still holds blocks");
     }
 
-    /// The last `n` records were never durable (but the very last one,
-    /// with a hole): the log loses them, and a new owner starts from what
-    /// it finds, with a checkpoint first.
-    fn crash(&mut self, n: u64, hole: bool) -> Result<(), TestCaseError> {
+    /// The last `n` records were never durable: the log loses them
+    /// (torn), and a new owner starts from what it finds, with a
+    /// checkpoint first.
+    fn crash(&mut self, n: u64) -> Result<(), TestCaseError> {
         let last = self.map.next_record_seq() - 1;
         // The first checkpoint is written when the leg is made, before the
         // volume serves: durable before anything else.
         let made = self.checkpoints[0].1;
         let kept = last.saturating_sub(n).max(made);
-        // A record past a hole was written, never applied: records apply
-        // (and their blocks leave the performance leg) in seq order only,
-        // and a checkpoint is taken from applied records, so the record
-        // kept past a hole is never a checkpoint.
-        let last_is_checkpoint = self
-            .history
-            .last()
-            .is_some_and(|r| matches!(r, MapRecord::Checkpoint { .. }));
-        let lost_to = if hole && kept + 1 < last && !last_is_checkpoint {
-            last - 1
-        } else {
-            last
-        };
-        if kept < lost_to {
-            self.log.lose(kept + 1..=lost_to);
+        if kept < last {
+            self.log.lose(kept + 1..=last);
         }
-        // Past the hole nothing counts as durable.
         self.history.retain(|r| r.seq() <= kept);
         self.checkpoints.retain(|&(_, end)| end <= kept);
         prop_assert!(
@@ -188,10 +174,26 @@ impl Writer {
             "the writer's rule lost every checkpoint"
         );
         let found = self.log.records();
-        let replayed = StripeMap::replay(&found).expect("a complete checkpoint survives");
+        let Ok(replayed) = StripeMap::replay(&found) else {
+            let mut seen: Vec<String> = found
+                .iter()
+                .map(|r| match r {
+                    MapRecord::Checkpoint {
+                        seq, part, parts, ..
+                    } => format!("{seq}c{part}/{parts}"),
+                    MapRecord::Stripe { seq, .. } => format!("{seq}s"),
+                    MapRecord::Unmap { seq, .. } => format!("{seq}u"),
+                })
+                .collect();
+            seen.sort();
+            panic!(
+                "no complete checkpoint: log {seen:?}, kept {kept}, last {last}, checkpoints {:?}",
+                self.checkpoints
+            );
+        };
         prop_assert_eq!(blocks_of(&replayed), blocks_of(&self.model()));
         // Replay stops where the chain of records does (a torn checkpoint
-        // of an earlier recovery, records lost past a hole): never past
+        // of an earlier recovery): never past
         // the last durable record.
         let durable = self.history.last().map_or(0, MapRecord::seq);
         prop_assert!(replayed.next_record_seq() <= durable + 1);
@@ -236,7 +238,7 @@ proptest! {
                     w.append(MapRecord::Unmap { volume: VOLUME, seq, first, count });
                 }
                 Op::Checkpoint => w.checkpoint(),
-                Op::Crash(n, hole) => w.crash(n, hole)?,
+                Op::Crash(n) => w.crash(n)?,
             }
             // A stripe never lands in a slot still holding live blocks.
             let used: u64 = (0..=w.map.free_slot()).map(|s| u64::from(w.map.live(s))).sum();
@@ -356,4 +358,54 @@ fn a_stripe_into_a_slot_with_live_blocks_or_an_old_record_is_refused() {
     // Moved elsewhere, slot 0 is free again.
     m.apply(&stripe(2, 1)).unwrap();
     assert_eq!((m.live(0), m.live(1), m.free_slot()), (0, 2, 0));
+}
+
+#[test]
+fn replay_stops_at_a_missing_record_and_recover_numbers_past_what_it_found() {
+    let stripe = |seq: u64, slot: u64, block: u64| MapRecord::Stripe {
+        volume: VOLUME,
+        seq,
+        stripe_seq: seq,
+        slot,
+        blocks: vec![block],
+    };
+    let mut records = StripeMap::default().checkpoint(VOLUME, 1);
+    records.push(stripe(2, 0, 10));
+    // Record 3 never became durable; 4 was written past it (never
+    // applied by its writer, whose blocks stayed pending).
+    records.push(stripe(4, 1, 20));
+    let m = StripeMap::replay(&records).unwrap();
+    assert_eq!(m.get(10), Some(Loc { slot: 0, index: 0 }));
+    assert_eq!(m.get(20), None, "a record past a missing one was applied");
+    assert_eq!(m.next_record_seq(), 3);
+    let r = StripeMap::recover(&records).unwrap();
+    assert_eq!(r.next_record_seq(), 5, "a new owner reuses a seq found");
+    assert_eq!(r.get(20), None);
+}
+
+#[test]
+fn a_record_numbered_zero_is_ignored_and_a_wide_unmap_walks_only_what_is_mapped() {
+    let mut bogus = StripeMap::default().checkpoint(VOLUME, 0);
+    assert_eq!(StripeMap::replay(&bogus), Err(MapError::NoCheckpoint));
+    bogus.extend(StripeMap::default().checkpoint(VOLUME, 1));
+    assert!(StripeMap::replay(&bogus).is_ok());
+    let mut m = StripeMap::default();
+    m.apply(&MapRecord::Stripe {
+        volume: VOLUME,
+        seq: 1,
+        stripe_seq: 1,
+        slot: 0,
+        blocks: vec![5, 6],
+    })
+    .unwrap();
+    // The whole address space at once: done in no time.
+    m.apply(&MapRecord::Unmap {
+        volume: VOLUME,
+        seq: 2,
+        first: 0,
+        count: u64::MAX,
+    })
+    .unwrap();
+    assert!(m.is_empty());
+    assert_eq!(m.free_slot(), 0);
 }

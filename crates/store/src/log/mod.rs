@@ -610,7 +610,8 @@ impl LogStore {
             ];
             use std::os::unix::fs::FileExt;
             file.read_exact_at(&mut b, 0)?;
-            if LogSuper::has_magic(&b) {
+            let copy1 = b.len() >= 2 * BLOCK && LogSuper::has_magic(&b[BLOCK..]);
+            if LogSuper::has_magic(&b) || copy1 {
                 let sb = Self::decode_super(&b)?;
                 if sb.cluster_id != cluster_id {
                     return Err(StoreError::ForeignCluster {
@@ -661,10 +662,10 @@ impl LogStore {
 
     /// The cluster and the store uuid of a formatted device, from its
     /// superblock alone (no lock taken, no log replayed, nothing
-    /// written); None when it does not start with a superblock. A format
-    /// cut short after superblock copy 1 and before copy 0 (the last
-    /// write of a format) names its cluster too: such a device was never
-    /// opened, and formatting it again loses nothing.
+    /// written); None when it has no superblock. A device whose copy 0
+    /// lost its magic (a label written over its first sector, a format
+    /// cut short before its last write) is known by copy 1, as `open`
+    /// knows it.
     pub fn identify(path: &Path) -> Result<Option<(String, u64)>> {
         use std::os::unix::fs::FileExt;
         let file = File::open(path)?;
@@ -673,12 +674,9 @@ impl LogStore {
         if n < BLOCK {
             return Ok(None);
         }
-        if !LogSuper::has_magic(&b[..BLOCK]) {
-            if n < 2 * BLOCK || !LogSuper::has_magic(&b[BLOCK..]) {
-                return Ok(None);
-            }
-            let sb = LogSuper::decode(&b[BLOCK..2 * BLOCK])?;
-            return Ok(Some((sb.cluster_id, sb.uuid)));
+        let copy1 = n >= 2 * BLOCK && LogSuper::has_magic(&b[BLOCK..]);
+        if !LogSuper::has_magic(&b[..BLOCK]) && !copy1 {
+            return Ok(None);
         }
         let len = if n >= 2 * BLOCK { 2 * BLOCK } else { BLOCK };
         let sb = Self::decode_super(&b[..len])?;
@@ -711,6 +709,16 @@ impl LogStore {
         match LogSuper::decode(&b[..BLOCK]) {
             Ok(sb) => Ok(sb),
             Err(StoreError::Corrupt(m)) if b.len() < 2 * BLOCK => Err(StoreError::Corrupt(m)),
+            // Copy 0 without its magic (a label written over the first
+            // sector, a format cut short before its last write) while
+            // copy 1 has it: copy 1 tells, never a reformat.
+            Err(StoreError::BadFormat(m))
+                if b.len() >= 2 * BLOCK && LogSuper::has_magic(&b[BLOCK..]) =>
+            {
+                let sb = LogSuper::decode(&b[BLOCK..2 * BLOCK])?;
+                tracing::warn!("superblock copy 0 is missing ({m}); using copy 1");
+                Ok(sb)
+            }
             Err(StoreError::Corrupt(m)) => match LogSuper::decode(&b[BLOCK..2 * BLOCK]) {
                 Ok(sb) => {
                     tracing::warn!("superblock copy 0 is damaged ({m}); using copy 1");
@@ -800,7 +808,7 @@ impl LogStore {
         }
         let mut b = vec![0u8; 2 * BLOCK];
         dev.read_at(&mut b, 0)?;
-        if !LogSuper::has_magic(&b) {
+        if !LogSuper::has_magic(&b) && !LogSuper::has_magic(&b[BLOCK..]) {
             return Err(StoreError::BadFormat(format!(
                 "{} is not a Shoal device: no SHOALDEV superblock at offset 0",
                 dev.name().display()

@@ -2880,7 +2880,7 @@ fn power_cuts_amid(streamed: bool, prepare: bool) {
 }
 
 #[test]
-fn identify_reads_the_superblock_alone_and_names_a_format_cut_short() {
+fn a_device_whose_first_sector_was_overwritten_opens_by_superblock_copy_1() {
     let dir = TempDir::new().unwrap();
     let p = dev_path(&dir);
     assert!(matches!(LogStore::identify(&p), Err(StoreError::Io(_))));
@@ -2889,16 +2889,27 @@ fn identify_reads_the_superblock_alone_and_names_a_format_cut_short() {
         s.uuid()
     };
     assert_eq!(LogStore::identify(&p).unwrap(), Some(("c1".into(), uuid)));
-    // A format whose last write (superblock copy 0) never landed.
+    // Copy 0 without its magic (a disk label written over the first
+    // sector; a format whose last write never landed): known by copy 1,
+    // opened with its data and copy 0 repaired, never formatted again.
+    let s = LogStore::open(&p).unwrap();
+    s.create_component(1, 1, 1 << 20).unwrap();
+    s.write(1, 0, &[9u8; 4096]).unwrap();
+    s.sync().unwrap();
+    drop(s);
     let f = OpenOptions::new().write(true).open(&p).unwrap();
-    f.write_all_at(&[0u8; 4096], 0).unwrap();
+    f.write_all_at(&[0u8; 512], 0).unwrap();
     drop(f);
     assert_eq!(LogStore::identify(&p).unwrap(), Some(("c1".into(), uuid)));
-    // Formatted again: a new store, which opens.
-    let again = LogStore::open_or_create(&p, 64 << 20, "c1").unwrap();
-    assert_ne!(again.uuid(), uuid);
-    drop(again);
-    LogStore::open(&p).unwrap();
+    let s = LogStore::open_or_create(&p, 64 << 20, "c1").unwrap();
+    assert_eq!(s.uuid(), uuid, "formatted over");
+    let mut buf = vec![0u8; 4096];
+    s.read(1, 0, &mut buf).unwrap();
+    assert_eq!(buf, vec![9u8; 4096]);
+    drop(s);
+    assert_eq!(LogStore::cluster_of(&p).unwrap(), Some("c1".into()));
+    let s = LogStore::create(&p, 64 << 20, "c1").unwrap();
+    assert_eq!(s.uuid(), uuid, "create formatted over a device");
     // Not a device at all: none.
     let q = dir.path().join("zeros");
     std::fs::File::create(&q).unwrap().set_len(1 << 20).unwrap();

@@ -736,6 +736,7 @@ async fn a_late_report_of_an_aborted_resync_is_ignored() {
         },
         Internal::ResyncDone {
             attempt: first,
+            generation: rig.lp.generation,
             result: Ok(()),
         },
     ] {
@@ -748,9 +749,11 @@ async fn a_late_report_of_an_aborted_resync_is_ignored() {
     // The second attempt completes, its events mixed with the first's.
     rig.run_until(|lp| lp.resync.is_none()).await;
     assert_eq!(rig.lp.replicas[1].mode, Mode::InSync);
-    // A conflict deposes the owner whichever attempt it answers.
+    // A conflict under the current generation deposes the owner
+    // whichever attempt it answers.
     let conflict = Internal::ResyncDone {
         attempt: first,
+        generation: rig.lp.generation,
         result: Err(ControlError::Conflict),
     };
     assert_eq!(rig.internal(conflict), Flow::Stop);
@@ -907,7 +910,10 @@ async fn parked_writes_are_answered_deposed_when_the_loop_ends() {
     assert_eq!(rig.lp.parked.len(), 1);
     // The directory refuses the mark: another owner took over.
     let ev = rig.next_event().await;
-    assert!(matches!(ev, Event::Internal(Internal::Deposed)));
+    assert!(matches!(
+        ev,
+        Event::Internal(Internal::RecordConflict { generation: 1, .. })
+    ));
     assert_eq!(rig.lp.apply(ev), Flow::Stop);
     rig.lp.shutdown();
     assert_eq!(answer(ack).await, Err(OwnerError::Deposed));
@@ -1049,4 +1055,50 @@ async fn a_read_that_waits_too_long_for_a_lease_fails_and_a_newer_owner_deposes(
     assert_eq!(rig.internal(renewed(Renewal::Stale, 0)), Flow::Continue);
     rig.lp.renewing = true;
     assert_eq!(rig.internal(renewed(Renewal::Stale, 1)), Flow::Stop);
+}
+
+#[tokio::test]
+async fn a_record_refused_under_a_generation_this_owner_raised_since_is_made_again() {
+    let mut rig = rig(&standard()).await;
+    rig.fakes[1].answer_others(Answer::Hang);
+    let ack = rig.submit(write(0, 4096, 1));
+    rig.finish_write().await;
+    assert_eq!(rig.lp.replicas[1].mode, Mode::Failing);
+    // This owner raised the generation meanwhile (a reconnection): the
+    // record made under 1 comes back refused.
+    rig.dir.generation.store(2, Ordering::SeqCst);
+    rig.lp.generation = 2;
+    let flow = rig.internal(Internal::RecordConflict {
+        idx: 1,
+        state: ComponentState::Absent,
+        generation: 1,
+    });
+    assert_eq!(flow, Flow::Continue, "deposed by its own raise");
+    rig.run_until(|lp| lp.replicas[1].mode == Mode::Out).await;
+    assert!(rig.dir.recorded().contains(&(2, ComponentState::Absent)));
+    assert_eq!(answer(ack).await, Ok(Bytes::new()));
+    // Under the current generation, a refusal is another owner's.
+    let flow = rig.internal(Internal::RecordConflict {
+        idx: 1,
+        state: ComponentState::Absent,
+        generation: 2,
+    });
+    assert_eq!(flow, Flow::Stop);
+}
+
+#[tokio::test]
+async fn no_resync_starts_while_a_lost_copy_is_being_reconnected() {
+    // Copy 1 lost (reconnecting), copy 2 out but up: a resync's raise
+    // could overtake the reconnection's activation, so it waits.
+    let specs = [
+        copy(1, Mode::InSync, 1).disconnected(),
+        copy(2, Mode::Out, 0),
+        witness(3),
+    ];
+    let mut rig = rig(&specs).await;
+    rig.lp.replicas[0].reconnecting = true;
+    rig.lp.consider_resync();
+    assert!(rig.lp.resync.is_none());
+    rig.lp.replicas[0].reconnecting = false;
+    rig.lp.replicas[0].peer = rig.lp.replicas[1].peer.clone();
 }
