@@ -727,7 +727,9 @@ impl Directory {
     pub async fn catch_up(&self, bound: Duration) -> Result<(), DirectoryError> {
         let queued = Instant::now();
         let asked_after = self.inner.barriers_begun.load(Ordering::Acquire);
-        let mut last_done = self.inner.barrier.lock().await;
+        let mut last_done = tokio::time::timeout(bound, self.inner.barrier.lock())
+            .await
+            .map_err(|_| DirectoryError::Network(format!("no read barrier within {bound:?}")))?;
         if *last_done > asked_after {
             return Ok(());
         }

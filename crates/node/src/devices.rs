@@ -568,25 +568,23 @@ impl DeviceSet {
     /// served. Answers why each that cannot be, by path.
     async fn complete_adds(&self) -> BTreeMap<String, String> {
         let mut out = BTreeMap::new();
-        let mut ident = self.identity.lock().await;
-        let served: Vec<String> = self
-            .replicas
-            .devices()
-            .iter()
-            .map(|d| d.path.clone())
-            .collect();
-        let due: Vec<DeviceSpec> = ident
-            .added
-            .iter()
-            .filter(|d| !served.iter().any(|p| Path::new(p) == d.path))
-            .cloned()
-            .collect();
+        let due: Vec<DeviceSpec> = {
+            let ident = self.identity.lock().await;
+            ident
+                .added
+                .iter()
+                .filter(|d| !self.serves(&d.path))
+                .cloned()
+                .collect()
+        };
         for spec in due {
             let path = spec.path.display().to_string();
             if let Err(e) = self.check_not_elsewhere(&spec.path, &path) {
                 out.insert(path, e.to_string());
                 continue;
             }
+            // Opened without the identity lock: a device that hangs in
+            // its open (a dead disk) holds up only this task.
             let (s2, cluster) = (spec.clone(), self.cluster_id.clone());
             let opened = match tokio::task::spawn_blocking(move || open_added(&s2, &cluster)).await
             {
@@ -600,6 +598,11 @@ impl DeviceSet {
                     continue;
                 }
             };
+            let mut ident = self.identity.lock().await;
+            // Removed, or served by an add, meanwhile.
+            if !ident.added.iter().any(|d| d.path == spec.path) || self.serves(&spec.path) {
+                continue;
+            }
             if let Err(e) = self
                 .register_and_serve(&mut ident, path.clone(), opened)
                 .await
@@ -608,6 +611,14 @@ impl DeviceSet {
             }
         }
         out
+    }
+
+    /// Whether this node serves a device at `path`.
+    fn serves(&self, path: &Path) -> bool {
+        self.replicas
+            .devices()
+            .iter()
+            .any(|d| Path::new(&d.path) == path)
     }
 
     /// Refuses, before anything opens it, a store the directory has
@@ -622,10 +633,14 @@ impl DeviceSet {
             return Ok(());
         }
         let state = self.dir.state();
-        let elsewhere = state
-            .devices
-            .values()
-            .find(|d| d.store_uuid == uuid && !(d.node == self.node && d.path == path));
+        // This node's own device at another path (disks traded while it
+        // was down) is that device, if nothing serves it now: its
+        // registration moves the path.
+        let served = self.replicas.devices();
+        let elsewhere = state.devices.values().find(|d| {
+            let mine = d.node == self.node && !served.iter().any(|s| s.id == d.id);
+            d.store_uuid == uuid && !(d.node == self.node && d.path == path) && !mine
+        });
         match elsewhere {
             Some(d) => Err(AddError::BadRequest(format!(
                 "{path} holds the store of device {} of node {} (registered at {}): a disk is a \
@@ -688,11 +703,22 @@ impl DeviceSet {
                 me.removal_pass().await;
             }
         });
+        // Recorded adds on a task of their own: an open that hangs holds
+        // up no removal.
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut t = tokio::time::interval(Duration::from_secs(REMOVAL_PASS_S));
+            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                t.tick().await;
+                me.completion_pass().await;
+            }
+        });
     }
 
-    /// One pass over this node's devices: recorded adds carried through,
-    /// retiring devices' moves begun, empty ones closed and unregistered.
-    async fn removal_pass(&self) {
+    /// Carries recorded adds through ([`Self::complete_adds`]), logging
+    /// what keeps one from being served when that changes.
+    async fn completion_pass(&self) {
         let incomplete = self.complete_adds().await;
         if let Ok(mut was) = self.incomplete.lock() {
             for (path, why) in &incomplete {
@@ -702,6 +728,11 @@ impl DeviceSet {
             }
             *was = incomplete;
         }
+    }
+
+    /// One pass over this node's retiring devices: moves begun, empty
+    /// devices closed and unregistered.
+    async fn removal_pass(&self) {
         let state = self.dir.state();
         let mine: Vec<DeviceId> = state
             .devices

@@ -666,8 +666,10 @@ pub async fn run(cfg: NodeConfig, shutdown: impl std::future::Future<Output = ()
     let mut ident = identity
         .clone()
         .unwrap_or_else(|| devices::Identity::new(cfg.id, cluster_id.clone()));
+    // Paths name the devices opened now; the uuids of devices not opened
+    // (a disk missing at this start) are kept, so that they are known
+    // again wherever they turn up.
     ident.devices.clear();
-    ident.store_uuids.clear();
     for ((path, id), (_, s)) in device_ids.iter().zip(&stores) {
         ident.record(path, *id, s.uuid());
     }
