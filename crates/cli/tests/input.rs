@@ -229,27 +229,26 @@ fn delete_with_open_connections_needs_force() {
     c.shoal_fails(&["volume", "show", "busy2"]);
 }
 
+/// `shoal node` as node 1 of a cluster of its own, on `net`'s host 1.
+fn lone_node(data: &std::path::Path, device: &str, net: &Subnet) -> Command {
+    let mut c = Command::new(shoal_bin());
+    c.args(["node", "--id", "1", "--data"])
+        .arg(data)
+        .args(["--device", device])
+        .args(["--api", &net.api_addr(1)])
+        .args(["--nbd", &net.nbd_addr(1)])
+        .args(["--peer", &net.peer_addr(1)]);
+    c
+}
+
 #[test]
 fn node_refuses_small_device_and_foreign_data_folder() {
     let tmp = tempfile::tempdir().expect("tmp");
     // A device file too small (on addresses of a subnet of its own, in
     // case the node got as far as listening).
     let net = Subnet::claim();
-    let out = run(Command::new(shoal_bin()).args([
-        "node",
-        "--id",
-        "1",
-        "--data",
-        &tmp.path().join("n").display().to_string(),
-        "--device",
-        &format!("{}:1M", tmp.path().join("small.img").display()),
-        "--api",
-        &net.api_addr(1),
-        "--nbd",
-        &net.nbd_addr(1),
-        "--peer",
-        &net.peer_addr(1),
-    ]));
+    let device = format!("{}:1M", tmp.path().join("small.img").display());
+    let out = run(&mut lone_node(&tmp.path().join("n"), &device, &net));
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("too small"), "{err}");
@@ -263,21 +262,8 @@ fn node_refuses_small_device_and_foreign_data_folder() {
     std::os::unix::fs::FileExt::write_all_at(&f, b"someone's data", 8 << 20).expect("write");
     drop(f);
     let before = std::fs::read(&disk).expect("read");
-    let out = run(Command::new(shoal_bin()).args([
-        "node",
-        "--id",
-        "1",
-        "--data",
-        &tmp.path().join("n2").display().to_string(),
-        "--device",
-        &format!("{}:256M", disk.display()),
-        "--api",
-        &net.api_addr(1),
-        "--nbd",
-        &net.nbd_addr(1),
-        "--peer",
-        &net.peer_addr(1),
-    ]));
+    let device = format!("{}:256M", disk.display());
+    let out = run(&mut lone_node(&tmp.path().join("n2"), &device, &net));
     assert!(
         !out.status.success(),
         "a node formatted a disk holding data"

@@ -692,26 +692,26 @@ impl DeviceSet {
         self.blocked.lock().ok()?.get(&device).cloned()
     }
 
-    /// Runs the removal loop until the process ends.
+    /// Runs the removal pass and, on a task of its own (an open that
+    /// hangs holds up no removal), the completion of recorded adds, each
+    /// every [`REMOVAL_PASS_S`], until the process ends.
     pub fn spawn_removals(self: &Arc<Self>) {
-        let me = self.clone();
+        Self::every_pass(self.clone(), |me| async move { me.removal_pass().await });
+        Self::every_pass(self.clone(), |me| async move { me.completion_pass().await });
+    }
+
+    /// Runs `pass` every [`REMOVAL_PASS_S`] on a task of its own.
+    fn every_pass<F, Fut>(me: Arc<Self>, pass: F)
+    where
+        F: Fn(Arc<Self>) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
         tokio::spawn(async move {
             let mut t = tokio::time::interval(Duration::from_secs(REMOVAL_PASS_S));
             t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 t.tick().await;
-                me.removal_pass().await;
-            }
-        });
-        // Recorded adds on a task of their own: an open that hangs holds
-        // up no removal.
-        let me = self.clone();
-        tokio::spawn(async move {
-            let mut t = tokio::time::interval(Duration::from_secs(REMOVAL_PASS_S));
-            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                t.tick().await;
-                me.completion_pass().await;
+                pass(me.clone()).await;
             }
         });
     }

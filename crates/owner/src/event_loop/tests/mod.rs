@@ -28,6 +28,16 @@ fn returning() -> [fakes::Spec; 3] {
     [copy(1, Mode::InSync, 5), copy(2, Mode::Out, 0), witness(3)]
 }
 
+/// Copy 1 in sync but its connection lost (the last one in sync: the
+/// owner keeps it and reconnects), copy 2 in sync, a witness.
+fn lost_first() -> [fakes::Spec; 3] {
+    [
+        copy(1, Mode::InSync, 1).disconnected(),
+        copy(2, Mode::InSync, 2),
+        witness(3),
+    ]
+}
+
 fn is_client_write(r: &Request, want: u64) -> bool {
     matches!(r, Request::WriteChecked { seq, .. } if *seq == want)
 }
@@ -200,12 +210,7 @@ async fn a_stale_generation_answer_deposes_the_owner() {
 async fn a_stale_generation_on_reconnect_deposes_the_owner() {
     // The local copy lost its connection; when the tick reconnects it, it
     // has been activated by a newer owner.
-    let specs = [
-        copy(1, Mode::InSync, 1).disconnected(),
-        copy(2, Mode::InSync, 2),
-        witness(3),
-    ];
-    let mut rig = rig(&specs).await;
+    let mut rig = rig(&lost_first()).await;
     rig.fakes[0].answer_activations(Answer::Err(stale()));
     assert_eq!(rig.tick(), Flow::Continue);
     assert!(rig.lp.replicas[0].reconnecting);
@@ -222,12 +227,7 @@ async fn a_lost_copy_is_reconnected_under_a_raised_generation_once_reachable() {
     // session may still be queued there). It is activated again only
     // after the generation is raised and the copy in service took it, so
     // a late frame of the old session is refused as stale.
-    let specs = [
-        copy(1, Mode::InSync, 1).disconnected(),
-        copy(2, Mode::InSync, 2),
-        witness(3),
-    ];
-    let mut rig = rig(&specs).await;
+    let mut rig = rig(&lost_first()).await;
     // While the copy's node does not answer, the directory is not asked.
     rig.lp.replicas[0].reconnecting = true;
     let refused = RpcError::Connect {
@@ -274,12 +274,7 @@ async fn a_lost_copy_is_reconnected_under_a_raised_generation_once_reachable() {
 async fn a_lost_copy_waits_while_a_failed_copy_is_being_recorded() {
     // A record made under generation 1 is in flight: raising now would
     // have the directory refuse it, so the reconnection waits for a tick.
-    let specs = [
-        copy(1, Mode::InSync, 1).disconnected(),
-        copy(2, Mode::InSync, 2),
-        witness(3),
-    ];
-    let mut rig = rig(&specs).await;
+    let mut rig = rig(&lost_first()).await;
     rig.lp.replicas[1].mode = Mode::Failing;
     rig.lp.replicas[1].peer = None;
     rig.lp.replicas[0].reconnecting = true;
@@ -294,12 +289,7 @@ async fn a_lost_copy_waits_while_a_failed_copy_is_being_recorded() {
 
 #[tokio::test]
 async fn a_failed_reconnection_is_tried_again_later() {
-    let specs = [
-        copy(1, Mode::InSync, 1).disconnected(),
-        copy(2, Mode::InSync, 2),
-        witness(3),
-    ];
-    let mut rig = rig(&specs).await;
+    let mut rig = rig(&lost_first()).await;
     rig.lp.replicas[0].reconnecting = true;
     let refused = RpcError::Connect {
         addr: "x".into(),
