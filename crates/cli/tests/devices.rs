@@ -109,6 +109,26 @@ fn a_device_is_replaced_on_a_running_node_under_writes() {
     assert_eq!(code, 401, "remove without a token");
     let (code, _) = curl(&format!("{}/v1/devices/{old}", c.api(1)), &[]);
     assert_eq!(code, 401, "look without a token");
+    let keep = format!("{}/v1/devices/{old}/keep", c.api(1));
+    let (code, _) = curl(&keep, &["-X", "POST"]);
+    assert_eq!(code, 401, "keep without a token");
+    // A read-only token looks, and changes nothing.
+    let ro = c.shoal(&[
+        "token",
+        "create",
+        "--role",
+        "read-only",
+        "--note",
+        "devices",
+    ]);
+    let ro = format!("Authorization: Bearer {}", ro.trim());
+    let (code, _) = curl(&keep, &["-X", "POST", "-H", ro.as_str()]);
+    assert_eq!(code, 403, "keep with a read-only token");
+    let (code, _) = curl(
+        &format!("{}/v1/devices/{old}", c.api(1)),
+        &["-H", ro.as_str()],
+    );
+    assert_eq!(code, 200, "look with a read-only token");
     let (code, _) = curl(&format!("{}/v1/local/devices", c.api(t)), &json);
     assert!(
         code == 401 || code == 403 || code == 404,

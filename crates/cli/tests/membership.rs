@@ -78,6 +78,7 @@ fn strangers_and_impostors_are_refused_on_every_route_between_nodes() {
         "/raft/append",
         "/directory/join",
         "/directory/propose",
+        "/directory/read-index",
     ];
 
     // Plain HTTP: the routes between nodes are not there at all.

@@ -16,11 +16,6 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// How long an NBD client's open of an unknown name waits for this node's
-/// directory to catch up with the leader before the name is refused: a
-/// heartbeat round and an apply, with room for a loaded machine.
-const EXPORT_CATCH_UP: std::time::Duration = std::time::Duration::from_secs(2);
-
 pub struct VolumeExports {
     pub router: Arc<Router>,
 }
@@ -232,15 +227,7 @@ impl Exports for VolumeExports {
     }
 
     async fn open(&self, name: &str) -> Result<VolumeExport, String> {
-        let mut state = self.router.dir.state();
-        if state.volume_by_name(name).is_none() {
-            // Created through another node a moment ago, maybe: this
-            // node's copy of the directory may not have it yet.
-            if let Err(e) = self.router.dir.catch_up(EXPORT_CATCH_UP).await {
-                tracing::info!(name, "could not catch up with the directory: {e}");
-            }
-            state = self.router.dir.state();
-        }
+        let state = self.router.state_knowing(name).await;
         let Some(v) = state.volume_by_name(name) else {
             tracing::info!(name, "NBD client asked for an export that is no volume");
             // The other volumes' names are not the asker's business.

@@ -464,11 +464,6 @@ async fn show(
     show_report(&h, &name, &headers).await
 }
 
-/// How long a lookup of a volume this node does not know waits for its
-/// directory to catch up with the leader before answering 404: a
-/// heartbeat round and an apply, with room for a loaded machine.
-const LOOKUP_CATCH_UP: std::time::Duration = std::time::Duration::from_secs(2);
-
 /// The volume's report, with what its owner says of its IOPS limit and
 /// its healing.
 async fn show_report(
@@ -476,14 +471,7 @@ async fn show_report(
     name: &str,
     headers: &HeaderMap,
 ) -> Result<Json<VolumeReport>, ApiErr> {
-    let mut s = h.router.dir.state();
-    if s.volume_by_name(name).is_none() {
-        // Created through another node a moment ago, maybe.
-        if let Err(e) = h.router.dir.catch_up(LOOKUP_CATCH_UP).await {
-            tracing::info!(name, "could not catch up with the directory: {e}");
-        }
-        s = h.router.dir.state();
-    }
+    let s = h.router.state_knowing(name).await;
     let v = s
         .volume_by_name(name)
         .ok_or_else(|| ApiErr(StatusCode::NOT_FOUND, format!("no volume named {name:?}")))?;

@@ -212,7 +212,27 @@ pub enum IoFailure {
     Io(String),
 }
 
+/// How long a lookup of a volume name this node does not know waits for
+/// its directory to catch up with the leader before the name counts as
+/// unknown: a heartbeat round and an apply, with room for a loaded
+/// machine.
+const LOOKUP_CATCH_UP: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl Router {
+    /// The directory's state as this node has it, caught up with the
+    /// leader first when it has no volume named `name` (one created
+    /// through another node a moment ago: `Directory::catch_up`).
+    pub async fn state_knowing(&self, name: &str) -> Arc<ClusterState> {
+        let state = self.dir.state();
+        if state.volume_by_name(name).is_some() {
+            return state;
+        }
+        if let Err(e) = self.dir.catch_up(LOOKUP_CATCH_UP).await {
+            tracing::info!(name, "could not catch up with the directory: {e}");
+        }
+        self.dir.state()
+    }
+
     /// How this node proves itself to peers.
     pub fn peer_auth(&self) -> &shoal_rpc::PeerAuth {
         &self.cfg.peer_auth

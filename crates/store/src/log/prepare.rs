@@ -171,6 +171,9 @@ pub(super) struct Preparer {
     seen_at: Instant,
     /// Earliest time of the next idle zeroing (the rate bound).
     next_idle: Instant,
+    /// Whether the file system was short of free space, and when that was
+    /// last looked at (every [`PREPARE_FS_RETRY_S`] at most).
+    fs_low: Option<(bool, Instant)>,
 }
 
 impl Preparer {
@@ -181,6 +184,7 @@ impl Preparer {
             seen: (0, 0),
             seen_at: now,
             next_idle: now,
+            fs_low: None,
         }
     }
 }
@@ -314,6 +318,21 @@ impl LogStore {
         self.lock_state().segs.unprepared_count()
     }
 
+    /// Whether the file system holding the device file is short of free
+    /// space, looked at again once [`PREPARE_FS_RETRY_S`] have passed.
+    fn fs_low(&self, p: &mut Preparer, now: Instant) -> bool {
+        let retry = Duration::from_secs(PREPARE_FS_RETRY_S);
+        match p.fs_low {
+            Some((low, at)) if now.duration_since(at) < retry => low,
+            _ => {
+                let low =
+                    fs_free_bytes(self.dev.name()).is_some_and(|f| f < PREPARE_FS_FLOOR_MIB << 20);
+                p.fs_low = Some((low, now));
+                low
+            }
+        }
+    }
+
     /// One step of preparation: zeros over one segment, the lowest
     /// unprepared one among the next [`PREPARED_AHEAD_MIB`] the log takes,
     /// else (if the store is idle, at the idle rate) the lowest of all.
@@ -323,7 +342,7 @@ impl LogStore {
             return PrepStep::Later(None);
         }
         let now = Instant::now();
-        let fs_low = fs_free_bytes(self.dev.name()).is_some_and(|f| f < PREPARE_FS_FLOOR_MIB << 20);
+        let fs_low = self.fs_low(p, now);
         let (seg, idle) = {
             let mut st = self.lock_state();
             if st.segs.unprepared_count() == 0 || st.segs.zeroing().is_some() {
