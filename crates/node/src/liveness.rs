@@ -25,6 +25,11 @@ pub const DOWN_AFTER: Duration = Duration::from_secs(3);
 const CHECK_EVERY: Duration = Duration::from_millis(250);
 /// Usage changes smaller than this are not written to the directory (bytes).
 const USAGE_STEP: u64 = 16 << 20;
+/// How long a registered device must stay missing from its node's
+/// heartbeats before the leader fails it, in seconds: a heartbeat composed
+/// just before an add finished does not list the new device, and must not
+/// fail it. Several heartbeats long, like `DOWN_AFTER`.
+pub const UNSERVED_FAIL_AFTER: Duration = DOWN_AFTER;
 
 pub struct Liveness {
     node: NodeId,
@@ -33,6 +38,9 @@ pub struct Liveness {
     transport: shoal_directory::Transport,
     seen: Mutex<HashMap<NodeId, Instant>>,
     leader_since: Mutex<Option<Instant>>,
+    /// On the leader: since when each registered device has been missing
+    /// from its node's heartbeats. Cleared when this node stops leading.
+    unserved_since: Mutex<HashMap<DeviceId, Instant>>,
     /// The nodes' clock rates, as the leader measures them.
     pub clocks: crate::clock::ClockRates,
 }
@@ -50,6 +58,7 @@ impl Liveness {
             transport,
             seen: Mutex::new(HashMap::new()),
             leader_since: Mutex::new(None),
+            unserved_since: Mutex::new(HashMap::new()),
             clocks: Default::default(),
         }
     }
@@ -83,22 +92,11 @@ impl Liveness {
                 })
                 .await;
         }
-        // A device registered for the node that it does not serve (one
-        // that could not be opened at its start) is failed: placement
-        // skips it and a removal does not count on it.
-        let served: Vec<DeviceId> = hb.devices.iter().map(|u| u.device).collect();
-        let unserved: Vec<(DeviceId, u64)> = state
-            .devices
-            .values()
-            .filter(|d| d.node == hb.node && !served.contains(&d.id))
-            .filter(|d| d.state != DeviceState::Failed && !served.is_empty())
-            .map(|d| (d.id, d.used))
-            .collect();
-        for (device, used) in unserved {
+        for (device, used) in self.long_unserved(&hb, &state, now) {
             tracing::warn!(
                 node = hb.node,
                 device,
-                "device not served by its node: failed"
+                "device not served by its node for {UNSERVED_FAIL_AFTER:?}: failed"
             );
             let _ = self
                 .dir
@@ -127,11 +125,43 @@ impl Liveness {
         }
     }
 
+    /// A device registered for the heartbeat's node that the node has not
+    /// served for `UNSERVED_FAIL_AFTER` (one that could not be opened at
+    /// its start, or whose file is gone) is to be failed: placement skips
+    /// it and a removal does not count on it. A node serving no device at
+    /// all (still starting) fails none.
+    fn long_unserved(
+        &self,
+        hb: &Heartbeat,
+        state: &shoal_directory::ClusterState,
+        now: Instant,
+    ) -> Vec<(DeviceId, u64)> {
+        let served: Vec<DeviceId> = hb.devices.iter().map(|u| u.device).collect();
+        let Ok(mut since) = self.unserved_since.lock() else {
+            return Vec::new();
+        };
+        let mut fail = Vec::new();
+        for d in state.devices.values().filter(|d| d.node == hb.node) {
+            if served.contains(&d.id) || served.is_empty() || d.state == DeviceState::Failed {
+                since.remove(&d.id);
+                continue;
+            }
+            let first = *since.entry(d.id).or_insert(now);
+            if now.duration_since(first) >= UNSERVED_FAIL_AFTER {
+                fail.push((d.id, d.used));
+            }
+        }
+        fail
+    }
+
     /// On the leader: mark silent nodes down.
     async fn check(&self) {
         if !self.dir.is_leader() {
             if let Ok(mut l) = self.leader_since.lock() {
                 *l = None;
+            }
+            if let Ok(mut u) = self.unserved_since.lock() {
+                u.clear();
             }
             return;
         }
