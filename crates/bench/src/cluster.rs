@@ -496,6 +496,7 @@ mod tests {
             wrapped_key: None,
             reconfig: None,
             wanted_policy: None,
+            stripe: None,
         };
         let health = if states.iter().all(|s| *s == ComponentState::Active) {
             VolumeHealth::Healthy

@@ -110,8 +110,8 @@ fn plan_lines(before: &Volume, after: &Volume, policy: &Policy) -> Vec<String> {
             .collect(),
     };
     let what = |c: &Component| match c.role {
-        ComponentRole::Data => "data copy",
-        ComponentRole::Witness => "witness",
+        ComponentRole::Data => "data copy".to_string(),
+        r => r.to_string(),
     };
     for c in &added {
         out.push(format!(
@@ -257,6 +257,7 @@ mod tests {
             wrapped_key: None,
             reconfig: None,
             wanted_policy: None,
+            stripe: None,
         }
     }
 

@@ -1,7 +1,7 @@
 //! Tables for people.
 
 use shoal_api::{ResyncKind, ResyncReport, StatusReport, VolumeReport};
-use shoal_model::{human_size, ComponentRole};
+use shoal_model::human_size;
 
 pub fn status(s: &StatusReport) {
     println!(
@@ -81,6 +81,15 @@ pub fn volume(r: &VolumeReport) {
     println!("volume      {}", v.name);
     println!("size        {} ({} bytes)", human_size(v.size), v.size);
     println!("policy      {}", v.policy);
+    if let Some(g) = v.stripe {
+        println!(
+            "layout      {} copies and {} witnesses (performance leg) in front of {g} stripes \
+             over {} stripe components (capacity leg)",
+            v.policy.copies(),
+            v.policy.witnesses(),
+            g.width()
+        );
+    }
     match (&v.wanted_policy, &v.reconfig) {
         (Some(w), None) => println!(
             "wanted      {w} (its change ended without it; the volume's caretaker begins it \
@@ -112,10 +121,7 @@ pub fn volume(r: &VolumeReport) {
         println!(
             "  {:<6} {:<8} {:<5} {:<7} {:<10} {}",
             c.id,
-            match c.role {
-                ComponentRole::Data => "data",
-                ComponentRole::Witness => "witness",
-            },
+            c.role.to_string(),
             c.node,
             c.device,
             c.state.to_string(),

@@ -8,8 +8,8 @@ use serde::{Deserialize, Serialize};
 use shoal_model::{
     check_volume_name, check_volume_size, ApiToken, CaRecord, ClusterSettings, Component,
     ComponentId, ComponentRole, ComponentState, DeviceId, DeviceInfo, DeviceState, Generation,
-    MaintenanceMode, NodeId, NodeInfo, NodeState, Policy, Volume, VolumeId, MAX_REPAIR_DELAY_S,
-    MAX_RESYNC_MIB_PER_S, MIN_REPAIR_DELAY_S,
+    MaintenanceMode, NodeId, NodeInfo, NodeState, Policy, StripeGeometry, Volume, VolumeId,
+    MAX_REPAIR_DELAY_S, MAX_RESYNC_MIB_PER_S, MIN_REPAIR_DELAY_S,
 };
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -347,6 +347,56 @@ pub enum StateError {
 /// Bytes reserved on a device for one data component of a volume.
 pub fn reservation(size: u64, policy: &Policy) -> u64 {
     (size as u128 * policy.reserve_pct.min(100) as u128 / 100) as u64
+}
+
+/// The stripe geometry a new volume's components make under `policy`:
+/// none for RAID-1 (which has no stripe column); for RAID-5/6 the columns'
+/// count less the parity, which must be a geometry of the layout, the
+/// columns at positions `0..k + m` once each, voteless, on distinct nodes.
+fn stripe_of(
+    policy: &Policy,
+    components: &[PlannedComponent],
+) -> Result<Option<StripeGeometry>, StateError> {
+    let mut columns: Vec<(u8, NodeId, u32)> = components
+        .iter()
+        .filter_map(|c| match c.role {
+            ComponentRole::Stripe { position } => Some((position, c.node, c.votes)),
+            _ => None,
+        })
+        .collect();
+    let Some(parity) = policy.layout.fixed_ftt() else {
+        return match columns.is_empty() {
+            true => Ok(None),
+            false => Err(input("a raid1 volume has no stripe components")),
+        };
+    };
+    columns.sort_unstable();
+    let positions: Vec<u8> = columns.iter().map(|c| c.0).collect();
+    if positions != (0..columns.len() as u8).collect::<Vec<_>>() {
+        return Err(input(
+            "stripe components take the positions 0 to k+m-1, once each",
+        ));
+    }
+    let mut nodes: Vec<NodeId> = columns.iter().map(|c| c.1).collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    if nodes.len() != columns.len() || columns.iter().any(|c| c.2 != 0) {
+        return Err(input(
+            "stripe components sit on distinct nodes and carry no vote",
+        ));
+    }
+    let g = StripeGeometry {
+        data: (columns.len() as u8).saturating_sub(parity),
+        parity,
+    };
+    let allowed: &[StripeGeometry] = match policy.layout {
+        shoal_model::Layout::Raid5 => &[StripeGeometry::RAID5_NARROW, StripeGeometry::RAID5_WIDE],
+        _ => &[StripeGeometry::RAID6],
+    };
+    if !allowed.contains(&g) {
+        return Err(input(format!("{} has no {g} stripe", policy.layout)));
+    }
+    Ok(Some(g))
 }
 
 pub(crate) fn input(e: impl std::fmt::Display) -> StateError {
@@ -732,6 +782,7 @@ impl ClusterState {
                 for c in components {
                     self.check_placed(c)?;
                 }
+                let stripe = stripe_of(policy, components)?;
                 let placed: Vec<_> = components.iter().map(|c| (c.role, c.device)).collect();
                 let reserved = self.reserve_delta(&placed, 0, reservation(*size, policy))?;
                 // Validated: mutate.
@@ -766,6 +817,7 @@ impl ClusterState {
                         wrapped_key: wrapped_key.clone(),
                         reconfig: None,
                         wanted_policy: None,
+                        stripe,
                     },
                 );
                 Ok(Response::Id(id))
@@ -1166,6 +1218,72 @@ pub(crate) mod tests {
             }),
             Err(StateError::NoSuchNode(9))
         );
+    }
+
+    /// A RAID-5 volume records the geometry its stripe columns make; bad
+    /// columns (a raid1 volume with one, positions missing or twice,
+    /// columns sharing a node or carrying votes, a geometry the layout
+    /// has not) are refused and change nothing.
+    #[test]
+    fn erasure_volumes_record_their_stripe_geometry() {
+        let (mut s, devs) = cluster();
+        let raid5 = Policy {
+            layout: shoal_model::Layout::Raid5,
+            ..Policy::default()
+        };
+        let column = |position: u8, i: usize| PlannedComponent {
+            role: ComponentRole::Stripe { position },
+            node: i as u64 + 1,
+            device: devs[i],
+            votes: 0,
+        };
+        let create = |policy: Policy, extra: Vec<PlannedComponent>| {
+            let mut components = planned(&devs);
+            components.extend(extra);
+            Command::CreateVolume {
+                name: "ec".into(),
+                size: 1 << 20,
+                policy,
+                components,
+                wrapped_key: None,
+            }
+        };
+        let good = vec![column(0, 0), column(1, 1), column(2, 2)];
+        let bad = [
+            (Policy::default(), good.clone(), "no stripe components"),
+            (
+                raid5,
+                vec![column(0, 0), column(2, 1), column(3, 2)],
+                "positions",
+            ),
+            (
+                raid5,
+                vec![column(0, 0), column(1, 0), column(2, 2)],
+                "distinct nodes",
+            ),
+            (
+                raid5,
+                vec![column(0, 0), column(1, 1)],
+                "raid5 has no 1+1 stripe",
+            ),
+            (raid5, Vec::new(), "raid5 has no 0+1 stripe"),
+        ];
+        for (policy, extra, want) in bad {
+            let before = s.clone();
+            let e = s.apply(&create(policy, extra)).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+            assert_eq!(s, before);
+        }
+        let mut voting = good.clone();
+        voting[1].votes = 1;
+        assert!(s.apply(&create(raid5, voting)).is_err());
+        let Ok(Response::Id(id)) = s.apply(&create(raid5, good)) else {
+            panic!("the raid5 volume was refused");
+        };
+        let v = &s.volumes[&id];
+        assert_eq!(v.stripe, Some(StripeGeometry::RAID5_NARROW));
+        assert_eq!(v.stripe_components().count(), 3);
+        assert_eq!(v.total_votes(), 3);
     }
 
     #[test]

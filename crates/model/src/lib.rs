@@ -14,7 +14,7 @@ use std::fmt;
 mod auth;
 mod policy;
 pub use auth::{ApiToken, CaRecord, JoinTokenText, Role, TokenError, TokenText};
-pub use policy::{Layout, Policy, PolicyError};
+pub use policy::{Layout, Policy, PolicyError, StripeGeometry};
 
 /// The unit of addressing, checksumming and allocation of a volume, in bytes.
 /// Requests not aligned to it are served by read-modify-write at the owner.
@@ -190,6 +190,21 @@ pub enum ComponentRole {
     /// No data, only a vote: breaks ties so that a partition can never serve
     /// the volume on two sides.
     Witness,
+    /// One column of an erasure-coded volume's capacity leg
+    /// (`docs/erasure-coding.md`): `position` among the stripe's `k + m`
+    /// columns, which with the slot decides whether it holds a data or a
+    /// parity unit there. Carries no vote.
+    Stripe { position: u8 },
+}
+
+impl fmt::Display for ComponentRole {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ComponentRole::Data => f.write_str("data"),
+            ComponentRole::Witness => f.write_str("witness"),
+            ComponentRole::Stripe { position } => write!(f, "stripe {position}"),
+        }
+    }
 }
 
 /// State of one component, as in vSAN.
@@ -261,6 +276,10 @@ pub struct Volume {
     /// votes rule must hold in both.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reconfig: Option<Reconfig>,
+    /// The stripe geometry of an erasure-coded volume's capacity leg,
+    /// chosen when it was placed (None: RAID-1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stripe: Option<StripeGeometry>,
     /// The policy `set-policy` asked for, while the volume does not have
     /// it yet: a change to it that ended aborted (an added copy's node
     /// died) is begun again by the volume's caretaker. Cleared when a
@@ -361,6 +380,31 @@ impl Volume {
             .filter(|c| c.role == ComponentRole::Data)
     }
 
+    /// The stripe components of the capacity leg (none for RAID-1).
+    pub fn stripe_components(&self) -> impl Iterator<Item = &Component> {
+        self.components
+            .iter()
+            .filter(|c| matches!(c.role, ComponentRole::Stripe { .. }))
+    }
+
+    /// Whether the capacity leg can be read: at least `k` of its stripe
+    /// components in the layout `layout` accepts are reachable (always
+    /// true for RAID-1).
+    fn stripes_readable(
+        &self,
+        layout: &dyn Fn(&Component) -> bool,
+        reachable: &dyn Fn(&Component) -> bool,
+    ) -> bool {
+        let Some(g) = self.stripe else {
+            return true;
+        };
+        let have = self
+            .stripe_components()
+            .filter(|c| layout(c) && reachable(c))
+            .count();
+        have >= usize::from(g.data)
+    }
+
     /// Total votes of the volume (of the layout before a change in
     /// progress).
     pub fn total_votes(&self) -> u32 {
@@ -389,7 +433,9 @@ impl Volume {
 
     /// The votes rule: a volume may serve I/O while the components that
     /// `reachable` accepts carry more than half of all votes and include at
-    /// least one full, up-to-date data copy (`in_sync` decides which are).
+    /// least one full, up-to-date data copy (`in_sync` decides which are);
+    /// an erasure-coded volume also needs `k` of its stripe components
+    /// (whose units hold what was destaged).
     ///
     /// While a reconfiguration is in progress the rule must hold in the
     /// old layout and in the new one (joint majorities, as Raft changes
@@ -415,7 +461,9 @@ impl Volume {
             .any(|c| self.in_old_layout(c) && reachable(c) && in_sync(c));
         let old = majority(&|c| self.in_old_layout(c));
         let new = self.reconfig.is_none() || majority(&|c| self.in_new_layout(c));
-        old && new && copy
+        let stripes =
+            self.stripes_readable(&|c| self.in_old_layout(c), &|c| reachable(c) && in_sync(c));
+        old && new && copy && stripes
     }
 
     /// Health from the directory's view: a component counts as reachable
@@ -548,6 +596,7 @@ mod tests {
             wrapped_key: None,
             reconfig: None,
             wanted_policy: None,
+            stripe: None,
             id: 1,
             name: "v".into(),
             size: 4096,
@@ -585,6 +634,37 @@ mod tests {
         assert!(!v.quorum(|c| c.id == 0, |_| true));
         // Majority but the reachable copy is stale.
         assert!(!v.quorum(|c| c.id != 0, |c| c.id == 0));
+    }
+
+    /// A RAID-5 volume: its votes are its performance leg's, and it also
+    /// needs `k` of its stripe components.
+    #[test]
+    fn erasure_volumes_need_k_stripe_components_too() {
+        use ComponentRole::*;
+        use ComponentState::*;
+        let mut v = vol(&[
+            (Data, Active),
+            (Data, Active),
+            (Witness, Active),
+            (Stripe { position: 0 }, Active),
+            (Stripe { position: 1 }, Active),
+            (Stripe { position: 2 }, Active),
+        ]);
+        for c in v.components.iter_mut().skip(3) {
+            c.votes = 0;
+        }
+        v.stripe = Some(StripeGeometry::RAID5_NARROW);
+        assert_eq!(v.total_votes(), 3);
+        assert_eq!(v.stripe_components().count(), 3);
+        assert!(v.quorum(|_| true, |_| true));
+        // One host lost: a copy and a stripe column.
+        assert!(v.quorum(|c| c.id != 0 && c.id != 3, |_| true));
+        // Two stripe columns lost: 2+1 cannot read its stripes.
+        assert!(!v.quorum(|c| c.id != 3 && c.id != 4, |_| true));
+        // A stripe column not in sync counts as missing.
+        assert!(!v.quorum(|c| c.id != 3, |c| c.id != 4));
+        // Stripe columns carry no votes: the leg's majority decides.
+        assert!(!v.quorum(|c| c.id != 0 && c.id != 1, |_| true));
     }
 
     #[test]

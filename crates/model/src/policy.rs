@@ -3,8 +3,9 @@
 //! Text form, words separated by spaces or commas, in any order:
 //! `raid1 ftt=1`, `ftt=0`, `raid1 ftt=2 reserve=100 iops=5000`. Every word
 //! either works or is refused: `checksum=off` is refused (every block is
-//! checksummed), `raid5`/`raid6` are refused until they exist, a word given
-//! twice is refused. `encrypt=on` encrypts the volume's data at rest.
+//! checksummed), `raid5`/`raid6` are refused until the owner serves them
+//! (the model and placement know them already: [`Layout::Raid5`]), a word
+//! given twice is refused. `encrypt=on` encrypts the volume's data at rest.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -15,6 +16,90 @@ use std::str::FromStr;
 pub enum Layout {
     /// Mirroring: `ftt + 1` full copies and `ftt` witnesses.
     Raid1,
+    /// Erasure coding with one parity, `ftt = 1` (`docs/erasure-coding.md`):
+    /// a mirrored performance leg (2 copies and a witness) in front of a
+    /// capacity leg of 2+1 stripe components on 3 to 5 fault domains, 4+1
+    /// on 6 or more ([`StripeGeometry::raid5_for`]).
+    Raid5,
+    /// Erasure coding with two parities, `ftt = 2`: a performance leg of 3
+    /// copies and 2 witnesses in front of 4+2 stripe components.
+    Raid6,
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(layout_word(*self))
+    }
+}
+
+impl Layout {
+    /// The only `ftt` an erasure-coded layout has (None: RAID-1, any).
+    pub fn fixed_ftt(self) -> Option<u8> {
+        match self {
+            Layout::Raid1 => None,
+            Layout::Raid5 => Some(1),
+            Layout::Raid6 => Some(2),
+        }
+    }
+
+    /// Whether the layout has a capacity leg of stripes.
+    pub fn is_erasure(self) -> bool {
+        self != Layout::Raid1
+    }
+}
+
+/// The data and parity shards of a stripe of an erasure-coded volume,
+/// chosen when the volume is placed and recorded in it
+/// ([`crate::Volume::stripe`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StripeGeometry {
+    pub data: u8,
+    pub parity: u8,
+}
+
+impl StripeGeometry {
+    /// RAID-5 on 3 to 5 fault domains: 2 data + 1 parity (1.5x).
+    pub const RAID5_NARROW: StripeGeometry = StripeGeometry { data: 2, parity: 1 };
+    /// RAID-5 on 6 fault domains or more: 4 data + 1 parity (1.25x).
+    pub const RAID5_WIDE: StripeGeometry = StripeGeometry { data: 4, parity: 1 };
+    /// RAID-6: 4 data + 2 parity (1.5x), on 6 fault domains or more.
+    pub const RAID6: StripeGeometry = StripeGeometry { data: 4, parity: 2 };
+
+    /// Fault domains the narrowest RAID-5 needs.
+    pub const RAID5_MIN_DOMAINS: usize = 3;
+    /// Fault domains from which RAID-5 goes wide (vSAN ESA's adaptive
+    /// choice), and which RAID-6 needs.
+    pub const WIDE_MIN_DOMAINS: usize = 6;
+
+    /// The geometry `layout` takes on a cluster of `fault_domains` usable
+    /// fault domains (None: RAID-1, or too few domains).
+    pub fn for_layout(layout: Layout, fault_domains: usize) -> Option<StripeGeometry> {
+        match layout {
+            Layout::Raid1 => None,
+            Layout::Raid5 => Self::raid5_for(fault_domains),
+            Layout::Raid6 => (fault_domains >= Self::WIDE_MIN_DOMAINS).then_some(Self::RAID6),
+        }
+    }
+
+    /// RAID-5's geometry on `fault_domains` fault domains.
+    pub fn raid5_for(fault_domains: usize) -> Option<StripeGeometry> {
+        match fault_domains {
+            n if n < Self::RAID5_MIN_DOMAINS => None,
+            n if n < Self::WIDE_MIN_DOMAINS => Some(Self::RAID5_NARROW),
+            _ => Some(Self::RAID5_WIDE),
+        }
+    }
+
+    /// Stripe components, each on a fault domain of its own.
+    pub fn width(self) -> usize {
+        usize::from(self.data) + usize::from(self.parity)
+    }
+}
+
+impl fmt::Display for StripeGeometry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}+{}", self.data, self.parity)
+    }
 }
 
 /// A storage policy. New fields are appended with serde defaults so that
@@ -56,7 +141,7 @@ impl Default for Policy {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
     #[error(
-        "unknown policy word {0:?}: expected raid1, ftt=N, reserve=PCT, thin, checksum=on, iops=N, encrypt=on|off"
+        "unknown policy word {0:?}: expected raid1, raid5, raid6, ftt=N, reserve=PCT, thin, checksum=on, iops=N, encrypt=on|off"
     )]
     UnknownWord(String),
     #[error("ftt={0} is out of range: failures to tolerate must be 0 to 3")]
@@ -65,6 +150,12 @@ pub enum PolicyError {
     Unsupported(String),
     #[error("bad value in {0:?}")]
     BadValue(String),
+    #[error("{layout} tolerates exactly ftt={fixed}, not ftt={asked}")]
+    LayoutFtt {
+        layout: &'static str,
+        fixed: u8,
+        asked: u8,
+    },
     #[error("{0:?} is given more than once")]
     Repeated(String),
     #[error(
@@ -75,24 +166,31 @@ pub enum PolicyError {
 }
 
 impl Policy {
-    /// Full data copies.
+    /// Full data copies: of the volume (RAID-1), or of its performance
+    /// leg (RAID-5/6), `ftt + 1` either way.
     pub fn copies(&self) -> usize {
-        match self.layout {
-            Layout::Raid1 => self.ftt as usize + 1,
-        }
+        self.ftt as usize + 1
     }
 
     /// Witness components: enough that `2 * ftt + 1` fault domains each
-    /// carry one vote, so any `ftt` failures leave a strict majority.
+    /// carry one vote, so any `ftt` failures leave a strict majority. An
+    /// erasure-coded volume's votes are its performance leg's: its stripe
+    /// components carry none (they are fenced by the generation, and hold
+    /// nothing the performance leg's map does not name).
     pub fn witnesses(&self) -> usize {
-        match self.layout {
-            Layout::Raid1 => self.ftt as usize,
-        }
+        self.ftt as usize
     }
 
-    /// Distinct fault domains the policy needs.
+    /// Distinct fault domains the policy needs: the votes' `2 * ftt + 1`,
+    /// and for RAID-5/6 also the narrowest stripe's width (each leg on
+    /// distinct domains; the two legs share them).
     pub fn fault_domains_needed(&self) -> usize {
-        self.copies() + self.witnesses()
+        let votes = self.copies() + self.witnesses();
+        match self.layout {
+            Layout::Raid1 => votes,
+            Layout::Raid5 => votes.max(StripeGeometry::RAID5_MIN_DOMAINS),
+            Layout::Raid6 => votes.max(StripeGeometry::WIDE_MIN_DOMAINS),
+        }
     }
 }
 
@@ -101,6 +199,7 @@ impl FromStr for Policy {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let mut p = Policy::default();
         let mut seen: Vec<String> = Vec::new();
+        let mut ftt_given = None;
         for w in s
             .split(|c: char| c.is_whitespace() || c == ',')
             .filter(|w| !w.is_empty())
@@ -112,7 +211,7 @@ impl FromStr for Policy {
             };
             // The layout words and `thin` set the same things as others.
             let key = match k.as_str() {
-                "raid1" | "mirror" => "layout",
+                "raid1" | "mirror" | "raid5" | "raid-5" | "raid6" | "raid-6" => "layout",
                 "thin" => "reserve",
                 k => k,
             };
@@ -122,15 +221,15 @@ impl FromStr for Policy {
             seen.push(key.to_string());
             match (k.as_str(), v) {
                 ("raid1" | "mirror", None) => p.layout = Layout::Raid1,
-                ("raid5" | "raid6" | "raid-5" | "raid-6", None) => {
-                    return Err(PolicyError::Unsupported(w.to_string()))
-                }
+                ("raid5" | "raid-5", None) => p.layout = Layout::Raid5,
+                ("raid6" | "raid-6", None) => p.layout = Layout::Raid6,
                 ("ftt", Some(v)) => {
                     let n: u64 = v.parse().map_err(|_| PolicyError::BadValue(w.into()))?;
                     if n > 3 {
                         return Err(PolicyError::FttRange(n));
                     }
                     p.ftt = n as u8;
+                    ftt_given = Some(p.ftt);
                 }
                 ("reserve", Some(v)) => {
                     let n: u8 = v
@@ -163,15 +262,53 @@ impl FromStr for Policy {
             // Empty, or only separators (" ", ","): not a policy.
             return Err(PolicyError::UnknownWord(s.to_string()));
         }
+        p.fix_erasure_ftt(ftt_given)?;
+        if p.layout.is_erasure() {
+            // Placed and modelled, not yet served by the owner.
+            let word = if p.layout == Layout::Raid5 {
+                "raid5"
+            } else {
+                "raid6"
+            };
+            return Err(PolicyError::Unsupported(word.to_string()));
+        }
         Ok(p)
+    }
+}
+
+impl Policy {
+    /// An erasure-coded layout takes its one `ftt` when none was given,
+    /// and refuses any other.
+    fn fix_erasure_ftt(&mut self, given: Option<u8>) -> Result<(), PolicyError> {
+        let Some(fixed) = self.layout.fixed_ftt() else {
+            return Ok(());
+        };
+        match given {
+            Some(asked) if asked != fixed => Err(PolicyError::LayoutFtt {
+                layout: layout_word(self.layout),
+                fixed,
+                asked,
+            }),
+            _ => {
+                self.ftt = fixed;
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The policy word of a layout.
+fn layout_word(l: Layout) -> &'static str {
+    match l {
+        Layout::Raid1 => "raid1",
+        Layout::Raid5 => "raid5",
+        Layout::Raid6 => "raid6",
     }
 }
 
 impl fmt::Display for Policy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.layout {
-            Layout::Raid1 => write!(f, "raid1 ftt={}", self.ftt)?,
-        }
+        write!(f, "{} ftt={}", layout_word(self.layout), self.ftt)?;
         if self.reserve_pct > 0 {
             write!(f, " reserve={}", self.reserve_pct)?;
         }
@@ -206,10 +343,34 @@ mod tests {
             "raid9".parse::<Policy>(),
             Err(PolicyError::UnknownWord(_))
         ));
+        for w in [
+            "raid5 ftt=1",
+            "raid5",
+            "ftt=1 raid-5",
+            "raid6",
+            "raid6 ftt=2",
+        ] {
+            assert!(
+                matches!(w.parse::<Policy>(), Err(PolicyError::Unsupported(_))),
+                "{w}"
+            );
+        }
+        assert_eq!(
+            "raid5 ftt=2".parse::<Policy>(),
+            Err(PolicyError::LayoutFtt {
+                layout: "raid5",
+                fixed: 1,
+                asked: 2
+            })
+        );
         assert!(matches!(
-            "raid5 ftt=1".parse::<Policy>(),
-            Err(PolicyError::Unsupported(_))
+            "ftt=0 raid6".parse::<Policy>(),
+            Err(PolicyError::LayoutFtt { fixed: 2, .. })
         ));
+        assert_eq!(
+            "raid1 raid5".parse::<Policy>(),
+            Err(PolicyError::Repeated("layout".into()))
+        );
         assert!("".parse::<Policy>().is_err());
         assert!(",".parse::<Policy>().is_err());
         assert!(" , ".parse::<Policy>().is_err());
@@ -242,6 +403,32 @@ mod tests {
         }
         let e = PolicyError::ChecksumOff.to_string();
         assert!(e.contains("not supported"), "{e}");
+    }
+
+    #[test]
+    fn erasure_layouts_need_their_stripes_domains_and_choose_their_width() {
+        let p = |layout, ftt| Policy {
+            layout,
+            ftt,
+            ..Policy::default()
+        };
+        let r5 = p(Layout::Raid5, 1);
+        assert_eq!((r5.copies(), r5.witnesses()), (2, 1));
+        assert_eq!(r5.fault_domains_needed(), 3);
+        assert_eq!(r5.to_string(), "raid5 ftt=1");
+        let r6 = p(Layout::Raid6, 2);
+        assert_eq!((r6.copies(), r6.witnesses()), (3, 2));
+        assert_eq!(r6.fault_domains_needed(), 6);
+        assert_eq!(r6.to_string(), "raid6 ftt=2");
+        let g = |l, n| StripeGeometry::for_layout(l, n).map(|g| g.to_string());
+        assert_eq!(g(Layout::Raid5, 2), None);
+        assert_eq!(g(Layout::Raid5, 3).as_deref(), Some("2+1"));
+        assert_eq!(g(Layout::Raid5, 5).as_deref(), Some("2+1"));
+        assert_eq!(g(Layout::Raid5, 6).as_deref(), Some("4+1"));
+        assert_eq!(g(Layout::Raid6, 5), None);
+        assert_eq!(g(Layout::Raid6, 8).as_deref(), Some("4+2"));
+        assert_eq!(g(Layout::Raid1, 8), None);
+        assert_eq!(StripeGeometry::RAID6.width(), 6);
     }
 
     proptest! {

@@ -1269,6 +1269,7 @@ mod tests {
             wrapped_key: None,
             reconfig: None,
             wanted_policy: None,
+            stripe: None,
         };
         s.volumes.insert(v.id, v);
         s

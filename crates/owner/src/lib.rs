@@ -22,7 +22,9 @@ pub mod stripes;
 pub mod throttle;
 
 use bytes::Bytes;
-use shoal_model::{Component, ComponentId, ComponentState, Generation, NodeId, Volume, VolumeId};
+use shoal_model::{
+    Component, ComponentId, ComponentRole, ComponentState, Generation, NodeId, Volume, VolumeId,
+};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -101,6 +103,33 @@ pub struct View {
     /// since it claimed the volume): no read lease it granted can still
     /// run, so a new owner need not wait out what the copies report.
     pub previous_owner_gone: bool,
+}
+
+impl View {
+    /// The view of the RAID-1 layout the event loop serves: an
+    /// erasure-coded volume's performance leg, without its stripe columns
+    /// (the capacity leg, `docs/erasure-coding.md`); a RAID-1 volume's
+    /// view unchanged.
+    pub fn performance_leg(mut self) -> View {
+        let is_stripe = |c: &Component| matches!(c.role, ComponentRole::Stripe { .. });
+        self.targets.retain(|t| !is_stripe(&t.component));
+        self.volume.components.retain(|c| !is_stripe(c));
+        // A change of the capacity leg only is none of the loop's: with
+        // nothing left to add or drop it would find the change ready and
+        // end it. (A change of the policy alone, naming no component,
+        // stays the loop's.)
+        let kept: Vec<ComponentId> = self.volume.components.iter().map(|c| c.id).collect();
+        let stripes_only = self.volume.reconfig.as_mut().is_some_and(|r| {
+            let named = r.added.len() + r.remove.len();
+            r.added.retain(|id| kept.contains(id));
+            r.remove.retain(|id| kept.contains(id));
+            named > 0 && r.added.is_empty() && r.remove.is_empty()
+        });
+        if stripes_only {
+            self.volume.reconfig = None;
+        }
+        self
+    }
 }
 
 /// Why the directory did not record a change.
@@ -213,7 +242,8 @@ pub enum Op {
 
 pub(crate) enum Event {
     Io(Op, oneshot::Sender<Result<Bytes, OwnerError>>),
-    View(View),
+    /// Boxed: a view is large, and the loop's queue holds mostly I/O.
+    View(Box<View>),
     Stop,
     Internal(event_loop::Internal),
 }
@@ -368,7 +398,8 @@ impl Owner {
             status: status.clone(),
             latency: latency.clone(),
         };
-        let tx = event_loop::start(cfg, view, generation, control, shared).await?;
+        let tx =
+            event_loop::start(cfg, view.performance_leg(), generation, control, shared).await?;
         Ok(Owner {
             tx,
             volume,
@@ -513,10 +544,82 @@ impl Owner {
     /// limit (in force for the next I/O).
     pub fn update(&self, view: View) {
         self.throttle.set_limit(view.volume.policy.iops_limit);
-        let _ = self.tx.send(Event::View(view));
+        let _ = self.tx.send(Event::View(Box::new(view.performance_leg())));
     }
 
     pub fn stop(&self) {
         let _ = self.tx.send(Event::Stop);
+    }
+}
+
+#[cfg(test)]
+mod view_tests {
+    use super::*;
+    use shoal_model::{Policy, Reconfig, StripeGeometry};
+
+    /// The RAID-1 loop is handed an erasure-coded volume's performance leg
+    /// only: its stripe columns leave the components, the targets and the
+    /// change in progress.
+    #[test]
+    fn the_performance_leg_leaves_the_stripe_columns_out() {
+        let comp = |id, role, votes| Component {
+            id,
+            role,
+            node: id,
+            device: id,
+            state: ComponentState::Active,
+            votes,
+        };
+        let stripe = |p| ComponentRole::Stripe { position: p };
+        let components = vec![
+            comp(1, ComponentRole::Data, 1),
+            comp(2, ComponentRole::Data, 1),
+            comp(3, ComponentRole::Witness, 1),
+            comp(4, stripe(0), 0),
+            comp(5, stripe(1), 0),
+            comp(6, stripe(2), 0),
+            comp(7, stripe(0), 0),
+        ];
+        let volume = Volume {
+            id: 9,
+            name: "ec".into(),
+            size: 1 << 20,
+            policy: Policy::default(),
+            components: components.clone(),
+            owner: Some(1),
+            generation: 1,
+            problem: None,
+            wrapped_key: None,
+            reconfig: Some(Reconfig {
+                reason: "rebuild".into(),
+                added: vec![7],
+                remove: vec![4],
+                policy: None,
+            }),
+            wanted_policy: None,
+            stripe: Some(StripeGeometry::RAID5_NARROW),
+        };
+        let view = View {
+            targets: components
+                .iter()
+                .map(|c| Target {
+                    component: c.clone(),
+                    addr: String::new(),
+                    node_up: true,
+                })
+                .collect(),
+            volume,
+            repair_delay: DEFAULT_REPAIR_DELAY,
+            resync_bytes_per_s: None,
+            previous_owner_gone: false,
+        };
+        let leg = view.performance_leg();
+        let ids: Vec<u64> = leg.volume.components.iter().map(|c| c.id).collect();
+        assert_eq!(ids, vec![1, 2, 3]);
+        let ids: Vec<u64> = leg.targets.iter().map(|t| t.component.id).collect();
+        assert_eq!(ids, vec![1, 2, 3]);
+        // A change of stripe columns only is none of the loop's.
+        assert_eq!(leg.volume.reconfig, None);
+        assert_eq!(leg.volume.total_votes(), 3);
     }
 }

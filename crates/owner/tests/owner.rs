@@ -365,6 +365,7 @@ fn view(addrs: &[String], up: [bool; 3], gen: Generation) -> View {
             wrapped_key: None,
             reconfig: None,
             wanted_policy: None,
+            stripe: None,
         },
         repair_delay: shoal_owner::DEFAULT_REPAIR_DELAY,
         resync_bytes_per_s: None,

@@ -15,11 +15,18 @@
 //! - a data component needs a device with `free() >= size * reserve_pct /
 //!   100`; thin volumes (`reserve_pct = 0`) need only some free space;
 //! - data goes to the fault domains (and devices) with the most free space,
-//!   witnesses to the remaining domains that are least loaded.
+//!   witnesses to the remaining domains that are least loaded;
+//! - a RAID-5/6 policy (`docs/erasure-coding.md`) places a performance leg
+//!   as RAID-1 with the same `ftt` (copies and witnesses, one vote each),
+//!   and a capacity leg of `k + m` stripe components (no votes) on
+//!   distinct fault domains of their own, the roomiest; the two legs share
+//!   domains. The stripe's width is the cluster's to choose
+//!   ([`StripeGeometry::for_layout`]): 2+1 on 3 to 5 usable domains, 4+1
+//!   on 6 or more, 4+2 for RAID-6.
 
 use shoal_model::{
-    human_size, ComponentId, ComponentRole, DeviceId, DeviceInfo, Layout, NodeId, NodeInfo,
-    NodeState, Policy, Volume, VolumeId,
+    human_size, ComponentId, ComponentRole, DeviceId, DeviceInfo, NodeId, NodeInfo, NodeState,
+    Policy, StripeGeometry, Volume, VolumeId,
 };
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
@@ -57,6 +64,14 @@ pub enum PlacementError {
     /// A policy change was asked of a volume already being reconfigured.
     #[error("volume {volume} is already being reconfigured ({reason}): one change at a time")]
     ChangeInProgress { volume: String, reason: String },
+    /// A policy change between layouts (RAID-1 and RAID-5/6), which the
+    /// owner cannot carry out yet.
+    #[error("volume {volume}: a change from {from} to {to} is not available yet: only ftt changes within raid1")]
+    LayoutChange {
+        volume: String,
+        from: shoal_model::Layout,
+        to: shoal_model::Layout,
+    },
     /// A policy change would keep no active data copy.
     #[error("volume {volume} would keep no active data copy")]
     NoCopyInSync { volume: String },
@@ -81,9 +96,7 @@ fn no_space_text(needed: u64, domain: &str) -> String {
 
 /// `raid1 ftt=2`: the part of a policy that decides the fault domains.
 fn policy_name(policy: &Policy) -> String {
-    match policy.layout {
-        Layout::Raid1 => format!("raid1 ftt={}", policy.ftt),
-    }
+    format!("{} ftt={}", policy.layout, policy.ftt)
 }
 
 /// Bytes a data component must find free on its device (0 = thin).
@@ -183,12 +196,66 @@ pub fn place(
     }
     let need = reserved_bytes(policy, size);
     let ranked: Vec<&Domain> = domains.values().collect();
-    fill(
-        ranked,
+    let mut planned = fill(
+        ranked.clone(),
         (policy.copies(), policy.witnesses()),
         need,
         |_, _| true,
-    )
+    )?;
+    if let Some(g) = StripeGeometry::for_layout(policy.layout, domains.len()) {
+        planned.extend(fill_stripes(ranked, g, need.div_ceil(u64::from(g.data)))?);
+    }
+    Ok(planned)
+}
+
+/// The stripe geometry that `planned` (a placement of `policy`) has: its
+/// stripe components' count less the policy's parity (None: RAID-1).
+pub fn stripe_geometry(policy: &Policy, planned: &[Planned]) -> Option<StripeGeometry> {
+    let width = planned
+        .iter()
+        .filter(|p| matches!(p.role, ComponentRole::Stripe { .. }))
+        .count();
+    let parity = policy.layout.fixed_ftt()?;
+    let data = u8::try_from(width).ok()?.checked_sub(parity)?;
+    Some(StripeGeometry { data, parity })
+}
+
+/// Places the `k + m` stripe components of a capacity leg on distinct
+/// domains among `domains`, the roomiest first (`need` bytes free on the
+/// device: a column's share of a reservation), positions in that order.
+fn fill_stripes(
+    mut domains: Vec<&Domain>,
+    g: StripeGeometry,
+    need: u64,
+) -> Result<Vec<Planned>, PlacementError> {
+    domains.sort_by_key(|d| (Reverse(d.headroom), Reverse(d.free), d.name));
+    let mut out = Vec::with_capacity(g.width());
+    for dom in &domains {
+        if out.len() == g.width() {
+            break;
+        }
+        if let Some((dev, node)) = dom.best(|d, _| fits(d, need)) {
+            out.push(Planned {
+                role: ComponentRole::Stripe {
+                    position: out.len() as u8,
+                },
+                node,
+                device: dev.id,
+                votes: 0,
+            });
+        }
+    }
+    if out.len() < g.width() {
+        let domain = domains
+            .get(out.len())
+            .map(|d| d.name.to_string())
+            .unwrap_or_default();
+        return Err(PlacementError::NoSpace {
+            needed: need,
+            domain,
+        });
+    }
+    Ok(out)
 }
 
 /// Places `data` copies and then `witnesses` on distinct domains among
@@ -267,10 +334,14 @@ pub fn replacement(
         });
     };
     let domain_of = |node: NodeId| crate::domain_of(nodes, node);
+    // The legs of an erasure-coded volume share domains: a stripe column
+    // keeps clear of the other columns, a copy or witness of the others
+    // of the performance leg.
+    let is_stripe = |r: ComponentRole| matches!(r, ComponentRole::Stripe { .. });
     let others: Vec<_> = volume
         .components
         .iter()
-        .filter(|c| c.id != failed)
+        .filter(|c| c.id != failed && is_stripe(c.role) == is_stripe(old.role))
         .collect();
     let used_domains: BTreeSet<&str> = others.iter().filter_map(|c| domain_of(c.node)).collect();
     let used_nodes: BTreeSet<NodeId> = others.iter().map(|c| c.node).collect();
@@ -290,8 +361,13 @@ pub fn replacement(
         });
     }
     let pick = match old.role {
-        ComponentRole::Data => {
-            let need = reserved_bytes(policy, volume.size);
+        ComponentRole::Data | ComponentRole::Stripe { .. } => {
+            let need = match (old.role, volume.stripe) {
+                (ComponentRole::Stripe { .. }, Some(g)) => {
+                    reserved_bytes(policy, volume.size).div_ceil(u64::from(g.data))
+                }
+                _ => reserved_bytes(policy, volume.size),
+            };
             let mut c: Vec<&Domain> = candidates.clone();
             c.sort_by_key(|d| (Some(d.name) == old_domain, Reverse(d.free), d.name));
             let found = c
@@ -328,11 +404,15 @@ pub fn replacement(
             }
         }
     };
+    let votes = match old.role {
+        ComponentRole::Stripe { .. } => 0,
+        _ => old.votes.max(1),
+    };
     Ok(Planned {
         role: old.role,
         node: pick.1,
         device: pick.0.id,
-        votes: old.votes.max(1),
+        votes,
     })
 }
 

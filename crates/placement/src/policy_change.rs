@@ -59,6 +59,13 @@ pub fn policy_change(
             reason: r.reason.clone(),
         });
     }
+    if volume.policy.layout != policy.layout || volume.policy.layout.is_erasure() {
+        return Err(PlacementError::LayoutChange {
+            volume: volume.name.clone(),
+            from: volume.policy.layout,
+            to: policy.layout,
+        });
+    }
     let serving = Serving::new(nodes, devices);
     let mut remove = Vec::new();
     for (role, want) in [

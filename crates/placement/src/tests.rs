@@ -1,6 +1,6 @@
 use super::*;
 use proptest::prelude::*;
-use shoal_model::{Component, ComponentState, DeviceState};
+use shoal_model::{Component, ComponentState, DeviceState, Layout};
 
 pub(crate) fn node(id: NodeId, domain: &str, up: bool) -> NodeInfo {
     NodeInfo {
@@ -177,6 +177,7 @@ pub(crate) fn volume_from(plan: &[Planned], policy: Policy, size: u64) -> Volume
         wrapped_key: None,
         reconfig: None,
         wanted_policy: None,
+        stripe: stripe_geometry(&policy, plan),
     }
 }
 
@@ -332,10 +333,18 @@ fn arb_cluster() -> impl Strategy<Value = Cluster> {
 }
 
 fn arb_policy() -> impl Strategy<Value = Policy> {
-    (0u8..=3, prop_oneof![Just(0u8), Just(50), Just(100)]).prop_map(|(ftt, r)| Policy {
-        ftt,
-        reserve_pct: r,
-        ..Policy::default()
+    let layout = prop_oneof![
+        3 => Just(Layout::Raid1),
+        1 => Just(Layout::Raid5),
+        1 => Just(Layout::Raid6),
+    ];
+    (0u8..=3, prop_oneof![Just(0u8), Just(50), Just(100)], layout).prop_map(|(ftt, r, layout)| {
+        Policy {
+            layout,
+            ftt: layout.fixed_ftt().unwrap_or(ftt),
+            reserve_pct: r,
+            ..Policy::default()
+        }
     })
 }
 
@@ -356,10 +365,25 @@ fn check_plan(
         .count();
     prop_assert_eq!(data, policy.copies());
     prop_assert_eq!(wit, policy.witnesses());
-    let mut doms = BTreeSet::new();
-    let mut nodes = BTreeSet::new();
+    let stripes: Vec<u8> = plan
+        .iter()
+        .filter_map(|p| match p.role {
+            ComponentRole::Stripe { position } => Some(position),
+            _ => None,
+        })
+        .collect();
+    let geometry = StripeGeometry::for_layout(policy.layout, usable_count(c));
+    prop_assert_eq!(stripe_geometry(policy, plan), geometry);
+    let width = geometry.map_or(0, |g| g.width());
+    prop_assert_eq!(stripes.clone(), (0..width as u8).collect::<Vec<_>>());
+    // Each leg on distinct domains (and nodes) of its own.
+    let (mut doms, mut nodes) = (
+        [BTreeSet::new(), BTreeSet::new()],
+        [BTreeSet::new(), BTreeSet::new()],
+    );
     for p in plan {
-        prop_assert_eq!(p.votes, 1);
+        let stripe = matches!(p.role, ComponentRole::Stripe { .. });
+        prop_assert_eq!(p.votes, if stripe { 0 } else { 1 });
         let n = c.nodes.iter().find(|n| n.id == p.node).unwrap();
         let d = c.devices.iter().find(|d| d.id == p.device).unwrap();
         prop_assert_eq!(n.state, NodeState::Up);
@@ -368,8 +392,9 @@ fn check_plan(
         if p.role == ComponentRole::Data {
             prop_assert!(fits(d, reserved_bytes(policy, size)));
         }
-        prop_assert!(doms.insert(n.fault_domain.clone()), "domain reused");
-        prop_assert!(nodes.insert(n.id), "node reused");
+        let leg = usize::from(stripe);
+        prop_assert!(doms[leg].insert(n.fault_domain.clone()), "domain reused");
+        prop_assert!(nodes[leg].insert(n.id), "node reused");
     }
     Ok(())
 }
@@ -427,7 +452,16 @@ proptest! {
                     .filter_map(|d| c.nodes.iter().find(|n| n.id == d.node && n.state == NodeState::Up))
                     .map(|n| n.fault_domain.clone())
                     .collect();
-                prop_assert!(fitting.len() < policy.copies());
+                let columns = StripeGeometry::for_layout(policy.layout, have).map_or(0, |g| {
+                    let need = need.div_ceil(u64::from(g.data));
+                    let fit: BTreeSet<String> = c.devices.iter()
+                        .filter(|d| d.state == DeviceState::Healthy && fits(d, need))
+                        .filter_map(|d| c.nodes.iter().find(|n| n.id == d.node && n.state == NodeState::Up))
+                        .map(|n| n.fault_domain.clone())
+                        .collect();
+                    if fit.len() < g.width() { usize::MAX } else { 0 }
+                });
+                prop_assert!(fitting.len() < policy.copies() || columns == usize::MAX);
             }
             Err(e) => prop_assert!(false, "unexpected {}", e),
         }
@@ -444,6 +478,10 @@ proptest! {
         let Ok(plan) = place(&policy, size, &c.nodes, &c.devices) else { return Ok(()) };
         let vol = volume_from(&plan, policy, size);
         let failed = vol.components[pick % vol.components.len()].clone();
+        // The plan is checked against the cluster before the failure: the
+        // other leg of an erasure-coded volume may share the failed node
+        // or device (its component is replaced on its own).
+        let before = c.clone();
         let mut c = c;
         if kill_node {
             c.nodes.iter_mut().filter(|n| n.id == failed.node).for_each(|n| n.state = NodeState::Down);
@@ -459,8 +497,78 @@ proptest! {
                 .filter(|(i, _)| vol.components[*i].id != failed.id)
                 .map(|(_, p)| p.clone())
                 .collect();
+            let n = c.nodes.iter().find(|n| n.id == p.node).unwrap();
+            let d = c.devices.iter().find(|d| d.id == p.device).unwrap();
+            prop_assert_eq!((n.state, d.state), (NodeState::Up, DeviceState::Healthy));
             new_plan.push(p);
-            check_plan(&c, &policy, size, &new_plan)?;
+            new_plan.sort_by_key(|p| match p.role {
+                ComponentRole::Stripe { position } => (1, position),
+                _ => (0, 0),
+            });
+            check_plan(&before, &policy, size, &new_plan)?;
+        }
+    }
+}
+
+/// RAID-5 on 3 to 5 domains is 2+1, on 6 or more 4+1; RAID-6 is 4+2 and
+/// needs 6. The performance leg is RAID-1's; the stripe columns share its
+/// domains but not each other's, and carry no vote. A lost column is
+/// replaced clear of the other columns.
+#[test]
+fn erasure_layouts_place_both_legs() {
+    let r5 = Policy {
+        layout: Layout::Raid5,
+        ..Policy::default()
+    };
+    let r6 = Policy {
+        layout: Layout::Raid6,
+        ftt: 2,
+        ..Policy::default()
+    };
+    for (n, policy, want) in [
+        (3, r5, Some("2+1")),
+        (5, r5, Some("2+1")),
+        (6, r5, Some("4+1")),
+        (8, r5, Some("4+1")),
+        (6, r6, Some("4+2")),
+        (2, r5, None),
+        (5, r6, None),
+    ] {
+        let (nodes, devs) = cluster(n);
+        match place(&policy, G, &nodes, &devs) {
+            Ok(plan) => {
+                let g = stripe_geometry(&policy, &plan).map(|g| g.to_string());
+                assert_eq!(g.as_deref(), want, "{policy} on {n}");
+                let c = Cluster {
+                    nodes: nodes.clone(),
+                    devices: devs.clone(),
+                };
+                check_plan(&c, &policy, G, &plan).unwrap();
+                let vol = volume_from(&plan, policy, G);
+                assert_eq!(vol.total_votes(), 2 * u32::from(policy.ftt) + 1);
+                let column = vol.stripe_components().next().unwrap().clone();
+                let mut down = nodes.clone();
+                down.iter_mut()
+                    .filter(|x| x.id == column.node)
+                    .for_each(|x| x.state = NodeState::Down);
+                match replacement(&policy, &vol, column.id, &down, &devs) {
+                    Ok(p) => {
+                        assert_eq!(p.role, column.role);
+                        assert_eq!(p.votes, 0);
+                        assert!(vol.stripe_components().all(|c| c.node != p.node));
+                    }
+                    // Every domain holds a column already.
+                    Err(PlacementError::NotEnoughFaultDomains { .. }) => {
+                        assert_eq!(vol.stripe_components().count(), n as usize)
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            Err(PlacementError::NotEnoughFaultDomains { needed, have, .. }) => {
+                assert_eq!(want, None, "{policy} on {n}");
+                assert_eq!((needed, have), (policy.fault_domains_needed(), n as usize));
+            }
+            Err(e) => panic!("{policy} on {n}: {e}"),
         }
     }
 }

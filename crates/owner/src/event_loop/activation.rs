@@ -129,6 +129,7 @@ async fn activate_all(
                             .extend(dirty.iter().map(|(off, _)| off / REGION));
                     }
                     ComponentRole::Data => {}
+                    ComponentRole::Stripe { .. } => unreachable!("{}", super::NO_STRIPES),
                 }
                 continue;
             }

@@ -54,6 +54,7 @@ impl<C: Control> Loop<C> {
                     assert!(!r.witness_ok, "data copy {i} counted as witness");
                     assert!(!r.pinging, "data copy {i} pinged as witness");
                 }
+                ComponentRole::Stripe { .. } => panic!("{}", super::NO_STRIPES),
             }
             match r.mode {
                 Mode::Resyncing => {

@@ -77,6 +77,11 @@ pub(crate) struct Shared {
     pub(crate) latency: Arc<crate::pace::ClientLatency>,
 }
 
+/// The loop serves a RAID-1 layout: of an erasure-coded volume, only its
+/// performance leg ([`crate::View::performance_leg`]); a stripe column
+/// never reaches it.
+const NO_STRIPES: &str = "a stripe column reached the RAID-1 loop";
+
 /// How long to wait for a TCP connection to a replica, in milliseconds.
 const CONNECT_TIMEOUT_MS: u64 = 1000;
 /// Ticks between resync attempts after a failed one.
@@ -423,7 +428,7 @@ impl<C: Control> Loop<C> {
                 Flow::Continue
             }
             Event::View(v) => {
-                self.view(v);
+                self.view(*v);
                 Flow::Continue
             }
             Event::Stop => Flow::Stop,

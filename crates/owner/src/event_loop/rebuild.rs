@@ -45,6 +45,7 @@ impl<C: Control> Loop<C> {
         let out = match r.role {
             ComponentRole::Data => r.mode == Mode::Out,
             ComponentRole::Witness => !r.witness_ok,
+            ComponentRole::Stripe { .. } => unreachable!("{}", super::NO_STRIPES),
         };
         let waited = r
             .out_since
@@ -130,6 +131,7 @@ impl<C: Control> Loop<C> {
             .filter(|r| match r.role {
                 ComponentRole::Data => r.mode == Mode::Out,
                 ComponentRole::Witness => !r.witness_ok,
+                ComponentRole::Stripe { .. } => unreachable!("{}", super::NO_STRIPES),
             })
             .filter_map(|r| {
                 let since = r.out_since?;

@@ -130,6 +130,7 @@ impl<C: Control> Loop<C> {
             match r.role {
                 ComponentRole::Data => r.mode == Mode::Synced,
                 ComponentRole::Witness => r.witness_ok,
+                ComponentRole::Stripe { .. } => unreachable!("{}", super::NO_STRIPES),
             }
         });
         if lost {

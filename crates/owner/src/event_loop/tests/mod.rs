@@ -530,15 +530,16 @@ async fn a_newer_owner_in_the_view_stops_the_loop() {
         wrapped_key: None,
         reconfig: None,
         wanted_policy: None,
+        stripe: None,
     };
     assert_eq!(
-        rig.lp.apply(Event::View(View {
+        rig.lp.apply(Event::View(Box::new(View {
             volume: volume.clone(),
             targets: vec![],
             repair_delay: crate::DEFAULT_REPAIR_DELAY,
             resync_bytes_per_s: None,
             previous_owner_gone: false,
-        })),
+        }))),
         Flow::Continue
     );
     volume.generation = 2;
@@ -549,7 +550,7 @@ async fn a_newer_owner_in_the_view_stops_the_loop() {
         resync_bytes_per_s: None,
         previous_owner_gone: false,
     };
-    assert_eq!(rig.lp.apply(Event::View(view)), Flow::Continue);
+    assert_eq!(rig.lp.apply(Event::View(Box::new(view))), Flow::Continue);
     assert!(matches!(rig.next_event().await, Event::Stop));
     assert_eq!(rig.lp.apply(Event::Stop), Flow::Stop);
     assert!(!rig.route_published());

@@ -61,6 +61,7 @@ fn view(rig: &Rig, extra: &[Component], reconfig: Option<Reconfig>, addr4: &str)
             wrapped_key: None,
             reconfig,
             wanted_policy: None,
+            stripe: None,
         },
         targets,
         repair_delay: Duration::from_secs(3600),
@@ -95,7 +96,7 @@ async fn moving() -> (Rig, Arc<FakeReplica>) {
     let (addr4, fake4) = fake_replica(4);
     rig.fakes[0].allocate(&[(0, 2 * REGION)]);
     let v = move_copy_2(&rig, &addr4);
-    assert_eq!(rig.lp.apply(Event::View(v)), Flow::Continue);
+    assert_eq!(rig.lp.apply(Event::View(Box::new(v))), Flow::Continue);
     rig.fakes.push(fake4.clone());
     (rig, fake4)
 }
@@ -162,7 +163,7 @@ async fn a_late_view_of_an_ended_change_is_not_adopted_again() {
     rig.run_until(|lp| lp.change.is_none()).await;
     let n = rig.lp.replicas.len();
     let stale = move_copy_2(&rig, &addr4);
-    assert_eq!(rig.lp.apply(Event::View(stale)), Flow::Continue);
+    assert_eq!(rig.lp.apply(Event::View(Box::new(stale))), Flow::Continue);
     assert!(rig.lp.change.is_none());
     assert_eq!(rig.lp.replicas.len(), n);
 }
@@ -215,7 +216,7 @@ async fn an_added_copy_whose_host_goes_down_aborts_the_change() {
     let addr4 = rig.lp.replicas[3].addr.clone();
     let mut v = move_copy_2(&rig, &addr4);
     v.targets[3].node_up = false;
-    assert_eq!(rig.lp.apply(Event::View(v)), Flow::Continue);
+    assert_eq!(rig.lp.apply(Event::View(Box::new(v))), Flow::Continue);
     rig.tick();
     rig.run_until(|lp| lp.change.is_none()).await;
     let ends = commits(&rig);
@@ -252,7 +253,7 @@ async fn a_write_needs_a_majority_of_both_layouts() {
     for t in &mut v.targets[3..] {
         t.node_up = false;
     }
-    assert_eq!(rig.lp.apply(Event::View(v)), Flow::Continue);
+    assert_eq!(rig.lp.apply(Event::View(Box::new(v))), Flow::Continue);
     // Copy 2 fails the write: copy 1 and the witness hold 2 of 3 old
     // votes, but only 2 of 6 new ones.
     rig.fakes[1].answer_others(super::fakes::Answer::Err(shoal_rpc::RemoteError::Io(
