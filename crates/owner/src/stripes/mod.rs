@@ -18,9 +18,14 @@
 //! - a new owner starts from [`StripeMap::recover`] and writes a
 //!   checkpoint before any other record.
 
+mod columns;
 mod format;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_columns;
+
+pub use columns::{summary_of, Columns, StripeError, Unit, BLOCK_BYTES, UNIT_BYTES};
 
 pub use format::{
     MapRecord, RecordError, Run, Summary, BLOCKS_PER_UNIT, MAX_SUMMARY_BLOCKS, PAD_BLOCK,
