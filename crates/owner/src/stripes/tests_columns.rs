@@ -122,9 +122,9 @@ proptest! {
             prop_assert_eq!(summary.blocks[i], numbers[i]);
         }
         // Every data unit starts with the summary; padding is named so.
-        for pos in 0..c.width() {
+        for (pos, unit) in units.iter().enumerate() {
             if let Unit::Data(_) = c.unit_at(slot, pos) {
-                let s = Summary::decode(&units[pos][..BLOCK_BYTES]).unwrap();
+                let s = Summary::decode(&unit[..BLOCK_BYTES]).unwrap();
                 prop_assert_eq!(&s, &summary);
                 prop_assert!(s.blocks[n..].iter().all(|&b| b == PAD_BLOCK));
             }
