@@ -24,8 +24,14 @@ mod format;
 mod tests;
 #[cfg(test)]
 mod tests_columns;
+#[cfg(test)]
+mod tests_tier;
+mod tier;
 
 pub use columns::{summary_of, Columns, StripeError, Unit, BLOCK_BYTES, UNIT_BYTES};
+pub use tier::{
+    classify, log_records_for, Applied, Destage, Source, Ticket, Tier, TierError, Zeroing,
+};
 
 pub use format::{
     MapRecord, RecordError, Run, Summary, BLOCKS_PER_UNIT, MAX_SUMMARY_BLOCKS, PAD_BLOCK,
@@ -78,6 +84,14 @@ impl StripeMap {
 
     pub fn is_empty(&self) -> bool {
         self.blocks.is_empty()
+    }
+
+    /// The mapped blocks among `first..end`, in order.
+    pub fn mapped_in(&self, first: u64, end: u64) -> Vec<u64> {
+        if first >= end {
+            return Vec::new();
+        }
+        self.blocks.range(first..end).map(|(&b, _)| b).collect()
     }
 
     /// Live blocks of slot `slot`.

@@ -1,0 +1,508 @@
+//! The bookkeeping of an erasure-coded volume's two legs, for its owner
+//! (`docs/erasure-coding.md`): which blocks are pending on the performance
+//! leg, where each read goes, which blocks the next stripe takes, which
+//! map record comes next, and what a durable record lets the owner trim
+//! and acknowledge. Pure: the owner does the I/O it asks for, in order.
+//!
+//! The owner's rules, which this state relies on:
+//! - a block's read is routed by [`Tier::source`] when it is sent, and
+//!   sent to a column before any stripe write sent after it;
+//! - a stripe is written whole before [`Tier::stripe_written`];
+//! - one record at a time: [`Tier::next_record`], written durably to the
+//!   performance leg at [`Tier::log_offset`], then
+//!   [`Tier::record_durable`]; the trims it answers are sent after that;
+//! - a write of zeros over a block the capacity leg holds is acknowledged
+//!   only once its unmap is durable and the trims answered with it are
+//!   done, and trimmed only then ([`Tier::zero`] answers a ticket);
+//!   tickets are acknowledged in their order;
+//! - trims are sent as soon as they are answered, before any later write:
+//!   a block written again after its trim was sent is written after it.
+
+use super::{Columns, Loc, MapRecord, StripeMap, BLOCK_BYTES};
+use std::collections::{BTreeMap, VecDeque};
+
+/// Records the map log keeps beyond two whole checkpoints, so that small
+/// volumes write a checkpoint only every few dozen records.
+const SPARE_LOG_RECORDS: u64 = 64;
+
+/// Where a block's newest data is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// On the performance leg, at the block's own offset.
+    Performance,
+    /// In a stripe of the capacity leg.
+    Stripe(Loc),
+    /// Nowhere: never written, or zeroed. Reads as zeros without I/O.
+    Zeros,
+}
+
+/// A block whose newest data is on the performance leg.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Pending {
+    /// The write that put it there (numbered by the tier).
+    seq: u64,
+    /// A write of zeros over a block the capacity leg holds: the leg's
+    /// block is trimmed and the map must forget the block (an unmap
+    /// record); never destaged.
+    zero: bool,
+}
+
+/// The stripe being destaged: its blocks, each with the write whose data
+/// was read for it, and where it goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Destage {
+    pub blocks: Vec<(u64, u64)>,
+    pub slot: u64,
+    pub stripe_seq: u64,
+    written: bool,
+}
+
+/// A write of zeros waiting for its unmap record to be durable.
+pub type Ticket = u64;
+
+/// What a zeroing asks of the owner ([`Tier::zero`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Zeroing {
+    /// Runs of blocks, (first, count), to trim from the performance leg
+    /// now.
+    pub trim_now: Vec<(u64, u64)>,
+    /// The unmap to wait for before acknowledging (None: acknowledged
+    /// once the trims are done).
+    pub ticket: Option<Ticket>,
+}
+
+/// What a durable record lets the owner do.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Runs of blocks, (first, count), to trim from the performance leg:
+    /// their data is in a durable stripe and no newer write came since.
+    pub trims: Vec<(u64, u64)>,
+    /// Zero writes whose unmaps are durable: to acknowledge once
+    /// `trims` are done (until then a new owner would find the blocks'
+    /// old data on the leg, unmapped, and take it for pending), and in
+    /// ticket order: a later zeroing of a block may find its trim already
+    /// answered to an earlier one.
+    pub acknowledged: Vec<Ticket>,
+}
+
+/// Why the tier cannot start from what it found.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TierError {
+    #[error("the map log holds records but no complete checkpoint: refusing to serve a map that cannot be rebuilt")]
+    NoCheckpoint,
+    #[error(transparent)]
+    Map(#[from] super::MapError),
+}
+
+/// The tier's state for one owned volume.
+#[derive(Debug, Clone)]
+pub struct Tier {
+    volume: u64,
+    volume_bytes: u64,
+    columns: Columns,
+    map: StripeMap,
+    pending: BTreeMap<u64, Pending>,
+    last_write: u64,
+    destage: Option<Destage>,
+    /// Where the next destage starts looking, so that every pending block
+    /// gets its turn (an elevator over block numbers).
+    cursor: u64,
+    /// Unmaps waiting for a record, in order: (first, count, ticket).
+    unmaps: VecDeque<(u64, u64, Ticket)>,
+    last_ticket: Ticket,
+    /// The record being written.
+    in_flight: Option<MapRecord>,
+    /// Parts of the checkpoint being written, after the one in flight.
+    checkpoint_left: VecDeque<MapRecord>,
+    /// Records written since the newest complete checkpoint.
+    since_checkpoint: u64,
+    log_records: u64,
+}
+
+/// Records of a map log sized for a volume of `volume_bytes` under
+/// `columns`: twice the largest checkpoint the volume can need (every
+/// block a run of its own), and spares, so that a checkpoint is always
+/// complete before the log wraps over the one before it.
+pub fn log_records_for(volume_bytes: u64) -> u64 {
+    let blocks = volume_bytes.div_ceil(BLOCK_BYTES as u64);
+    let parts = blocks.div_ceil(super::format::RUNS_PER_CHECKPOINT_PART as u64);
+    2 * parts.max(1) + SPARE_LOG_RECORDS
+}
+
+impl Tier {
+    /// The state of a new owner: `map` as recovered from the log (or
+    /// empty), and `pending`, the blocks the performance leg holds newer
+    /// data of ([`classify`]). Its first record is a checkpoint.
+    pub fn new(
+        volume: u64,
+        volume_bytes: u64,
+        columns: Columns,
+        map: StripeMap,
+        pending: impl IntoIterator<Item = u64>,
+        log_records: u64,
+    ) -> Tier {
+        assert!(log_records >= 4, "a map log of {log_records} records");
+        let pending = pending
+            .into_iter()
+            .map(|b| {
+                (
+                    b,
+                    Pending {
+                        seq: 0,
+                        zero: false,
+                    },
+                )
+            })
+            .collect();
+        Tier {
+            volume,
+            volume_bytes,
+            columns,
+            map,
+            pending,
+            last_write: 0,
+            destage: None,
+            cursor: 0,
+            unmaps: VecDeque::new(),
+            last_ticket: 0,
+            in_flight: None,
+            checkpoint_left: VecDeque::new(),
+            // A new owner writes a checkpoint before any other record.
+            since_checkpoint: log_records,
+            log_records,
+        }
+    }
+
+    /// The map `records` (every valid record read from the log) leave for
+    /// a new owner: empty when there are none (a new volume).
+    pub fn recover_map(records: &[MapRecord]) -> Result<StripeMap, TierError> {
+        if records.is_empty() {
+            return Ok(StripeMap::default());
+        }
+        match StripeMap::recover(records) {
+            Err(super::MapError::NoCheckpoint) => Err(TierError::NoCheckpoint),
+            r => Ok(r?),
+        }
+    }
+
+    pub fn map(&self) -> &StripeMap {
+        &self.map
+    }
+
+    /// Blocks whose newest data is on the performance leg.
+    pub fn pending_blocks(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Where block `block` is to be read from now.
+    pub fn source(&self, block: u64) -> Source {
+        if self.pending.get(&block).is_some_and(|p| !p.zero) {
+            return Source::Performance;
+        }
+        if self.pending.contains_key(&block) {
+            // Zeroed, its unmap not yet durable.
+            return Source::Zeros;
+        }
+        match self.map.get(block) {
+            Some(loc) => Source::Stripe(loc),
+            None => Source::Zeros,
+        }
+    }
+
+    /// Blocks `first..first + count` are being written with data (not all
+    /// zeros) to the performance leg: reads go there from now on.
+    pub fn stage(&mut self, first: u64, count: u64) {
+        for b in first..first.saturating_add(count) {
+            self.last_write += 1;
+            let p = Pending {
+                seq: self.last_write,
+                zero: false,
+            };
+            self.pending.insert(b, p);
+        }
+        self.check();
+    }
+
+    /// Blocks `first..first + count` are being zeroed. Those the capacity
+    /// leg holds (or the stripe being destaged takes) keep their data on
+    /// the performance leg until an unmap record is durable (the leg's
+    /// copy may be the only one newer than the stripe's), and read as
+    /// zeros meanwhile: the ticket to wait for before the zeroing is
+    /// acknowledged, their trims coming with it ([`Applied::trims`]). The
+    /// others are trimmed now: [`Zeroing::trim_now`].
+    pub fn zero(&mut self, first: u64, count: u64) -> Zeroing {
+        let end = first.saturating_add(count);
+        let pending: Vec<u64> = self.pending.range(first..end).map(|(&b, _)| b).collect();
+        for b in pending {
+            self.pending.remove(&b);
+        }
+        let mut held = self.map.mapped_in(first, end);
+        if let Some(d) = &self.destage {
+            held.extend(
+                d.blocks
+                    .iter()
+                    .map(|&(b, _)| b)
+                    .filter(|b| (first..end).contains(b)),
+            );
+        }
+        held.sort_unstable();
+        held.dedup();
+        let trim_now = runs_outside(first, end, &held);
+        if held.is_empty() {
+            self.check();
+            return Zeroing {
+                trim_now,
+                ticket: None,
+            };
+        }
+        for &b in &held {
+            self.last_write += 1;
+            let p = Pending {
+                seq: self.last_write,
+                zero: true,
+            };
+            self.pending.insert(b, p);
+        }
+        self.last_ticket += 1;
+        let (lo, hi) = (held[0], held[held.len() - 1]);
+        self.unmaps.push_back((lo, hi - lo + 1, self.last_ticket));
+        self.check();
+        Zeroing {
+            trim_now,
+            ticket: Some(self.last_ticket),
+        }
+    }
+
+    /// Picks the blocks of the next stripe, if none is being destaged and
+    /// some wait: up to a whole stripe of pending blocks in block order
+    /// from where the last one stopped. The owner reads their data from
+    /// the performance leg (each read after the writes staged so far).
+    /// Waiting unmaps go first: an unmap and a stripe naming the same
+    /// block must be recorded in the order they were asked for.
+    pub fn begin_destage(&mut self) -> Option<&Destage> {
+        if self.destage.is_some() || !self.unmaps.is_empty() {
+            return None;
+        }
+        let per = self.columns.blocks_per_stripe();
+        let wanted = |(_, p): &(&u64, &Pending)| !p.zero;
+        let mut blocks: Vec<(u64, u64)> = self
+            .pending
+            .range(self.cursor..)
+            .filter(wanted)
+            .chain(self.pending.range(..self.cursor).filter(wanted))
+            .take(per)
+            .map(|(&b, p)| (b, p.seq))
+            .collect();
+        if blocks.is_empty() {
+            return None;
+        }
+        self.cursor = blocks.last().map_or(0, |&(b, _)| b + 1);
+        blocks.sort_unstable();
+        self.destage = Some(Destage {
+            blocks,
+            slot: self.map.free_slot(),
+            stripe_seq: self.map.next_stripe_seq(),
+            written: false,
+        });
+        self.check();
+        self.destage.as_ref()
+    }
+
+    /// The stripe being destaged, if any.
+    pub fn destaging(&self) -> Option<&Destage> {
+        self.destage.as_ref()
+    }
+
+    /// The stripe being destaged is durable on every column.
+    pub fn stripe_written(&mut self) {
+        if let Some(d) = self.destage.as_mut() {
+            d.written = true;
+        }
+    }
+
+    /// The stripe could not be written: its blocks stay pending, to be
+    /// destaged again.
+    pub fn destage_failed(&mut self) {
+        if self.destage.as_ref().is_some_and(|d| !d.written) {
+            self.destage = None;
+        }
+    }
+
+    /// The next record to write, if none is in flight: a checkpoint's
+    /// next part, a checkpoint when the log has filled half since the
+    /// last, the written stripe's record, or the oldest unmap once no
+    /// stripe is being destaged.
+    pub fn next_record(&mut self) -> Option<MapRecord> {
+        if self.in_flight.is_some() {
+            return None;
+        }
+        let seq = self.map.next_record_seq();
+        let rec = if let Some(part) = self.checkpoint_left.pop_front() {
+            part
+        } else if self.since_checkpoint >= self.log_records / 2 {
+            let mut parts: VecDeque<MapRecord> = self.map.checkpoint(self.volume, seq).into();
+            assert!(
+                (parts.len() as u64) < self.log_records / 2,
+                "a checkpoint of {} parts in a log of {} records",
+                parts.len(),
+                self.log_records
+            );
+            let first = parts.pop_front()?;
+            self.checkpoint_left = parts;
+            first
+        } else if let Some(d) = self.destage.as_ref().filter(|d| d.written) {
+            MapRecord::Stripe {
+                volume: self.volume,
+                seq,
+                stripe_seq: d.stripe_seq,
+                slot: d.slot,
+                blocks: d.blocks.iter().map(|&(b, _)| b).collect(),
+            }
+        } else if let Some(&(first, count, _)) =
+            self.unmaps.front().filter(|_| self.destage.is_none())
+        {
+            // (Behind a stripe being destaged: it may name the blocks
+            // this unmap zeroes, and must be recorded first.)
+            MapRecord::Unmap {
+                volume: self.volume,
+                seq,
+                first,
+                count,
+            }
+        } else {
+            return None;
+        };
+        self.in_flight = Some(rec.clone());
+        Some(rec)
+    }
+
+    /// Where record `seq` goes on the performance leg: past the volume's
+    /// end, in a circle of `log_records` blocks.
+    pub fn log_offset(&self, seq: u64) -> u64 {
+        self.volume_bytes + (seq % self.log_records) * BLOCK_BYTES as u64
+    }
+
+    /// The record in flight is durable: applies it.
+    pub fn record_durable(&mut self) -> Result<Applied, TierError> {
+        let Some(rec) = self.in_flight.take() else {
+            return Ok(Applied::default());
+        };
+        self.map.apply(&rec)?;
+        let mut applied = Applied::default();
+        match &rec {
+            MapRecord::Checkpoint { part, parts, .. } => {
+                if part + 1 == *parts {
+                    self.since_checkpoint = 0;
+                }
+                self.check();
+                return Ok(applied);
+            }
+            MapRecord::Stripe { .. } => applied.trims = self.destaged(),
+            MapRecord::Unmap { .. } => {
+                if let Some((first, count, ticket)) = self.unmaps.pop_front() {
+                    applied.trims = self.unmapped(first, count);
+                    applied.acknowledged.push(ticket);
+                }
+            }
+        }
+        self.since_checkpoint += 1;
+        self.check();
+        Ok(applied)
+    }
+
+    /// The destaged stripe's record is durable: its blocks not written
+    /// since leave the pending set, to be trimmed.
+    fn destaged(&mut self) -> Vec<(u64, u64)> {
+        let Some(d) = self.destage.take() else {
+            return Vec::new();
+        };
+        let mut trims: Vec<(u64, u64)> = Vec::new();
+        for (b, seq) in d.blocks {
+            if self.pending.get(&b).is_some_and(|p| p.seq == seq) {
+                self.pending.remove(&b);
+                push_run(&mut trims, b);
+            }
+        }
+        trims
+    }
+
+    /// An unmap is durable: its zeroed blocks are nowhere now, and are
+    /// trimmed from the performance leg (the runs answered). A block
+    /// written since is pending with data, and neither.
+    fn unmapped(&mut self, first: u64, count: u64) -> Vec<(u64, u64)> {
+        let zeroed: Vec<u64> = self
+            .pending
+            .range(first..first.saturating_add(count))
+            .filter(|(_, p)| p.zero)
+            .map(|(&b, _)| b)
+            .collect();
+        let mut trims: Vec<(u64, u64)> = Vec::new();
+        for b in zeroed {
+            self.pending.remove(&b);
+            push_run(&mut trims, b);
+        }
+        trims
+    }
+
+    /// Invariants: a block zeroed over the capacity leg waits for an
+    /// unmap that covers it; the stripe being destaged takes blocks that
+    /// were pending when it began, in order, at most a stripe of them, in
+    /// a slot free in the map.
+    fn check(&self) {
+        if !cfg!(debug_assertions) {
+            return;
+        }
+        for (&b, p) in &self.pending {
+            if p.zero {
+                let covered = self.unmaps.iter().any(|&(f, n, _)| (f..f + n).contains(&b));
+                assert!(covered, "block {b} zeroed with no unmap to come");
+            }
+        }
+        if let Some(d) = &self.destage {
+            assert!(d.blocks.len() <= self.columns.blocks_per_stripe());
+            assert!(d.blocks.windows(2).all(|w| w[0].0 < w[1].0));
+            assert_eq!(self.map.live(d.slot), 0, "destaging into a used slot");
+        }
+        assert!(self.since_checkpoint <= self.log_records, "the log wrapped");
+    }
+}
+
+/// Adds block `b` (above every block in `runs`) to `runs`.
+fn push_run(runs: &mut Vec<(u64, u64)>, b: u64) {
+    match runs.last_mut() {
+        Some((first, count)) if *first + *count == b => *count += 1,
+        _ => runs.push((b, 1)),
+    }
+}
+
+/// The runs of `first..end` outside `held` (sorted).
+fn runs_outside(first: u64, end: u64, held: &[u64]) -> Vec<(u64, u64)> {
+    let mut runs = Vec::new();
+    let mut at = first;
+    for &h in held.iter().chain(std::iter::once(&end)) {
+        if h > at {
+            runs.push((at, h - at));
+        }
+        at = at.max(h.saturating_add(1));
+    }
+    runs
+}
+
+/// Which of the blocks a new owner finds allocated on the performance
+/// leg are pending: those the map does not hold, and those it holds whose
+/// data there is not zeros (written again after their destage, or
+/// destaged and not yet trimmed: the leg's copy is the same or newer). A
+/// mapped block that reads as zeros there is a resync's filling of a hole
+/// (a copy brought up to date gets whole regions), never data: a zero
+/// write over a mapped block is acknowledged only with its unmap.
+/// `is_zeros` reads a mapped block from the leg.
+pub fn classify(
+    map: &StripeMap,
+    allocated: impl IntoIterator<Item = u64>,
+    mut is_zeros: impl FnMut(u64) -> bool,
+) -> Vec<u64> {
+    allocated
+        .into_iter()
+        .filter(|&b| map.get(b).is_none() || !is_zeros(b))
+        .collect()
+}
