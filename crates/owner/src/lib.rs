@@ -14,6 +14,7 @@
 //! (it talks to replicas, even local ones, through `shoal-rpc`) and never
 //! decides cluster state itself: it asks the directory through [`Control`].
 
+pub mod capacity;
 mod event_loop;
 pub mod lease;
 pub mod pace;

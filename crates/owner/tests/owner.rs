@@ -638,3 +638,98 @@ async fn a_cut_off_owner_stops_reading_before_a_newer_one_serves() {
     assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
     assert_eq!(mems[1].data(2)[0], 2, "the new side keeps NEW");
 }
+
+/// A RAID-5 capacity leg on three in-memory replicas: a stripe is written
+/// whole with its parity, every block reads back from its column, and
+/// with a column failing or out, rebuilt from the other two (degraded
+/// reads); a whole-stripe write needs every column; a newer owner's
+/// activation deposes this one; fewer than `k` columns are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stripes_are_written_whole_and_read_back_degraded() {
+    use shoal_owner::capacity::{ColumnError, ColumnSet, ColumnTarget};
+    use shoal_owner::stripes::{summary_of, UNIT_BYTES};
+    let (mems, addrs, _dir) = setup().await;
+    for (i, m) in mems.iter().enumerate() {
+        let create = Request::CreateComponent {
+            component: 10 + i as u64,
+            volume: 7,
+            device: 1,
+            size: 3 * UNIT_BYTES,
+        };
+        m.run(create, Bytes::new()).unwrap();
+    }
+    let targets: Vec<ColumnTarget> = addrs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| ColumnTarget {
+            component: 10 + i as u64,
+            addr: a.clone(),
+        })
+        .collect();
+    let g = shoal_model::StripeGeometry::RAID5_NARROW;
+    let auth = shoal_rpc::PeerAuth::Unauthenticated;
+    let wait = Duration::from_millis(500);
+    let mut set = ColumnSet::activate(g, targets.clone(), 1, wait, &auth)
+        .await
+        .unwrap();
+    let cols = *set.columns();
+    let slot = 1;
+    let blocks: Vec<Vec<u8>> = (0..cols.blocks_per_stripe())
+        .map(|i| vec![i as u8 ^ 0x5a; 4096])
+        .collect();
+    let numbers: Vec<u64> = (100..100 + blocks.len() as u64).collect();
+    let summary = summary_of(&cols, 7, (1, slot), &numbers);
+    let refs: Vec<&[u8]> = blocks.iter().map(Vec::as_slice).collect();
+    let units = cols.encode(set.codec(), &summary, &refs).unwrap();
+    set.write_stripe(slot, units.clone()).await.unwrap();
+    let at = (slot * UNIT_BYTES) as usize..((slot + 1) * UNIT_BYTES) as usize;
+    for (i, m) in mems.iter().enumerate() {
+        assert_eq!(
+            &m.data(10 + i as u64)[at.clone()],
+            &units[i][..],
+            "column {i}"
+        );
+    }
+    for (i, b) in blocks.iter().enumerate() {
+        let r = set.read_block(slot, i).await.unwrap();
+        assert_eq!((&r.data[..], r.failed.len()), (&b[..], 0), "block {i}");
+    }
+    // The column of block 0 fails: its blocks are rebuilt from the
+    // other two.
+    let lost = cols.block_at(slot, 0).0;
+    mems[lost].broken.store(true, Ordering::SeqCst);
+    let on_lost: Vec<usize> = (0..blocks.len())
+        .filter(|&i| cols.block_at(slot, i).0 == lost)
+        .collect();
+    assert_eq!(on_lost.len(), 31);
+    for &i in &on_lost {
+        let r = set.read_block(slot, i).await.unwrap();
+        assert_eq!(
+            (&r.data[..], r.failed.clone()),
+            (&blocks[i][..], vec![lost])
+        );
+    }
+    set.set_out(lost);
+    assert_eq!(set.in_service().len(), 2);
+    let r = set.read_block(slot, 0).await.unwrap();
+    assert_eq!((&r.data[..], r.failed.len()), (&blocks[0][..], 0));
+    assert_eq!(
+        set.write_stripe(slot, units).await,
+        Err(ColumnError::TooFewColumns { have: 2, need: 3 })
+    );
+    // Two columns failing: 2+1 cannot take over.
+    let other = (lost + 1) % 3;
+    mems[other].broken.store(true, Ordering::SeqCst);
+    let e = ColumnSet::activate(g, targets.clone(), 2, wait, &auth)
+        .await
+        .err();
+    assert_eq!(e, Some(ColumnError::TooFewColumns { have: 1, need: 2 }));
+    // A newer owner: the old set is deposed on its next read.
+    mems[lost].broken.store(false, Ordering::SeqCst);
+    mems[other].broken.store(false, Ordering::SeqCst);
+    ColumnSet::activate(g, targets, 3, wait, &auth)
+        .await
+        .unwrap();
+    let e = set.read_block(slot, 0).await.err();
+    assert!(matches!(e, Some(ColumnError::Deposed { .. })), "{e:?}");
+}

@@ -73,6 +73,11 @@ impl Columns {
         self.data + self.parity
     }
 
+    /// Data units of a stripe: `k`.
+    pub fn data_units(&self) -> usize {
+        self.data
+    }
+
     /// Volume blocks one stripe holds: 31 per data unit.
     pub fn blocks_per_stripe(&self) -> usize {
         self.data * BLOCKS_PER_UNIT

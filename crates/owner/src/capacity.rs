@@ -1,0 +1,289 @@
+//! The capacity leg's stripe columns over RPC, for the owner of an
+//! erasure-coded volume (`docs/erasure-coding.md`): taking the columns
+//! over under the owner's generation, writing a stripe whole, and reading
+//! a block from its column, or rebuilding it from the same row of `k`
+//! other columns when that column is out or fails (a degraded read).
+//!
+//! Owns the connections to the columns and which of them are in service.
+//! Never decides what to write where: [`crate::stripes::Tier`] does, and
+//! [`crate::stripes::Columns`] says where a block sits.
+
+use crate::stripes::{Columns, StripeError, BLOCK_BYTES, UNIT_BYTES};
+use bytes::Bytes;
+use futures::future::join_all;
+use shoal_erasure::{Codec, Geometry};
+use shoal_model::{ComponentId, Generation, StripeGeometry};
+use shoal_rpc::{Peer, PeerAuth, RemoteError, Request, RpcError};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// One stripe column: its component and where to reach it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ColumnTarget {
+    pub component: ComponentId,
+    /// Peer RPC address of the column's node.
+    pub addr: String,
+}
+
+/// Why a column operation failed. Callers branch on it: `Deposed` means
+/// another owner took the volume over.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ColumnError {
+    #[error("a newer owner activated column {position}")]
+    Deposed { position: usize },
+    #[error("{have} stripe columns in service; {need} needed")]
+    TooFewColumns { have: usize, need: usize },
+    #[error("column {position}: {error}")]
+    Column { position: usize, error: RpcError },
+    #[error(transparent)]
+    Stripe(#[from] StripeError),
+    #[error("{got} columns given for a stripe of {want}")]
+    Width { want: usize, got: usize },
+}
+
+/// A read of one block: its data, and the columns that failed on the way
+/// (to take out of service).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockRead {
+    pub data: Bytes,
+    pub failed: Vec<usize>,
+}
+
+/// The columns of one owned volume's capacity leg.
+pub struct ColumnSet {
+    columns: Columns,
+    codec: Arc<Codec>,
+    generation: Generation,
+    /// How long one column may take to answer, as for copies.
+    timeout: Duration,
+    targets: Vec<ColumnTarget>,
+    /// By position: the connection of a column in service.
+    peers: Vec<Option<Arc<Peer>>>,
+}
+
+impl ColumnSet {
+    /// Connects to every column (by position) and activates it under
+    /// `generation`, all at once. A column that cannot be reached is out
+    /// of service; fewer than `k` in service is refused, and a column
+    /// that already has a newer owner deposes this one.
+    pub async fn activate(
+        geometry: StripeGeometry,
+        targets: Vec<ColumnTarget>,
+        generation: Generation,
+        timeout: Duration,
+        auth: &PeerAuth,
+    ) -> Result<ColumnSet, ColumnError> {
+        let g = Geometry::new(usize::from(geometry.data), usize::from(geometry.parity))
+            .map_err(StripeError::from)?;
+        let columns = Columns::new(g);
+        if targets.len() != columns.width() {
+            return Err(ColumnError::Width {
+                want: columns.width(),
+                got: targets.len(),
+            });
+        }
+        let codec = Arc::new(Codec::new(g).map_err(StripeError::from)?);
+        let tries = targets
+            .iter()
+            .map(|t| activate_one(t, generation, timeout, auth));
+        let mut peers = Vec::with_capacity(targets.len());
+        for (position, r) in join_all(tries).await.into_iter().enumerate() {
+            match r {
+                Ok(p) => peers.push(Some(Arc::new(p))),
+                Err(RpcError::Remote(RemoteError::StaleGeneration { .. })) => {
+                    return Err(ColumnError::Deposed { position })
+                }
+                Err(e) => {
+                    tracing::warn!(position, error = %e, "stripe column out of service");
+                    peers.push(None);
+                }
+            }
+        }
+        let set = ColumnSet {
+            columns,
+            codec,
+            generation,
+            timeout,
+            targets,
+            peers,
+        };
+        set.need(usize::from(geometry.data))?;
+        Ok(set)
+    }
+
+    pub fn columns(&self) -> &Columns {
+        &self.columns
+    }
+
+    pub fn codec(&self) -> &Codec {
+        &self.codec
+    }
+
+    /// Positions of the columns in service.
+    pub fn in_service(&self) -> Vec<usize> {
+        (0..self.peers.len())
+            .filter(|&p| self.peers[p].is_some())
+            .collect()
+    }
+
+    /// Takes column `position` out of service (it failed).
+    pub fn set_out(&mut self, position: usize) {
+        if let Some(p) = self.peers.get_mut(position) {
+            *p = None;
+        }
+    }
+
+    fn need(&self, need: usize) -> Result<(), ColumnError> {
+        let have = self.in_service().len();
+        match have >= need {
+            true => Ok(()),
+            false => Err(ColumnError::TooFewColumns { have, need }),
+        }
+    }
+
+    /// Writes the `k + m` units of a stripe (by column, from
+    /// [`Columns::encode`]) at slot `slot`, all in flight at once, each
+    /// with its blocks' CRC-32C; returns once every one is durable. Every
+    /// column must be in service: a stripe is written whole.
+    pub async fn write_stripe(&self, slot: u64, units: Vec<Vec<u8>>) -> Result<(), ColumnError> {
+        if units.len() != self.columns.width() {
+            return Err(ColumnError::Width {
+                want: self.columns.width(),
+                got: units.len(),
+            });
+        }
+        self.need(self.columns.width())?;
+        let mut pending = Vec::with_capacity(units.len());
+        for (position, unit) in units.into_iter().enumerate() {
+            debug_assert_eq!(unit.len() as u64, UNIT_BYTES);
+            let req = Request::WriteChecked {
+                component: self.targets[position].component,
+                generation: self.generation,
+                offset: slot * UNIT_BYTES,
+                seq: 0,
+                crcs: unit.chunks(BLOCK_BYTES).map(crc32c::crc32c).collect(),
+            };
+            let sent = self.peer(position)?.send(&req, Bytes::from(unit));
+            pending.push((position, sent));
+        }
+        let waits = pending.into_iter().map(|(position, sent)| async move {
+            let r = match sent {
+                Ok(p) => p.wait(self.timeout).await.map(|_| ()),
+                Err(e) => Err(e),
+            };
+            r.map_err(|e| column_error(position, e))
+        });
+        join_all(waits).await.into_iter().collect()
+    }
+
+    /// Reads block index `index` of the stripe in `slot`: from its column,
+    /// or, with that column out or failing, rebuilt from the same row of
+    /// `k` others.
+    pub async fn read_block(&self, slot: u64, index: usize) -> Result<BlockRead, ColumnError> {
+        let (position, offset) = self.columns.block_at(slot, index);
+        let mut failed = Vec::new();
+        if self.peers[position].is_some() {
+            match self.read_row(position, offset).await {
+                Ok(data) => return Ok(BlockRead { data, failed }),
+                Err(ColumnError::Deposed { position }) => {
+                    return Err(ColumnError::Deposed { position })
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "stripe column read failed: rebuilding the block");
+                    failed.push(position);
+                }
+            }
+        }
+        let data = self.rebuild(slot, position, offset, &mut failed).await?;
+        Ok(BlockRead { data, failed })
+    }
+
+    /// Rebuilds the row at `offset` of column `lost` from the other
+    /// columns in service (those that fail join `failed`).
+    async fn rebuild(
+        &self,
+        slot: u64,
+        lost: usize,
+        offset: u64,
+        failed: &mut Vec<usize>,
+    ) -> Result<Bytes, ColumnError> {
+        let others: Vec<usize> = self
+            .in_service()
+            .into_iter()
+            .filter(|p| *p != lost && !failed.contains(p))
+            .collect();
+        let reads = others.iter().map(|&p| self.read_row(p, offset));
+        let mut rows: Vec<Option<Vec<u8>>> = vec![None; self.columns.width()];
+        for (&p, r) in others.iter().zip(join_all(reads).await) {
+            match r {
+                Ok(d) => rows[p] = Some(d.to_vec()),
+                Err(ColumnError::Deposed { position }) => {
+                    return Err(ColumnError::Deposed { position })
+                }
+                Err(_) => failed.push(p),
+            }
+        }
+        let have = rows.iter().flatten().count();
+        let need = self.columns.data_units();
+        if have < need {
+            return Err(ColumnError::TooFewColumns { have, need });
+        }
+        let mut whole = self.columns.rebuild_row(&self.codec, slot, rows)?;
+        Ok(Bytes::from(std::mem::take(&mut whole[lost])))
+    }
+
+    async fn read_row(&self, position: usize, offset: u64) -> Result<Bytes, ColumnError> {
+        let req = Request::Read {
+            component: self.targets[position].component,
+            generation: self.generation,
+            offset,
+            len: BLOCK_BYTES as u32,
+        };
+        let (_, data) = self
+            .peer(position)?
+            .call(&req, Bytes::new(), self.timeout)
+            .await
+            .map_err(|e| column_error(position, e))?;
+        if data.len() != BLOCK_BYTES {
+            let e = RpcError::Protocol(format!(
+                "a read of {BLOCK_BYTES} bytes answered {}",
+                data.len()
+            ));
+            return Err(ColumnError::Column { position, error: e });
+        }
+        Ok(data)
+    }
+
+    fn peer(&self, position: usize) -> Result<&Peer, ColumnError> {
+        self.peers
+            .get(position)
+            .and_then(|p| p.as_deref())
+            .ok_or(ColumnError::Column {
+                position,
+                error: RpcError::Closed,
+            })
+    }
+}
+
+/// A column's error, a newer owner's refusal told apart.
+fn column_error(position: usize, error: RpcError) -> ColumnError {
+    match error {
+        RpcError::Remote(RemoteError::StaleGeneration { .. }) => ColumnError::Deposed { position },
+        error => ColumnError::Column { position, error },
+    }
+}
+
+async fn activate_one(
+    t: &ColumnTarget,
+    generation: Generation,
+    timeout: Duration,
+    auth: &PeerAuth,
+) -> Result<Peer, RpcError> {
+    let peer = Peer::connect(&t.addr, timeout, auth).await?;
+    let req = Request::Activate {
+        component: t.component,
+        generation,
+    };
+    peer.call(&req, Bytes::new(), timeout).await?;
+    Ok(peer)
+}
