@@ -1287,6 +1287,7 @@ mod tests {
             change: added.then(|| "rebuild of component 13".to_string()),
             waiting: vec![(13, Duration::from_millis(4_200))],
             cannot_rebuild: None,
+            reconciling: false,
         }
     }
 

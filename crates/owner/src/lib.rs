@@ -106,11 +106,17 @@ pub struct View {
     pub previous_owner_gone: bool,
 }
 
+/// Bytes of the map log an erasure-coded volume of `volume_bytes` keeps
+/// past its end on the performance leg (`docs/erasure-coding.md`).
+pub fn map_log_bytes(volume_bytes: u64) -> u64 {
+    stripes::log_records_for(volume_bytes) * stripes::BLOCK_BYTES as u64
+}
+
 impl View {
     /// The view of the RAID-1 layout the event loop serves: an
     /// erasure-coded volume's performance leg, without its stripe columns
-    /// (the capacity leg, `docs/erasure-coding.md`); a RAID-1 volume's
-    /// view unchanged.
+    /// (the capacity leg, `docs/erasure-coding.md`), and [`map_log_bytes`]
+    /// longer for the map log; a RAID-1 volume's view unchanged.
     pub fn performance_leg(mut self) -> View {
         let is_stripe = |c: &Component| matches!(c.role, ComponentRole::Stripe { .. });
         self.targets.retain(|t| !is_stripe(&t.component));
@@ -128,6 +134,10 @@ impl View {
         });
         if stripes_only {
             self.volume.reconfig = None;
+        }
+        // The map log lives past the volume's end, on this leg.
+        if self.volume.stripe.is_some() {
+            self.volume.size += map_log_bytes(self.volume.size);
         }
         self
     }
@@ -621,6 +631,7 @@ mod view_tests {
         assert_eq!(ids, vec![1, 2, 3]);
         // A change of stripe columns only is none of the loop's.
         assert_eq!(leg.volume.reconfig, None);
+        assert_eq!(leg.volume.size, (1 << 20) + map_log_bytes(1 << 20));
         assert_eq!(leg.volume.total_votes(), 3);
     }
 }

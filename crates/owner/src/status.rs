@@ -19,6 +19,9 @@ pub struct HealingStatus {
     /// Why the lost components cannot be rebuilt now (no fault domain or
     /// space left), until a rebuild is begun.
     pub cannot_rebuild: Option<String>,
+    /// Regions a dead owner left in flight are being reconciled: the
+    /// copies may still differ there.
+    pub reconciling: bool,
 }
 
 /// One copy being brought up to date.

@@ -277,6 +277,7 @@ pub(crate) async fn start<C: Control>(
     if lp.reconcile.is_none() {
         barrier_all(&lp.replicas, generation, lp.tracking());
     }
+    lp.publish_status();
     let tx = lp.tx.clone();
     spawn_ticker(tx.clone(), cfg.tick);
     lp.renew();

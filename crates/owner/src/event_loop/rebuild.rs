@@ -146,6 +146,7 @@ impl<C: Control> Loop<C> {
             change: self.change.as_ref().map(|c| c.record.reason.clone()),
             waiting,
             cannot_rebuild: self.rebuild.problem.clone(),
+            reconciling: self.reconcile.is_some(),
         };
         let mut g = self.status.lock().unwrap_or_else(|e| e.into_inner());
         *g = status;

@@ -88,6 +88,7 @@ impl<C: Control> Loop<C> {
                 "regions left in flight reconciled"
             );
             self.reconcile = None;
+            self.publish_status();
             return;
         };
         rc.current = Some(region);

@@ -111,6 +111,18 @@ impl StripeMap {
         want
     }
 
+    /// The lowest slot holding no live block and not in `busy` (slots
+    /// that reads sent earlier may still be reading).
+    pub fn free_slot_avoiding(&self, busy: &std::collections::BTreeSet<u64>) -> u64 {
+        let mut want = 0;
+        loop {
+            if self.live(want) == 0 && !busy.contains(&want) {
+                return want;
+            }
+            want += 1;
+        }
+    }
+
     /// The stripe seq the next stripe takes.
     pub fn next_stripe_seq(&self) -> u64 {
         self.last_stripe_seq + 1

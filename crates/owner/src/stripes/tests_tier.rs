@@ -148,8 +148,9 @@ impl Sim {
             return;
         }
         self.ordered_after_trims(b);
-        self.tier.stage(b, 1);
+        let seq = self.tier.stage(b, 1);
         self.perf.insert(b, v);
+        self.tier.staged(b, 1, seq);
         self.model.insert(b, v);
         self.acked.insert(b, v);
         self.unacked.remove(&b);
@@ -212,7 +213,7 @@ impl Sim {
     }
 
     fn begin_destage(&mut self) {
-        if let Some(d) = self.tier.begin_destage().cloned() {
+        if let Some(d) = self.tier.begin_destage(&BTreeSet::new()).cloned() {
             for &(b, _) in &d.blocks {
                 self.ordered_after_trims(b);
             }

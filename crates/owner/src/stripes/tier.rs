@@ -45,6 +45,9 @@ struct Pending {
     /// block is trimmed and the map must forget the block (an unmap
     /// record); never destaged.
     zero: bool,
+    /// The write is done on the leg: a destage may read it. (A read sent
+    /// before a write is done may find the leg's older data.)
+    done: bool,
 }
 
 /// The stripe being destaged: its blocks, each with the write whose data
@@ -150,6 +153,7 @@ impl Tier {
                     Pending {
                         seq: 0,
                         zero: false,
+                        done: true,
                     },
                 )
             })
@@ -185,6 +189,10 @@ impl Tier {
         }
     }
 
+    pub fn volume(&self) -> u64 {
+        self.volume
+    }
+
     pub fn map(&self) -> &StripeMap {
         &self.map
     }
@@ -192,6 +200,11 @@ impl Tier {
     /// Blocks whose newest data is on the performance leg.
     pub fn pending_blocks(&self) -> usize {
         self.pending.len()
+    }
+
+    /// Pending blocks a destage may take now.
+    pub fn destageable_blocks(&self) -> usize {
+        self.pending.values().filter(|p| !p.zero && p.done).count()
     }
 
     /// Where block `block` is to be read from now.
@@ -210,17 +223,30 @@ impl Tier {
     }
 
     /// Blocks `first..first + count` are being written with data (not all
-    /// zeros) to the performance leg: reads go there from now on.
-    pub fn stage(&mut self, first: u64, count: u64) {
+    /// zeros) to the performance leg: reads go there from now on. Answers
+    /// the write's number, for [`Tier::staged`].
+    pub fn stage(&mut self, first: u64, count: u64) -> u64 {
+        self.last_write += 1;
         for b in first..first.saturating_add(count) {
-            self.last_write += 1;
             let p = Pending {
                 seq: self.last_write,
                 zero: false,
+                done: false,
             };
             self.pending.insert(b, p);
         }
         self.check();
+        self.last_write
+    }
+
+    /// Write `seq` of blocks `first..first + count` is done on the leg:
+    /// those it still holds may be destaged.
+    pub fn staged(&mut self, first: u64, count: u64, seq: u64) {
+        for (_, p) in self.pending.range_mut(first..first.saturating_add(count)) {
+            if p.seq == seq {
+                p.done = true;
+            }
+        }
     }
 
     /// Blocks `first..first + count` are being zeroed. Those the capacity
@@ -260,6 +286,7 @@ impl Tier {
             let p = Pending {
                 seq: self.last_write,
                 zero: true,
+                done: true,
             };
             self.pending.insert(b, p);
         }
@@ -274,17 +301,21 @@ impl Tier {
     }
 
     /// Picks the blocks of the next stripe, if none is being destaged and
-    /// some wait: up to a whole stripe of pending blocks in block order
+    /// some wait: up to a whole stripe of pending blocks whose writes are
+    /// done, in block order
     /// from where the last one stopped. The owner reads their data from
     /// the performance leg (each read after the writes staged so far).
     /// Waiting unmaps go first: an unmap and a stripe naming the same
     /// block must be recorded in the order they were asked for.
-    pub fn begin_destage(&mut self) -> Option<&Destage> {
+    ///
+    /// The stripe goes to the lowest free slot not in `busy`: a slot freed
+    /// while reads routed to it may still be in flight is not written.
+    pub fn begin_destage(&mut self, busy: &std::collections::BTreeSet<u64>) -> Option<&Destage> {
         if self.destage.is_some() || !self.unmaps.is_empty() {
             return None;
         }
         let per = self.columns.blocks_per_stripe();
-        let wanted = |(_, p): &(&u64, &Pending)| !p.zero;
+        let wanted = |(_, p): &(&u64, &Pending)| !p.zero && p.done;
         let mut blocks: Vec<(u64, u64)> = self
             .pending
             .range(self.cursor..)
@@ -300,7 +331,7 @@ impl Tier {
         blocks.sort_unstable();
         self.destage = Some(Destage {
             blocks,
-            slot: self.map.free_slot(),
+            slot: self.map.free_slot_avoiding(busy),
             stripe_seq: self.map.next_stripe_seq(),
             written: false,
         });

@@ -12,15 +12,17 @@ use crate::stripes::{Columns, StripeError, BLOCK_BYTES, UNIT_BYTES};
 use bytes::Bytes;
 use futures::future::join_all;
 use shoal_erasure::{Codec, Geometry};
-use shoal_model::{ComponentId, Generation, StripeGeometry};
+use shoal_model::{ComponentId, DeviceId, Generation, StripeGeometry, VolumeId};
 use shoal_rpc::{Peer, PeerAuth, RemoteError, Request, RpcError};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 /// One stripe column: its component and where to reach it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ColumnTarget {
     pub component: ComponentId,
+    /// The device the column is placed on.
+    pub device: DeviceId,
     /// Peer RPC address of the column's node.
     pub addr: String,
 }
@@ -58,16 +60,19 @@ pub struct ColumnSet {
     timeout: Duration,
     targets: Vec<ColumnTarget>,
     /// By position: the connection of a column in service.
-    peers: Vec<Option<Arc<Peer>>>,
+    peers: RwLock<Vec<Option<Arc<Peer>>>>,
 }
 
 impl ColumnSet {
-    /// Connects to every column (by position) and activates it under
-    /// `generation`, all at once. A column that cannot be reached is out
-    /// of service; fewer than `k` in service is refused, and a column
-    /// that already has a newer owner deposes this one.
+    /// Connects to every column (by position) of volume `volume` of
+    /// `volume_bytes`, makes sure it exists ([`Columns::column_bytes`]
+    /// long) and activates it under `generation`, all at once. A column
+    /// that cannot be reached is out of service; fewer than `k` in service
+    /// is refused, and a column that already has a newer owner deposes
+    /// this one.
     pub async fn activate(
         geometry: StripeGeometry,
+        (volume, volume_bytes): (VolumeId, u64),
         targets: Vec<ColumnTarget>,
         generation: Generation,
         timeout: Duration,
@@ -83,9 +88,10 @@ impl ColumnSet {
             });
         }
         let codec = Arc::new(Codec::new(g).map_err(StripeError::from)?);
+        let size = columns.column_bytes(volume_bytes);
         let tries = targets
             .iter()
-            .map(|t| activate_one(t, generation, timeout, auth));
+            .map(|t| activate_one(t, (volume, size), generation, timeout, auth));
         let mut peers = Vec::with_capacity(targets.len());
         for (position, r) in join_all(tries).await.into_iter().enumerate() {
             match r {
@@ -105,7 +111,7 @@ impl ColumnSet {
             generation,
             timeout,
             targets,
-            peers,
+            peers: RwLock::new(peers),
         };
         set.need(usize::from(geometry.data))?;
         Ok(set)
@@ -121,14 +127,14 @@ impl ColumnSet {
 
     /// Positions of the columns in service.
     pub fn in_service(&self) -> Vec<usize> {
-        (0..self.peers.len())
-            .filter(|&p| self.peers[p].is_some())
-            .collect()
+        let peers = self.peers.read().unwrap_or_else(|e| e.into_inner());
+        (0..peers.len()).filter(|&p| peers[p].is_some()).collect()
     }
 
     /// Takes column `position` out of service (it failed).
-    pub fn set_out(&mut self, position: usize) {
-        if let Some(p) = self.peers.get_mut(position) {
+    pub fn set_out(&self, position: usize) {
+        let mut peers = self.peers.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = peers.get_mut(position) {
             *p = None;
         }
     }
@@ -182,7 +188,7 @@ impl ColumnSet {
     pub async fn read_block(&self, slot: u64, index: usize) -> Result<BlockRead, ColumnError> {
         let (position, offset) = self.columns.block_at(slot, index);
         let mut failed = Vec::new();
-        if self.peers[position].is_some() {
+        if self.peer(position).is_ok() {
             match self.read_row(position, offset).await {
                 Ok(data) => return Ok(BlockRead { data, failed }),
                 Err(ColumnError::Deposed { position }) => {
@@ -254,10 +260,11 @@ impl ColumnSet {
         Ok(data)
     }
 
-    fn peer(&self, position: usize) -> Result<&Peer, ColumnError> {
-        self.peers
+    fn peer(&self, position: usize) -> Result<Arc<Peer>, ColumnError> {
+        let peers = self.peers.read().unwrap_or_else(|e| e.into_inner());
+        peers
             .get(position)
-            .and_then(|p| p.as_deref())
+            .and_then(|p| p.clone())
             .ok_or(ColumnError::Column {
                 position,
                 error: RpcError::Closed,
@@ -275,11 +282,19 @@ fn column_error(position: usize, error: RpcError) -> ColumnError {
 
 async fn activate_one(
     t: &ColumnTarget,
+    (volume, size): (VolumeId, u64),
     generation: Generation,
     timeout: Duration,
     auth: &PeerAuth,
 ) -> Result<Peer, RpcError> {
     let peer = Peer::connect(&t.addr, timeout, auth).await?;
+    let create = Request::CreateComponent {
+        component: t.component,
+        volume,
+        device: t.device,
+        size,
+    };
+    peer.call(&create, Bytes::new(), timeout).await?;
     let req = Request::Activate {
         component: t.component,
         generation,

@@ -1,0 +1,711 @@
+//! The owner of an erasure-coded volume: one task driven by one loop of
+//! typed events, in front of a RAID-1 [`Owner`] of the performance leg
+//! and the [`ColumnSet`] of the capacity leg. It stages client writes on
+//! the performance leg, routes reads by the [`Tier`], destages full
+//! stripes one at a time, writes the map log one record at a time through
+//! the performance leg, and sends the trims and acknowledgements a
+//! durable record allows, in the order `crates/owner/src/stripes/tier.rs`
+//! requires.
+//!
+//! Serves whole 4 KiB blocks: a request not aligned to them is refused
+//! (`OwnerError::Io`), never half done.
+
+use super::{ColumnError, ColumnSet, ColumnTarget};
+use crate::stripes::{
+    classify, log_records_for, summary_of, Applied, MapRecord, Source, Ticket, Tier, BLOCK_BYTES,
+};
+use crate::{Control, Op, Owner, OwnerConfig, OwnerError, View};
+use bytes::{Bytes, BytesMut};
+use shoal_model::{ComponentRole, ComponentState, Generation};
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+
+type Reply = oneshot::Sender<Result<Bytes, OwnerError>>;
+
+/// Bytes of the map log read at a time when an owner starts.
+const LOG_READ_BYTES: u64 = 1 << 20;
+/// How long a new owner waits for the leg's reconcile, in I/O timeouts:
+/// it copies a few regions a dead owner left in flight, far less.
+const RECONCILE_WAIT_TIMEOUTS: u32 = 20;
+/// Interval of the checks of the leg's reconcile, in milliseconds.
+const RECONCILE_POLL_MS: u64 = 20;
+/// Interval at which a partly filled stripe is destaged when no full one
+/// waits, in milliseconds: the performance leg empties while clients
+/// pause, and a lone write is not held there for long.
+const IDLE_DESTAGE_MS: u64 = 200;
+
+/// Handle to a running erasure-coded owner. Cheap to clone.
+#[derive(Clone)]
+pub struct TieredOwner {
+    tx: mpsc::UnboundedSender<Ev>,
+    leg: Owner,
+}
+
+enum Ev {
+    Io(Op, Reply),
+    /// A staging write (first, count, seq) is done on the leg.
+    Staged((u64, u64, u64)),
+    /// The stripe being destaged was written (or not).
+    StripeWritten(Result<(), ColumnError>),
+    /// Reading the stripe's blocks from the performance leg failed.
+    StripeUnread(OwnerError),
+    /// The record in flight was written (or not).
+    RecordWritten(Result<(), OwnerError>),
+    /// The trims a record allowed are done: acknowledge these zeroings.
+    Trimmed(Vec<Ticket>),
+    /// Reads of stripe slot `slot` ended; columns that failed meanwhile.
+    SlotRead {
+        slot: u64,
+        failed: Vec<usize>,
+    },
+    Tick,
+    Stop,
+}
+
+impl TieredOwner {
+    /// Starts the performance leg's owner (its view without the stripe
+    /// columns), takes the columns over under `generation`, recovers the
+    /// map from the log and the pending blocks from the leg, and serves.
+    pub async fn start<C: Control>(
+        cfg: OwnerConfig,
+        view: View,
+        generation: Generation,
+        control: std::sync::Arc<C>,
+    ) -> Result<TieredOwner, OwnerError> {
+        let v = view.volume.clone();
+        let geometry = v
+            .stripe
+            .ok_or_else(|| OwnerError::Unavailable("not an erasure-coded volume".into()))?;
+        let columns = column_targets(&view);
+        let copies = in_sync_copies(&view);
+        let (timeout, auth) = (cfg.io_timeout, cfg.peer_auth.clone());
+        let leg = Owner::start(cfg, view, generation, control).await?;
+        let set = ColumnSet::activate(
+            geometry,
+            (v.id, v.size),
+            columns,
+            generation,
+            timeout,
+            &auth,
+        )
+        .await
+        .map_err(column_failure);
+        let taken = match set {
+            Ok(set) => recover(&leg, set, (v.id, v.size), &copies, (timeout, &auth)).await,
+            Err(e) => Err(e),
+        };
+        match taken {
+            Ok((set, tier)) => Ok(TieredOwner::serve(leg, v.size, set, tier)),
+            Err(e) => {
+                leg.stop();
+                Err(e)
+            }
+        }
+    }
+
+    /// Starts the loop and its ticker.
+    fn serve(leg: Owner, size: u64, set: ColumnSet, tier: Tier) -> TieredOwner {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let lp = Loop {
+            size,
+            leg: leg.clone(),
+            set: std::sync::Arc::new(set),
+            tier,
+            tx: tx.clone(),
+            reading: BTreeMap::new(),
+            destaging: false,
+            recording: false,
+            zeroings: BTreeMap::new(),
+            ready: BTreeSet::new(),
+            acked_upto: 0,
+            idle: false,
+        };
+        tokio::spawn(lp.run(rx));
+        let ticker = tx.clone();
+        tokio::spawn(async move {
+            let mut t = tokio::time::interval(Duration::from_millis(IDLE_DESTAGE_MS));
+            loop {
+                t.tick().await;
+                if ticker.send(Ev::Tick).is_err() {
+                    return;
+                }
+            }
+        });
+        TieredOwner { tx, leg }
+    }
+
+    /// Runs one operation; reads answer data, everything else empty bytes.
+    pub async fn execute(&self, op: Op) -> Result<Bytes, OwnerError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(Ev::Io(op, tx))
+            .map_err(|_| OwnerError::Stopped)?;
+        rx.await.map_err(|_| OwnerError::Stopped)?
+    }
+
+    pub fn stop(&self) {
+        let _ = self.tx.send(Ev::Stop);
+        self.leg.stop();
+    }
+}
+
+/// The stripe columns of a view, by position.
+fn column_targets(view: &View) -> Vec<ColumnTarget> {
+    let mut columns: Vec<(u8, ColumnTarget)> = view
+        .targets
+        .iter()
+        .filter_map(|t| match t.component.role {
+            ComponentRole::Stripe { position } => {
+                let c = ColumnTarget {
+                    component: t.component.id,
+                    device: t.component.device,
+                    addr: t.addr.clone(),
+                };
+                Some((position, c))
+            }
+            _ => None,
+        })
+        .collect();
+    columns.sort_by_key(|c| c.0);
+    columns.into_iter().map(|c| c.1).collect()
+}
+
+/// The performance leg's in-sync copies: (address, component).
+fn in_sync_copies(view: &View) -> Vec<(String, u64)> {
+    view.targets
+        .iter()
+        .filter(|t| t.component.role == ComponentRole::Data)
+        .filter(|t| t.component.state == ComponentState::Active)
+        .map(|t| (t.addr.clone(), t.component.id))
+        .collect()
+}
+
+/// What a new owner serves from: the map from the log, and the pending
+/// blocks from the leg (`docs/erasure-coding.md`, A new owner).
+async fn recover(
+    leg: &Owner,
+    set: ColumnSet,
+    (volume, size): (u64, u64),
+    copies: &[(String, u64)],
+    (timeout, auth): (Duration, &shoal_rpc::PeerAuth),
+) -> Result<(ColumnSet, Tier), OwnerError> {
+    reconciled(leg, timeout * RECONCILE_WAIT_TIMEOUTS).await?;
+    let log_records = log_records_for(size);
+    let records = read_log(leg, volume, size, log_records).await?;
+    let map = Tier::recover_map(&records).map_err(|e| OwnerError::Unavailable(e.to_string()))?;
+    let allocated = allocated_blocks(copies, size, timeout, auth).await?;
+    let mut mapped_zeros = BTreeSet::new();
+    for &b in allocated.iter().filter(|&&b| map.get(b).is_some()) {
+        let d = leg.read(b * BLOCK_BYTES as u64, BLOCK_BYTES as u32).await?;
+        if d.iter().all(|&x| x == 0) {
+            mapped_zeros.insert(b);
+        }
+    }
+    let pending = classify(&map, allocated, |b| mapped_zeros.contains(&b));
+    let tier = Tier::new(volume, size, *set.columns(), map, pending, log_records);
+    Ok((set, tier))
+}
+
+/// Waits until the leg's copies agree again (what a dead owner left in
+/// flight is reconciled), at most `bound`.
+async fn reconciled(leg: &Owner, bound: Duration) -> Result<(), OwnerError> {
+    let start = std::time::Instant::now();
+    while leg.healing().reconciling {
+        if start.elapsed() > bound {
+            return Err(OwnerError::Unavailable(
+                "the performance leg's copies are still being reconciled".into(),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(RECONCILE_POLL_MS)).await;
+    }
+    Ok(())
+}
+
+/// Every valid record of volume `volume`'s map log (past its end on the
+/// performance leg): blocks that are not records (never written, torn)
+/// are skipped.
+async fn read_log(
+    leg: &Owner,
+    volume: u64,
+    size: u64,
+    records: u64,
+) -> Result<Vec<MapRecord>, OwnerError> {
+    let bytes = records * BLOCK_BYTES as u64;
+    let mut found = Vec::new();
+    let mut at = 0;
+    while at < bytes {
+        let len = LOG_READ_BYTES.min(bytes - at);
+        let d = leg.read(size + at, len as u32).await?;
+        for block in d.chunks(BLOCK_BYTES) {
+            if let Ok(r) = MapRecord::decode(block) {
+                if r.volume() == volume {
+                    found.push(r);
+                }
+            }
+        }
+        at += len;
+    }
+    Ok(found)
+}
+
+/// The blocks below `size` allocated on one in-sync copy of the
+/// performance leg (after its reconcile, the copies agree).
+async fn allocated_blocks(
+    copies: &[(String, u64)],
+    size: u64,
+    timeout: Duration,
+    auth: &shoal_rpc::PeerAuth,
+) -> Result<Vec<u64>, OwnerError> {
+    let mut last = String::from("no in-sync copy");
+    for (addr, component) in copies {
+        let component = *component;
+        let answer = async {
+            let p = shoal_rpc::Peer::connect(addr, timeout, auth).await?;
+            let req = shoal_rpc::Request::AllocatedRanges { component };
+            p.call(&req, Bytes::new(), timeout).await
+        };
+        match answer.await {
+            Ok((shoal_rpc::Response::Ranges(ranges), _)) => {
+                let block = BLOCK_BYTES as u64;
+                let blocks = ranges.into_iter().flat_map(|(off, len)| {
+                    let end = off.saturating_add(len).min(size);
+                    (off / block..end.div_ceil(block)).filter(move |b| b * block < end)
+                });
+                return Ok(blocks.collect());
+            }
+            Ok((other, _)) => last = format!("{other:?}"),
+            Err(e) => last = e.to_string(),
+        }
+    }
+    Err(OwnerError::Unavailable(format!(
+        "no copy of the performance leg told its blocks: {last}"
+    )))
+}
+
+fn column_failure(e: ColumnError) -> OwnerError {
+    match e {
+        ColumnError::Deposed { .. } => OwnerError::Deposed,
+        e => OwnerError::Unavailable(e.to_string()),
+    }
+}
+
+struct Loop {
+    size: u64,
+    leg: Owner,
+    set: std::sync::Arc<ColumnSet>,
+    tier: Tier,
+    tx: mpsc::UnboundedSender<Ev>,
+    /// Stripe slots with reads in flight: not written until they end.
+    reading: BTreeMap<u64, u32>,
+    destaging: bool,
+    recording: bool,
+    /// Zeroings waiting for their ticket.
+    zeroings: BTreeMap<Ticket, Reply>,
+    /// Tickets whose unmap and trims are done, waiting for earlier ones.
+    ready: BTreeSet<Ticket>,
+    acked_upto: Ticket,
+    /// A tick came: a partly filled stripe may go.
+    idle: bool,
+}
+
+impl Loop {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Ev>) {
+        while let Some(ev) = rx.recv().await {
+            let go_on = match ev {
+                Ev::Io(op, reply) => {
+                    self.io(op, reply);
+                    true
+                }
+                Ev::Staged((first, count, seq)) => {
+                    self.tier.staged(first, count, seq);
+                    true
+                }
+                Ev::StripeWritten(r) => self.stripe_written(r),
+                Ev::StripeUnread(e) => {
+                    tracing::warn!(error = %e, "destage read failed; retried");
+                    self.tier.destage_failed();
+                    self.destaging = false;
+                    true
+                }
+                Ev::RecordWritten(r) => self.record_written(r),
+                Ev::Trimmed(tickets) => {
+                    self.acknowledge(tickets);
+                    true
+                }
+                Ev::SlotRead { slot, failed } => {
+                    self.slot_read(slot, failed);
+                    true
+                }
+                Ev::Tick => {
+                    self.idle = true;
+                    true
+                }
+                Ev::Stop => false,
+            };
+            if !go_on {
+                break;
+            }
+            self.pump();
+        }
+        self.leg.stop();
+        for (_, r) in std::mem::take(&mut self.zeroings) {
+            let _ = r.send(Err(OwnerError::Deposed));
+        }
+    }
+
+    fn io(&mut self, op: Op, reply: Reply) {
+        let block = BLOCK_BYTES as u64;
+        let aligned = |off: u64, len: u64| off.is_multiple_of(block) && len.is_multiple_of(block);
+        let in_range = |off: u64, len: u64| off.checked_add(len).is_some_and(|e| e <= self.size);
+        match op {
+            Op::Read { offset, len } if !in_range(offset, len.into()) => {
+                let _ = reply.send(Err(OwnerError::OutOfRange));
+            }
+            Op::Read { offset, len } if aligned(offset, len.into()) => {
+                self.read(offset, len, reply)
+            }
+            Op::Write { offset, data } if !in_range(offset, data.len() as u64) => {
+                let _ = reply.send(Err(OwnerError::OutOfRange));
+            }
+            Op::Write { offset, data } if aligned(offset, data.len() as u64) => {
+                self.write(offset, data, reply)
+            }
+            Op::Zero { offset, len } if !in_range(offset, len) => {
+                let _ = reply.send(Err(OwnerError::OutOfRange));
+            }
+            Op::Zero { offset, len } if aligned(offset, len) => {
+                self.zero(offset / block, len / block, reply)
+            }
+            Op::Flush => {
+                let done = self.leg.submit(Op::Flush);
+                tokio::spawn(async move {
+                    let _ = reply.send(done.wait().await);
+                });
+            }
+            Op::Repair { .. } => {
+                let _ = reply.send(Err(OwnerError::Io(
+                    "repair of an erasure-coded volume's blocks is not served yet".into(),
+                )));
+            }
+            _ => {
+                let _ = reply.send(Err(OwnerError::Io(format!(
+                    "an erasure-coded volume serves whole {BLOCK_BYTES}-byte blocks"
+                ))));
+            }
+        }
+    }
+
+    /// Routes each block now: runs on the performance leg are sent at
+    /// once (ordered with the writes sent before), stripe blocks mark
+    /// their slot busy until read.
+    fn read(&mut self, offset: u64, len: u32, reply: Reply) {
+        let block = BLOCK_BYTES as u64;
+        let first = offset / block;
+        let count = u64::from(len) / block;
+        let mut parts: Vec<Part> = Vec::new();
+        for b in first..first + count {
+            match (self.tier.source(b), parts.last_mut()) {
+                (Source::Performance, Some(Part::Leg(f, n))) if *f + *n == b => *n += 1,
+                (Source::Performance, _) => parts.push(Part::Leg(b, 1)),
+                (Source::Zeros, _) => parts.push(Part::Zeros),
+                (Source::Stripe(loc), _) => {
+                    *self.reading.entry(loc.slot).or_default() += 1;
+                    parts.push(Part::Stripe(loc.slot, usize::from(loc.index)));
+                }
+            }
+        }
+        let sent: Vec<Sent> = parts
+            .into_iter()
+            .map(|p| match p {
+                Part::Leg(f, n) => Sent::Leg(self.leg.submit(Op::Read {
+                    offset: f * block,
+                    len: (n * block) as u32,
+                })),
+                Part::Zeros => Sent::Zeros,
+                Part::Stripe(slot, index) => Sent::Stripe(slot, index),
+            })
+            .collect();
+        let (set, tx) = (self.set.clone(), self.tx.clone());
+        tokio::spawn(async move {
+            let mut out = BytesMut::with_capacity(len as usize);
+            let mut result = Ok(());
+            for s in sent {
+                match s {
+                    Sent::Leg(w) => match w.wait().await {
+                        Ok(d) => out.extend_from_slice(&d),
+                        Err(e) => result = Err(e),
+                    },
+                    Sent::Zeros => out.extend_from_slice(&[0u8; BLOCK_BYTES]),
+                    Sent::Stripe(slot, index) => {
+                        let r = set.read_block(slot, index).await;
+                        let failed = r.as_ref().map(|r| r.failed.clone()).unwrap_or_default();
+                        let _ = tx.send(Ev::SlotRead { slot, failed });
+                        match r {
+                            Ok(r) => out.extend_from_slice(&r.data),
+                            Err(e) => result = Err(column_failure(e)),
+                        }
+                    }
+                }
+            }
+            let _ = reply.send(result.map(|()| out.freeze()));
+        });
+    }
+
+    /// Blocks of data are staged on the performance leg; blocks of zeros
+    /// are zeroed. Answered once every part is.
+    fn write(&mut self, offset: u64, data: Bytes, reply: Reply) {
+        let block = BLOCK_BYTES as u64;
+        let first = offset / block;
+        let mut waits: Vec<Wait> = Vec::new();
+        let chunks: Vec<Bytes> = (0..data.len() / BLOCK_BYTES)
+            .map(|i| data.slice(i * BLOCK_BYTES..(i + 1) * BLOCK_BYTES))
+            .collect();
+        let mut i = 0;
+        while i < chunks.len() {
+            let zero = chunks[i].iter().all(|&x| x == 0);
+            let mut j = i + 1;
+            while j < chunks.len() && chunks[j].iter().all(|&x| x == 0) == zero {
+                j += 1;
+            }
+            let (b, n) = (first + i as u64, (j - i) as u64);
+            if zero {
+                waits.extend(self.zero_blocks(b, n));
+            } else {
+                let seq = self.tier.stage(b, n);
+                let d = data.slice(i * BLOCK_BYTES..j * BLOCK_BYTES);
+                let w = self.leg.submit(Op::Write {
+                    offset: b * block,
+                    data: d,
+                });
+                waits.push(Wait::Staged((b, n, seq), w));
+            }
+            i = j;
+        }
+        tokio::spawn(answer(waits, reply, self.tx.clone()));
+    }
+
+    fn zero(&mut self, first: u64, count: u64, reply: Reply) {
+        let waits = self.zero_blocks(first, count);
+        tokio::spawn(answer(waits, reply, self.tx.clone()));
+    }
+
+    /// Zeroes blocks: trims what the capacity leg does not hold now, and
+    /// for the rest waits for a ticket (its unmap, then its trims).
+    fn zero_blocks(&mut self, first: u64, count: u64) -> Vec<Wait> {
+        let z = self.tier.zero(first, count);
+        let mut waits: Vec<Wait> = z
+            .trim_now
+            .iter()
+            .map(|&(f, n)| Wait::Leg(self.trim(f, n)))
+            .collect();
+        if let Some(t) = z.ticket {
+            let (tx, rx) = oneshot::channel();
+            self.zeroings.insert(t, tx);
+            waits.push(Wait::Ticket(rx));
+        }
+        waits
+    }
+
+    fn trim(&self, first: u64, count: u64) -> crate::Submitted {
+        let block = BLOCK_BYTES as u64;
+        self.leg.submit(Op::Zero {
+            offset: first * block,
+            len: count * block,
+        })
+    }
+
+    /// Starts what may start: the next record, the next destage.
+    fn pump(&mut self) {
+        if !self.recording {
+            if let Some(rec) = self.tier.next_record() {
+                self.write_record(rec);
+            }
+        }
+        if self.destaging {
+            return;
+        }
+        let full = self.tier.destageable_blocks() >= self.set.columns().blocks_per_stripe();
+        if !(full || self.idle) {
+            return;
+        }
+        self.idle = false;
+        let busy: BTreeSet<u64> = self.reading.keys().copied().collect();
+        let Some(d) = self.tier.begin_destage(&busy).cloned() else {
+            return;
+        };
+        self.destaging = true;
+        let block = BLOCK_BYTES as u64;
+        let reads: Vec<crate::Submitted> = d
+            .blocks
+            .iter()
+            .map(|&(b, _)| {
+                self.leg.submit(Op::Read {
+                    offset: b * block,
+                    len: BLOCK_BYTES as u32,
+                })
+            })
+            .collect();
+        let (set, tx, volume) = (self.set.clone(), self.tx.clone(), self.tier_volume());
+        tokio::spawn(async move {
+            let mut data = Vec::with_capacity(reads.len());
+            for r in reads {
+                match r.wait().await {
+                    Ok(d) => data.push(d),
+                    Err(e) => {
+                        let _ = tx.send(Ev::StripeUnread(e));
+                        return;
+                    }
+                }
+            }
+            let numbers: Vec<u64> = d.blocks.iter().map(|&(b, _)| b).collect();
+            let summary = summary_of(set.columns(), volume, (d.stripe_seq, d.slot), &numbers);
+            let refs: Vec<&[u8]> = data.iter().map(|d| &d[..]).collect();
+            let written = match set.columns().encode(set.codec(), &summary, &refs) {
+                Ok(units) => set.write_stripe(d.slot, units).await,
+                Err(e) => Err(ColumnError::Stripe(e)),
+            };
+            let _ = tx.send(Ev::StripeWritten(written));
+        });
+    }
+
+    fn tier_volume(&self) -> u64 {
+        self.tier.volume()
+    }
+
+    fn stripe_written(&mut self, r: Result<(), ColumnError>) -> bool {
+        self.destaging = false;
+        match r {
+            Ok(()) => {
+                self.tier.stripe_written();
+                true
+            }
+            Err(ColumnError::Deposed { .. }) => false,
+            Err(e) => {
+                tracing::warn!(error = %e, "stripe not written; its blocks stay on the performance leg");
+                if let ColumnError::Column { position, .. } = e {
+                    self.set.set_out(position);
+                }
+                self.tier.destage_failed();
+                true
+            }
+        }
+    }
+
+    fn write_record(&mut self, rec: MapRecord) {
+        let data = match rec.encode() {
+            Ok(d) => Bytes::from(d),
+            Err(e) => {
+                tracing::error!(error = %e, "map record not encodable");
+                return;
+            }
+        };
+        self.recording = true;
+        let w = self.leg.submit(Op::Write {
+            offset: self.tier.log_offset(rec.seq()),
+            data,
+        });
+        let tx = self.tx.clone();
+        tokio::spawn(async move {
+            let _ = tx.send(Ev::RecordWritten(w.wait().await.map(|_| ())));
+        });
+    }
+
+    /// A record is durable: apply it, send its trims at once, and
+    /// acknowledge its zeroings once they are done.
+    fn record_written(&mut self, r: Result<(), OwnerError>) -> bool {
+        self.recording = false;
+        if let Err(e) = r {
+            tracing::warn!(error = %e, "map record not written: the owner stops");
+            return false;
+        }
+        let Applied {
+            trims,
+            acknowledged,
+        } = match self.tier.record_durable() {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::error!(error = %e, "map record not applicable: the owner stops");
+                return false;
+            }
+        };
+        let sent: Vec<crate::Submitted> = trims.iter().map(|&(f, n)| self.trim(f, n)).collect();
+        let tx = self.tx.clone();
+        tokio::spawn(async move {
+            for s in sent {
+                // A trim that fails leaves old data on the leg: the
+                // zeroings wait (and fail with the owner, never early).
+                if s.wait().await.is_err() {
+                    return;
+                }
+            }
+            let _ = tx.send(Ev::Trimmed(acknowledged));
+        });
+        true
+    }
+
+    /// Zeroings are acknowledged in ticket order.
+    fn acknowledge(&mut self, tickets: Vec<Ticket>) {
+        self.ready.extend(tickets);
+        while self.ready.remove(&(self.acked_upto + 1)) {
+            self.acked_upto += 1;
+            if let Some(r) = self.zeroings.remove(&self.acked_upto) {
+                let _ = r.send(Ok(Bytes::new()));
+            }
+        }
+    }
+
+    fn slot_read(&mut self, slot: u64, failed: Vec<usize>) {
+        if let Some(n) = self.reading.get_mut(&slot) {
+            *n -= 1;
+            if *n == 0 {
+                self.reading.remove(&slot);
+            }
+        }
+        for p in failed {
+            self.set.set_out(p);
+        }
+    }
+}
+
+enum Part {
+    Leg(u64, u64),
+    Zeros,
+    Stripe(u64, usize),
+}
+
+enum Sent {
+    Leg(crate::Submitted),
+    Zeros,
+    Stripe(u64, usize),
+}
+
+enum Wait {
+    Leg(crate::Submitted),
+    /// A write staging blocks (first, count) as write `seq`.
+    Staged((u64, u64, u64), crate::Submitted),
+    Ticket(oneshot::Receiver<Result<Bytes, OwnerError>>),
+}
+
+/// Answers a write or zeroing once all its parts are done, and tells the
+/// loop which staged writes are done.
+async fn answer(waits: Vec<Wait>, reply: Reply, tx: mpsc::UnboundedSender<Ev>) {
+    let mut result = Ok(Bytes::new());
+    for w in waits {
+        let r = match w {
+            Wait::Leg(s) => s.wait().await,
+            Wait::Staged(staged, s) => {
+                let r = s.wait().await;
+                if r.is_ok() {
+                    let _ = tx.send(Ev::Staged(staged));
+                }
+                r
+            }
+            Wait::Ticket(rx) => rx.await.unwrap_or(Err(OwnerError::Deposed)),
+        };
+        if let Err(e) = r {
+            result = Err(e);
+        }
+    }
+    let _ = reply.send(result);
+}
