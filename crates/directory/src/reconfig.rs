@@ -204,10 +204,29 @@ impl ClusterState {
                 });
             }
         }
+        let stripe = |r: ComponentRole| matches!(r, ComponentRole::Stripe { .. });
+        let moves_columns = b.add.iter().any(|c| stripe(c.role))
+            || v.components
+                .iter()
+                .any(|c| stripe(c.role) && b.remove.contains(&c.id));
+        if moves_columns || (v.stripe.is_some() && b.policy.is_some()) {
+            return Err(input(format!(
+                "volume {} is erasure-coded: moving its stripe components or changing its \
+                 policy is not available yet",
+                v.name
+            )));
+        }
         for (i, c) in b.add.iter().enumerate() {
             self.check_placed(c)?;
-            let taken = v.components.iter().any(|k| k.device == c.device)
-                || b.add[..i].iter().any(|k| k.device == c.device);
+            // The legs of an erasure-coded volume share devices.
+            let same = |k: ComponentRole| k.device_leg() == c.role.device_leg();
+            let taken = v
+                .components
+                .iter()
+                .any(|k| k.device == c.device && same(k.role))
+                || b.add[..i]
+                    .iter()
+                    .any(|k| k.device == c.device && same(k.role));
             if taken {
                 return Err(input(format!(
                     "device {} already holds a component of volume {}",

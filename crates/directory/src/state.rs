@@ -903,6 +903,13 @@ impl ClusterState {
                         "volume {name} is being reconfigured: resize it once that is done"
                     )));
                 }
+                if v.stripe.is_some() && *size != v.size {
+                    // Its map log lives past its end (docs/erasure-coding.md).
+                    return Err(input(format!(
+                        "volume {name} is erasure-coded ({}): growing it is not available yet",
+                        v.policy.layout
+                    )));
+                }
                 if *size < v.size {
                     return Err(StateError::Shrink {
                         name: name.clone(),
@@ -1280,10 +1287,35 @@ pub(crate) mod tests {
         let Ok(Response::Id(id)) = s.apply(&create(raid5, good)) else {
             panic!("the raid5 volume was refused");
         };
-        let v = &s.volumes[&id];
+        let v = s.volumes[&id].clone();
         assert_eq!(v.stripe, Some(StripeGeometry::RAID5_NARROW));
         assert_eq!(v.stripe_components().count(), 3);
         assert_eq!(v.total_votes(), 3);
+        // Not yet: growing it, moving a column, changing its policy.
+        let before = s.clone();
+        let grow = Command::ResizeVolume {
+            name: "ec".into(),
+            size: 2 << 20,
+        };
+        let e = s.apply(&grow).unwrap_err().to_string();
+        assert!(e.contains("erasure-coded"), "{e}");
+        let column = v.stripe_components().next().unwrap().id;
+        let begin = |remove: Vec<ComponentId>, policy: Option<Policy>| Command::BeginReconfig {
+            volume: id,
+            generation: 0,
+            add: vec![],
+            remove,
+            policy,
+            reason: String::new(),
+        };
+        for cmd in [
+            begin(vec![column], None),
+            begin(vec![], Some(Policy::default())),
+        ] {
+            let e = s.apply(&cmd).unwrap_err().to_string();
+            assert!(e.contains("erasure-coded"), "{e}");
+        }
+        assert_eq!(s, before);
     }
 
     #[test]

@@ -197,6 +197,19 @@ pub enum ComponentRole {
     Stripe { position: u8 },
 }
 
+impl ComponentRole {
+    /// Which leg the component belongs to, 0 the copies and witnesses
+    /// (RAID-1, or an erasure-coded volume's performance leg), 1 the
+    /// stripe columns: a device holds at most one component of a volume
+    /// per leg.
+    pub fn device_leg(self) -> u8 {
+        match self {
+            ComponentRole::Stripe { .. } => 1,
+            _ => 0,
+        }
+    }
+}
+
 impl fmt::Display for ComponentRole {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -373,6 +373,9 @@ impl Submitted {
 #[derive(Clone)]
 pub struct Owner {
     tx: mpsc::UnboundedSender<Event>,
+    /// Of an erasure-coded volume: the loop in front of this RAID-1 loop
+    /// of its performance leg, which every operation goes through.
+    tier: Option<Arc<capacity::TieredOwner>>,
     volume: VolumeId,
     route: ReadRoute,
     /// The read lease: reads around the loop are sent only while it holds.
@@ -391,7 +394,28 @@ impl Owner {
     /// Activates the replicas under `generation`, reconciles what an earlier
     /// owner may have left half-written, and starts serving. Fails with
     /// `Unavailable` when the votes rule does not hold.
+    ///
+    /// An erasure-coded volume (`Volume::stripe`) gets its RAID-1 loop for
+    /// the performance leg and, in front of it, the tiered loop of
+    /// [`capacity::TieredOwner`]; the handle hides which.
     pub async fn start<C: Control>(
+        cfg: OwnerConfig,
+        view: View,
+        generation: Generation,
+        control: Arc<C>,
+    ) -> Result<Owner, OwnerError> {
+        if view.volume.stripe.is_none() {
+            return Owner::start_mirror(cfg, view, generation, control).await;
+        }
+        let tier = capacity::TieredOwner::start(cfg, view, generation, control).await?;
+        let mut owner = tier.leg().clone();
+        owner.tier = Some(Arc::new(tier));
+        Ok(owner)
+    }
+
+    /// The RAID-1 loop alone: of a RAID-1 volume, or of an erasure-coded
+    /// volume's performance leg.
+    pub(crate) async fn start_mirror<C: Control>(
         cfg: OwnerConfig,
         view: View,
         generation: Generation,
@@ -413,6 +437,7 @@ impl Owner {
             event_loop::start(cfg, view.performance_leg(), generation, control, shared).await?;
         Ok(Owner {
             tx,
+            tier: None,
             volume,
             route,
             lease,
@@ -441,7 +466,7 @@ impl Owner {
 
     /// False once the owner stopped or was deposed.
     pub fn is_running(&self) -> bool {
-        !self.tx.is_closed()
+        !self.tx.is_closed() && self.tier.as_ref().is_none_or(|t| t.is_running())
     }
 
     /// Runs one operation; reads answer data, everything else empty bytes.
@@ -490,6 +515,13 @@ impl Owner {
     fn submit_admitted(&self, op: Op) -> Submitted {
         let timed = matches!(op, Op::Read { .. } | Op::Write { .. } | Op::Zero { .. })
             .then(|| (Instant::now(), self.latency.clone()));
+        if let Some(t) = &self.tier {
+            let state = match t.send(op) {
+                Some(rx) => SubmitState::Loop(rx),
+                None => SubmitState::Stopped,
+            };
+            return Submitted { state, timed };
+        }
         if let Op::Read { offset, len } = op {
             if let Some((pending, timeout)) = self.read_local(offset, len) {
                 let state = SubmitState::Local {
@@ -559,6 +591,9 @@ impl Owner {
     }
 
     pub fn stop(&self) {
+        if let Some(t) = &self.tier {
+            t.stop();
+        }
         let _ = self.tx.send(Event::Stop);
     }
 }

@@ -80,7 +80,7 @@ impl TieredOwner {
         let columns = column_targets(&view);
         let copies = in_sync_copies(&view);
         let (timeout, auth) = (cfg.io_timeout, cfg.peer_auth.clone());
-        let leg = Owner::start(cfg, view, generation, control).await?;
+        let leg = Owner::start_mirror(cfg, view, generation, control).await?;
         let set = ColumnSet::activate(
             geometry,
             (v.id, v.size),
@@ -137,11 +137,25 @@ impl TieredOwner {
 
     /// Runs one operation; reads answer data, everything else empty bytes.
     pub async fn execute(&self, op: Op) -> Result<Bytes, OwnerError> {
-        let (tx, rx) = oneshot::channel();
-        self.tx
-            .send(Ev::Io(op, tx))
-            .map_err(|_| OwnerError::Stopped)?;
+        let rx = self.send(op).ok_or(OwnerError::Stopped)?;
         rx.await.map_err(|_| OwnerError::Stopped)?
+    }
+
+    /// Hands one operation to the loop now (its place in the volume's
+    /// order); None once the loop stopped.
+    pub(crate) fn send(&self, op: Op) -> Option<oneshot::Receiver<Result<Bytes, OwnerError>>> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(Ev::Io(op, tx)).ok()?;
+        Some(rx)
+    }
+
+    /// The performance leg's RAID-1 owner.
+    pub(crate) fn leg(&self) -> &Owner {
+        &self.leg
+    }
+
+    pub fn is_running(&self) -> bool {
+        !self.tx.is_closed() && self.leg.is_running()
     }
 
     pub fn stop(&self) {
