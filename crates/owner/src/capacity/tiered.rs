@@ -7,8 +7,9 @@
 //! durable record allows, in the order `crates/owner/src/stripes/tier.rs`
 //! requires.
 //!
-//! Serves whole 4 KiB blocks: a request not aligned to them is refused
-//! (`OwnerError::Io`), never half done.
+//! A write or zeroing not of whole 4 KiB blocks is a read-modify-write of
+//! its first and last blocks, which holds later writes to those blocks
+//! back until its whole blocks are written.
 
 use super::{ColumnError, ColumnSet, ColumnTarget};
 use crate::stripes::{
@@ -54,6 +55,14 @@ enum Ev {
     RecordWritten(Result<(), OwnerError>),
     /// The trims a record allowed are done: acknowledge these zeroings.
     Trimmed(Vec<Ticket>),
+    /// A read-modify-write's whole blocks (blocks `span`), or why not.
+    Merged {
+        span: (u64, u64),
+        result: Result<Bytes, OwnerError>,
+        reply: Reply,
+    },
+    /// A read-modify-write's blocks (first, end) are written: unlock.
+    Unlock((u64, u64)),
     /// Reads of stripe slot `slot` ended; columns that failed meanwhile.
     SlotRead {
         slot: u64,
@@ -120,6 +129,8 @@ impl TieredOwner {
             ready: BTreeSet::new(),
             acked_upto: 0,
             idle: false,
+            locks: Vec::new(),
+            blocked: Default::default(),
         };
         tokio::spawn(lp.run(rx));
         let ticker = tx.clone();
@@ -321,6 +332,21 @@ struct Loop {
     acked_upto: Ticket,
     /// A tick came: a partly filled stripe may go.
     idle: bool,
+    /// Blocks (first, end) of read-modify-writes in progress.
+    locks: Vec<(u64, u64)>,
+    /// Writes and zeroings waiting for those locks, in order.
+    blocked: std::collections::VecDeque<(Op, Reply)>,
+}
+
+/// The blocks (first, end) an operation changes, if it changes any.
+fn changes(op: &Op) -> Option<(u64, u64)> {
+    let block = BLOCK_BYTES as u64;
+    let span = |off: u64, len: u64| (off / block, (off + len).div_ceil(block));
+    match op {
+        Op::Write { offset, data } => Some(span(*offset, data.len() as u64)),
+        Op::Zero { offset, len } => Some(span(*offset, *len)),
+        _ => None,
+    }
 }
 
 impl Loop {
@@ -333,6 +359,7 @@ impl Loop {
                 }
                 Ev::Staged((first, count, seq)) => {
                     self.tier.staged(first, count, seq);
+                    self.replay_blocked();
                     true
                 }
                 Ev::StripeWritten(r) => self.stripe_written(r),
@@ -343,6 +370,18 @@ impl Loop {
                     true
                 }
                 Ev::RecordWritten(r) => self.record_written(r),
+                Ev::Merged {
+                    span,
+                    result,
+                    reply,
+                } => {
+                    self.merged(span, result, reply);
+                    true
+                }
+                Ev::Unlock(span) => {
+                    self.unlock(span);
+                    true
+                }
                 Ev::Trimmed(tickets) => {
                     self.acknowledge(tickets);
                     true
@@ -366,48 +405,233 @@ impl Loop {
         for (_, r) in std::mem::take(&mut self.zeroings) {
             let _ = r.send(Err(OwnerError::Deposed));
         }
+        for (_, r) in std::mem::take(&mut self.blocked) {
+            let _ = r.send(Err(OwnerError::Deposed));
+        }
     }
 
     fn io(&mut self, op: Op, reply: Reply) {
+        if let Some(e) = self.refused(&op) {
+            let _ = reply.send(Err(e));
+            return;
+        }
         let block = BLOCK_BYTES as u64;
         let aligned = |off: u64, len: u64| off.is_multiple_of(block) && len.is_multiple_of(block);
-        let in_range = |off: u64, len: u64| off.checked_add(len).is_some_and(|e| e <= self.size);
-        match op {
-            Op::Read { offset, len } if !in_range(offset, len.into()) => {
-                let _ = reply.send(Err(OwnerError::OutOfRange));
+        if let Some(span) = changes(&op) {
+            if self.locked(span) || self.edges_in_flight(&op) {
+                self.blocked.push_back((op, reply));
+                return;
             }
+        }
+        match op {
             Op::Read { offset, len } if aligned(offset, len.into()) => {
                 self.read(offset, len, reply)
             }
-            Op::Write { offset, data } if !in_range(offset, data.len() as u64) => {
-                let _ = reply.send(Err(OwnerError::OutOfRange));
-            }
+            Op::Read { offset, len } => self.read_unaligned(offset, len, reply),
             Op::Write { offset, data } if aligned(offset, data.len() as u64) => {
                 self.write(offset, data, reply)
             }
-            Op::Zero { offset, len } if !in_range(offset, len) => {
-                let _ = reply.send(Err(OwnerError::OutOfRange));
-            }
+            Op::Write { offset, data } => self.rmw(offset, data, reply),
             Op::Zero { offset, len } if aligned(offset, len) => {
                 self.zero(offset / block, len / block, reply)
             }
+            Op::Zero { offset, len } => self.zero_unaligned(offset, len, reply),
             Op::Flush => {
                 let done = self.leg.submit(Op::Flush);
                 tokio::spawn(async move {
                     let _ = reply.send(done.wait().await);
                 });
             }
-            Op::Repair { .. } => {
-                let _ = reply.send(Err(OwnerError::Io(
-                    "repair of an erasure-coded volume's blocks is not served yet".into(),
-                )));
+            Op::Repair { .. } => {}
+        }
+    }
+
+    /// Why `op` is refused before anything is done, if it is.
+    fn refused(&self, op: &Op) -> Option<OwnerError> {
+        let past_end = |off: u64, len: u64| off.checked_add(len).is_none_or(|e| e > self.size);
+        match op {
+            Op::Read { offset, len } if past_end(*offset, u64::from(*len)) => {
+                Some(OwnerError::OutOfRange)
             }
-            _ => {
-                let _ = reply.send(Err(OwnerError::Io(format!(
-                    "an erasure-coded volume serves whole {BLOCK_BYTES}-byte blocks"
-                ))));
+            Op::Write { offset, data } if past_end(*offset, data.len() as u64) => {
+                Some(OwnerError::OutOfRange)
+            }
+            Op::Zero { offset, len } if past_end(*offset, *len) => Some(OwnerError::OutOfRange),
+            Op::Repair { .. } => Some(OwnerError::Io(
+                "repair of an erasure-coded volume's blocks is not served yet".into(),
+            )),
+            _ => None,
+        }
+    }
+
+    /// Whether `op` is a read-modify-write whose first or last block a
+    /// write not yet done is on its way to: its read could find the data
+    /// from before that write, and undo it.
+    fn edges_in_flight(&self, op: &Op) -> bool {
+        let block = BLOCK_BYTES as u64;
+        let (offset, len) = match op {
+            Op::Write { offset, data } => (*offset, data.len() as u64),
+            Op::Zero { offset, len } => (*offset, *len),
+            _ => return false,
+        };
+        let end = offset + len;
+        if offset.is_multiple_of(block) && end.is_multiple_of(block) {
+            return false;
+        }
+        let (first, last) = (offset / block, end.saturating_sub(1) / block);
+        self.tier.write_in_flight(first) || self.tier.write_in_flight(last)
+    }
+
+    /// Whether blocks `span` overlap a read-modify-write in progress.
+    fn locked(&self, (first, end): (u64, u64)) -> bool {
+        self.locks.iter().any(|&(f, e)| first < e && f < end)
+    }
+
+    /// The whole blocks around `offset..offset + len`, read through the
+    /// routing, then cut to the request.
+    fn read_unaligned(&mut self, offset: u64, len: u32, reply: Reply) {
+        let block = BLOCK_BYTES as u64;
+        let first = offset / block * block;
+        let end = (offset + u64::from(len)).div_ceil(block) * block;
+        let (tx, rx) = oneshot::channel();
+        self.read(first, (end - first) as u32, tx);
+        let skip = (offset - first) as usize;
+        tokio::spawn(async move {
+            let r = rx.await.unwrap_or(Err(OwnerError::Stopped));
+            let _ = reply.send(r.map(|d| d.slice(skip..skip + len as usize)));
+        });
+    }
+
+    /// A write not of whole blocks: the blocks it touches are locked
+    /// (later writes to them wait), its first and last blocks read, the
+    /// data laid over them, and the whole blocks written.
+    fn rmw(&mut self, offset: u64, data: Bytes, reply: Reply) {
+        let block = BLOCK_BYTES as u64;
+        let end = offset + data.len() as u64;
+        let (first, last) = (offset / block, (end - 1) / block);
+        self.locks.push((first, last + 1));
+        let mut edge = |b: u64| {
+            let (tx, rx) = oneshot::channel();
+            self.read(b * block, BLOCK_BYTES as u32, tx);
+            rx
+        };
+        let head = edge(first);
+        let tail = (last != first).then(|| edge(last));
+        let tx = self.tx.clone();
+        tokio::spawn(async move {
+            let merged = async {
+                let mut buf = BytesMut::with_capacity(((last + 1 - first) * block) as usize);
+                buf.extend_from_slice(&head.await.unwrap_or(Err(OwnerError::Stopped))?);
+                buf.resize(((last + 1 - first) * block) as usize, 0);
+                if let Some(t) = tail {
+                    let t = t.await.unwrap_or(Err(OwnerError::Stopped))?;
+                    let at = buf.len() - BLOCK_BYTES;
+                    buf[at..].copy_from_slice(&t);
+                }
+                let at = (offset - first * block) as usize;
+                buf[at..at + data.len()].copy_from_slice(&data);
+                Ok(buf.freeze())
+            };
+            let r = merged.await;
+            let _ = tx.send(Ev::Merged {
+                span: (first, last + 1),
+                result: r,
+                reply,
+            });
+        });
+    }
+
+    /// The read-modify-write of blocks `span` has its whole blocks: they
+    /// are written, and the lock released once they are done.
+    fn merged(&mut self, span: (u64, u64), result: Result<Bytes, OwnerError>, reply: Reply) {
+        match result {
+            Ok(data) => self.write_unlocking(span.0 * BLOCK_BYTES as u64, data, reply, Some(span)),
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                self.unlock(span);
             }
         }
+    }
+
+    /// Releases the lock on blocks `span`; the writes that waited go.
+    fn unlock(&mut self, span: (u64, u64)) {
+        if let Some(i) = self.locks.iter().position(|&l| l == span) {
+            self.locks.swap_remove(i);
+        }
+        self.replay_blocked();
+    }
+
+    /// The writes that waited try again, in order.
+    fn replay_blocked(&mut self) {
+        for (op, reply) in std::mem::take(&mut self.blocked) {
+            self.io(op, reply);
+        }
+    }
+
+    /// A zeroing not of whole blocks: its partial first and last blocks
+    /// are written with zeros (read-modify-write), the whole blocks
+    /// between zeroed.
+    fn zero_unaligned(&mut self, offset: u64, len: u64, reply: Reply) {
+        let block = BLOCK_BYTES as u64;
+        let end = offset + len;
+        let inner = (offset.div_ceil(block), end / block);
+        let mut parts = Vec::new();
+        let mut part = |lp: &mut Loop, op: Op| {
+            let (tx, rx) = oneshot::channel();
+            lp.io(op, tx);
+            parts.push(rx);
+        };
+        if inner.0 >= inner.1 {
+            let zeros = Bytes::from(vec![0u8; len as usize]);
+            part(
+                self,
+                Op::Write {
+                    offset,
+                    data: zeros,
+                },
+            );
+        } else {
+            let head = inner.0 * block - offset;
+            let tail = end - inner.1 * block;
+            if head > 0 {
+                let zeros = Bytes::from(vec![0u8; head as usize]);
+                part(
+                    self,
+                    Op::Write {
+                        offset,
+                        data: zeros,
+                    },
+                );
+            }
+            let (off, n) = (inner.0 * block, (inner.1 - inner.0) * block);
+            part(
+                self,
+                Op::Zero {
+                    offset: off,
+                    len: n,
+                },
+            );
+            if tail > 0 {
+                let zeros = Bytes::from(vec![0u8; tail as usize]);
+                let at = inner.1 * block;
+                part(
+                    self,
+                    Op::Write {
+                        offset: at,
+                        data: zeros,
+                    },
+                );
+            }
+        }
+        tokio::spawn(async move {
+            let mut r = Ok(Bytes::new());
+            for p in parts {
+                if let Err(e) = p.await.unwrap_or(Err(OwnerError::Stopped)) {
+                    r = Err(e);
+                }
+            }
+            let _ = reply.send(r);
+        });
     }
 
     /// Routes each block now: runs on the performance leg are sent at
@@ -469,6 +693,19 @@ impl Loop {
     /// Blocks of data are staged on the performance leg; blocks of zeros
     /// are zeroed. Answered once every part is.
     fn write(&mut self, offset: u64, data: Bytes, reply: Reply) {
+        self.write_unlocking(offset, data, reply, None)
+    }
+
+    /// [`Loop::write`], releasing the lock on blocks `unlock` once done:
+    /// a read sent to the leg before a write there is done may find the
+    /// older data, so a read-modify-write holds its blocks until then.
+    fn write_unlocking(
+        &mut self,
+        offset: u64,
+        data: Bytes,
+        reply: Reply,
+        unlock: Option<(u64, u64)>,
+    ) {
         let block = BLOCK_BYTES as u64;
         let first = offset / block;
         let mut waits: Vec<Wait> = Vec::new();
@@ -496,12 +733,12 @@ impl Loop {
             }
             i = j;
         }
-        tokio::spawn(answer(waits, reply, self.tx.clone()));
+        tokio::spawn(answer(waits, reply, self.tx.clone(), unlock));
     }
 
     fn zero(&mut self, first: u64, count: u64, reply: Reply) {
         let waits = self.zero_blocks(first, count);
-        tokio::spawn(answer(waits, reply, self.tx.clone()));
+        tokio::spawn(answer(waits, reply, self.tx.clone(), None));
     }
 
     /// Zeroes blocks: trims what the capacity leg does not hold now, and
@@ -702,17 +939,22 @@ enum Wait {
 }
 
 /// Answers a write or zeroing once all its parts are done, and tells the
-/// loop which staged writes are done.
-async fn answer(waits: Vec<Wait>, reply: Reply, tx: mpsc::UnboundedSender<Ev>) {
+/// loop which staged writes are done and which lock to release.
+async fn answer(
+    waits: Vec<Wait>,
+    reply: Reply,
+    tx: mpsc::UnboundedSender<Ev>,
+    unlock: Option<(u64, u64)>,
+) {
     let mut result = Ok(Bytes::new());
     for w in waits {
         let r = match w {
             Wait::Leg(s) => s.wait().await,
             Wait::Staged(staged, s) => {
+                // Over either way: what the leg holds now is what a
+                // destage or a read-modify-write reads.
                 let r = s.wait().await;
-                if r.is_ok() {
-                    let _ = tx.send(Ev::Staged(staged));
-                }
+                let _ = tx.send(Ev::Staged(staged));
                 r
             }
             Wait::Ticket(rx) => rx.await.unwrap_or(Err(OwnerError::Deposed)),
@@ -720,6 +962,9 @@ async fn answer(waits: Vec<Wait>, reply: Reply, tx: mpsc::UnboundedSender<Ev>) {
         if let Err(e) = r {
             result = Err(e);
         }
+    }
+    if let Some(span) = unlock {
+        let _ = tx.send(Ev::Unlock(span));
     }
     let _ = reply.send(result);
 }

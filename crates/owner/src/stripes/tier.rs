@@ -202,6 +202,12 @@ impl Tier {
         self.pending.len()
     }
 
+    /// Whether a write of block `block` is on its way to the leg and not
+    /// done yet.
+    pub fn write_in_flight(&self, block: u64) -> bool {
+        self.pending.get(&block).is_some_and(|p| !p.zero && !p.done)
+    }
+
     /// Pending blocks a destage may take now.
     pub fn destageable_blocks(&self) -> usize {
         self.pending.values().filter(|p| !p.zero && p.done).count()
