@@ -228,7 +228,15 @@ async fn recover(
         }
     }
     let pending = classify(&map, allocated, |b| mapped_zeros.contains(&b));
-    let tier = Tier::new(volume, size, *set.columns(), map, pending, log_records);
+    let slots = set.columns().column_bytes(size) / crate::stripes::UNIT_BYTES;
+    let tier = Tier::new(
+        volume,
+        size,
+        *set.columns(),
+        map,
+        pending,
+        (log_records, slots),
+    );
     Ok((set, tier))
 }
 
@@ -777,34 +785,53 @@ impl Loop {
             return;
         }
         let full = self.tier.destageable_blocks() >= self.set.columns().blocks_per_stripe();
-        if !(full || self.idle) {
+        if !(full || self.idle || self.tier.cleaning_due()) {
             return;
         }
         self.idle = false;
         let busy: BTreeSet<u64> = self.reading.keys().copied().collect();
-        let Some(d) = self.tier.begin_destage(&busy).cloned() else {
+        let Some(d) = self.tier.begin_stripe(&busy).cloned() else {
             return;
         };
         self.destaging = true;
+        self.write_stripe(d);
+    }
+
+    /// Reads the stripe's blocks (a destage's from the performance leg,
+    /// sent now in order with the writes before; a clean's from the
+    /// columns), encodes it and writes it whole.
+    fn write_stripe(&mut self, d: crate::stripes::Destage) {
         let block = BLOCK_BYTES as u64;
-        let reads: Vec<crate::Submitted> = d
-            .blocks
-            .iter()
-            .map(|&(b, _)| {
-                self.leg.submit(Op::Read {
-                    offset: b * block,
-                    len: BLOCK_BYTES as u32,
+        let leg_reads: Vec<crate::Submitted> = match d.from.is_empty() {
+            true => d
+                .blocks
+                .iter()
+                .map(|&(b, _)| {
+                    self.leg.submit(Op::Read {
+                        offset: b * block,
+                        len: BLOCK_BYTES as u32,
+                    })
                 })
-            })
-            .collect();
+                .collect(),
+            false => Vec::new(),
+        };
         let (set, tx, volume) = (self.set.clone(), self.tx.clone(), self.tier_volume());
         tokio::spawn(async move {
-            let mut data = Vec::with_capacity(reads.len());
-            for r in reads {
+            let mut data = Vec::with_capacity(d.blocks.len());
+            for r in leg_reads {
                 match r.wait().await {
-                    Ok(d) => data.push(d),
+                    Ok(b) => data.push(b),
                     Err(e) => {
                         let _ = tx.send(Ev::StripeUnread(e));
+                        return;
+                    }
+                }
+            }
+            for loc in &d.from {
+                match set.read_block(loc.slot, usize::from(loc.index)).await {
+                    Ok(r) => data.push(r.data),
+                    Err(e) => {
+                        let _ = tx.send(Ev::StripeUnread(column_failure(e)));
                         return;
                     }
                 }

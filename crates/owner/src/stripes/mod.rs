@@ -31,6 +31,7 @@ mod tier;
 pub use columns::{summary_of, Columns, StripeError, Unit, BLOCK_BYTES, UNIT_BYTES};
 pub use tier::{
     classify, log_records_for, Applied, Destage, Source, Ticket, Tier, TierError, Zeroing,
+    CLEAN_RESERVE_SLOTS,
 };
 
 pub use format::{
@@ -84,6 +85,20 @@ impl StripeMap {
 
     pub fn is_empty(&self) -> bool {
         self.blocks.is_empty()
+    }
+
+    /// Slots holding live blocks.
+    pub fn used_slots(&self) -> usize {
+        self.live.len()
+    }
+
+    /// The mapped blocks of `slots`, with where each is.
+    pub fn blocks_in(&self, slots: &[u64]) -> Vec<(u64, Loc)> {
+        self.blocks
+            .iter()
+            .filter(|(_, l)| slots.contains(&l.slot))
+            .map(|(&b, &l)| (b, l))
+            .collect()
     }
 
     /// The mapped blocks among `first..end`, in order.

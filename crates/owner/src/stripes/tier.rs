@@ -21,6 +21,10 @@
 use super::{Columns, Loc, MapRecord, StripeMap, BLOCK_BYTES};
 use std::collections::{BTreeMap, VecDeque};
 
+/// Free stripe slots below which the cleaner runs: room for a destage
+/// and a clean in flight, and a few to spare.
+pub const CLEAN_RESERVE_SLOTS: u64 = 4;
+
 /// Records the map log keeps beyond two whole checkpoints, so that small
 /// volumes write a checkpoint only every few dozen records.
 const SPARE_LOG_RECORDS: u64 = 64;
@@ -57,8 +61,15 @@ pub struct Destage {
     pub blocks: Vec<(u64, u64)>,
     pub slot: u64,
     pub stripe_seq: u64,
+    /// Of a stripe the cleaner makes: where each block is read from in
+    /// the capacity leg (empty: from the performance leg).
+    pub from: Vec<Loc>,
     written: bool,
 }
+
+/// The write number a cleaned block carries: none a client write takes,
+/// so that a block written since is never taken for the cleaned one.
+const CLEANED: u64 = u64::MAX;
 
 /// A write of zeros waiting for its unmap record to be durable.
 pub type Ticket = u64;
@@ -120,6 +131,8 @@ pub struct Tier {
     /// Records written since the newest complete checkpoint.
     since_checkpoint: u64,
     log_records: u64,
+    /// Stripe slots each column has.
+    slots: u64,
 }
 
 /// Records of a map log sized for a volume of `volume_bytes` under
@@ -142,7 +155,7 @@ impl Tier {
         columns: Columns,
         map: StripeMap,
         pending: impl IntoIterator<Item = u64>,
-        log_records: u64,
+        (log_records, slots): (u64, u64),
     ) -> Tier {
         assert!(log_records >= 4, "a map log of {log_records} records");
         let pending = pending
@@ -174,6 +187,7 @@ impl Tier {
             // A new owner writes a checkpoint before any other record.
             since_checkpoint: log_records,
             log_records,
+            slots,
         }
     }
 
@@ -306,20 +320,51 @@ impl Tier {
         }
     }
 
-    /// Picks the blocks of the next stripe, if none is being destaged and
-    /// some wait: up to a whole stripe of pending blocks whose writes are
-    /// done, in block order
-    /// from where the last one stopped. The owner reads their data from
-    /// the performance leg (each read after the writes staged so far).
-    /// Waiting unmaps go first: an unmap and a stripe naming the same
-    /// block must be recorded in the order they were asked for.
+    /// Begins the next stripe, if none is in flight and no unmap waits
+    /// (an unmap and a stripe naming the same block are recorded in the
+    /// order they were asked for): a clean when free slots run short
+    /// ([`CLEAN_RESERVE_SLOTS`]), else a destage of up to a whole stripe
+    /// of pending blocks whose writes are done, in block order from where
+    /// the last one stopped. The owner reads the blocks (from the
+    /// performance leg, each read after the writes staged so far, or for
+    /// a clean from the capacity leg at [`Destage::from`]).
     ///
     /// The stripe goes to the lowest free slot not in `busy`: a slot freed
     /// while reads routed to it may still be in flight is not written.
-    pub fn begin_destage(&mut self, busy: &std::collections::BTreeSet<u64>) -> Option<&Destage> {
+    pub fn begin_stripe(&mut self, busy: &std::collections::BTreeSet<u64>) -> Option<&Destage> {
         if self.destage.is_some() || !self.unmaps.is_empty() {
             return None;
         }
+        let slot = self.map.free_slot_avoiding(busy);
+        if slot >= self.slots {
+            return None;
+        }
+        // A clean that cannot free a slot leaves the free slots to
+        // destages.
+        let stripe = if self.cleaning_due() {
+            self.clean().or_else(|| self.destage_pending())
+        } else {
+            self.destage_pending()
+        };
+        let (blocks, from) = stripe?;
+        self.destage = Some(Destage {
+            blocks,
+            slot,
+            stripe_seq: self.map.next_stripe_seq(),
+            from,
+            written: false,
+        });
+        self.check();
+        self.destage.as_ref()
+    }
+
+    /// Whether so few slots are free that the cleaner must make room.
+    pub fn cleaning_due(&self) -> bool {
+        self.map.used_slots() as u64 + CLEAN_RESERVE_SLOTS >= self.slots
+    }
+
+    /// The pending blocks of the next destage.
+    fn destage_pending(&mut self) -> Option<(Vec<(u64, u64)>, Vec<Loc>)> {
         let per = self.columns.blocks_per_stripe();
         let wanted = |(_, p): &(&u64, &Pending)| !p.zero && p.done;
         let mut blocks: Vec<(u64, u64)> = self
@@ -335,14 +380,31 @@ impl Tier {
         }
         self.cursor = blocks.last().map_or(0, |&(b, _)| b + 1);
         blocks.sort_unstable();
-        self.destage = Some(Destage {
-            blocks,
-            slot: self.map.free_slot_avoiding(busy),
-            stripe_seq: self.map.next_stripe_seq(),
-            written: false,
-        });
-        self.check();
-        self.destage.as_ref()
+        Some((blocks, Vec::new()))
+    }
+
+    /// The live blocks of the emptiest slots, as many whole slots as one
+    /// stripe holds: moved into a new stripe they free their slots. None
+    /// when that frees nothing (fewer than two slots fit).
+    fn clean(&self) -> Option<(Vec<(u64, u64)>, Vec<Loc>)> {
+        let per = self.columns.blocks_per_stripe();
+        let mut taken: Vec<u64> = Vec::new();
+        let mut live = 0usize;
+        for (slot, n) in self.map.emptiest(self.slots as usize) {
+            if live + n as usize > per {
+                break;
+            }
+            live += n as usize;
+            taken.push(slot);
+        }
+        if taken.len() < 2 {
+            return None;
+        }
+        let mut moved: Vec<(u64, Loc)> = self.map.blocks_in(&taken);
+        moved.sort_unstable_by_key(|&(b, _)| b);
+        let blocks = moved.iter().map(|&(b, _)| (b, CLEANED)).collect();
+        let from = moved.into_iter().map(|(_, l)| l).collect();
+        Some((blocks, from))
     }
 
     /// The stripe being destaged, if any.
