@@ -67,6 +67,10 @@ pub struct Destage {
     written: bool,
 }
 
+/// A new stripe's blocks, each with its write number, and for a clean
+/// where each is read from.
+type StripeBlocks = (Vec<(u64, u64)>, Vec<Loc>);
+
 /// The write number a cleaned block carries: none a client write takes,
 /// so that a block written since is never taken for the cleaned one.
 const CLEANED: u64 = u64::MAX;
@@ -364,7 +368,7 @@ impl Tier {
     }
 
     /// The pending blocks of the next destage.
-    fn destage_pending(&mut self) -> Option<(Vec<(u64, u64)>, Vec<Loc>)> {
+    fn destage_pending(&mut self) -> Option<StripeBlocks> {
         let per = self.columns.blocks_per_stripe();
         let wanted = |(_, p): &(&u64, &Pending)| !p.zero && p.done;
         let mut blocks: Vec<(u64, u64)> = self
@@ -386,7 +390,7 @@ impl Tier {
     /// The live blocks of the emptiest slots, as many whole slots as one
     /// stripe holds: moved into a new stripe they free their slots. None
     /// when that frees nothing (fewer than two slots fit).
-    fn clean(&self) -> Option<(Vec<(u64, u64)>, Vec<Loc>)> {
+    fn clean(&self) -> Option<StripeBlocks> {
         let per = self.columns.blocks_per_stripe();
         let mut taken: Vec<u64> = Vec::new();
         let mut live = 0usize;
