@@ -980,7 +980,7 @@ async fn erasure_coded_owners_stopped_mid_destage_lose_no_acknowledged_write() {
         seed
     };
     let mut gen = 0u64;
-    let mut owner = |gen: u64| {
+    let owner = |gen: u64| {
         dir.generation.store(gen, Ordering::SeqCst);
         Owner::start(cfg(), ec_view(&addrs, gen), gen, dir.clone())
     };
