@@ -18,9 +18,9 @@ fn main() {
     let budget = Duration::from_secs_f64(secs);
     println!("geometry  encode MiB/s (data)  rebuild MiB/s (data)");
     for g in [
-        Geometry::RAID5_NARROW,
-        Geometry::RAID5_WIDE,
-        Geometry::RAID6,
+        Geometry::of(shoal_model::StripeGeometry::RAID5_NARROW).unwrap(),
+        Geometry::of(shoal_model::StripeGeometry::RAID5_WIDE).unwrap(),
+        Geometry::of(shoal_model::StripeGeometry::RAID6).unwrap(),
     ] {
         let codec = Codec::new(g).expect("geometry");
         let data: Vec<Vec<u8>> = (0..g.data)

@@ -51,13 +51,6 @@ pub struct Geometry {
 }
 
 impl Geometry {
-    /// RAID-5 as vSAN ESA lays it out on few hosts: 2+1.
-    pub const RAID5_NARROW: Geometry = Geometry { data: 2, parity: 1 };
-    /// RAID-5 on six fault domains or more: 4+1.
-    pub const RAID5_WIDE: Geometry = Geometry { data: 4, parity: 1 };
-    /// RAID-6: 4+2, on six fault domains or more.
-    pub const RAID6: Geometry = Geometry { data: 4, parity: 2 };
-
     pub fn new(data: usize, parity: usize) -> Result<Geometry, ErasureError> {
         if !(1..=MAX_DATA_SHARDS).contains(&data) || !(1..=MAX_PARITY_SHARDS).contains(&parity) {
             return Err(ErasureError::Geometry { data, parity });
@@ -65,19 +58,10 @@ impl Geometry {
         Ok(Geometry { data, parity })
     }
 
-    /// ESA's adaptive RAID-5 for a cluster of `fault_domains`: 2+1 on 3
-    /// to 5, 4+1 on 6 or more; none below 3.
-    pub fn raid5_for(fault_domains: usize) -> Option<Geometry> {
-        match fault_domains {
-            0..=2 => None,
-            3..=5 => Some(Self::RAID5_NARROW),
-            _ => Some(Self::RAID5_WIDE),
-        }
-    }
-
-    /// RAID-6 (4+2) needs six fault domains.
-    pub fn raid6_for(fault_domains: usize) -> Option<Geometry> {
-        (fault_domains >= 6).then_some(Self::RAID6)
+    /// The geometry a volume records (`shoal_model::StripeGeometry`,
+    /// chosen by its policy and the cluster's size).
+    pub fn of(g: shoal_model::StripeGeometry) -> Result<Geometry, ErasureError> {
+        Geometry::new(usize::from(g.data), usize::from(g.parity))
     }
 
     /// Shards in a stripe, each on a fault domain of its own.

@@ -62,9 +62,9 @@ fn loss_patterns(n: usize, most: usize) -> Vec<Vec<usize>> {
 
 fn geometries() -> impl Strategy<Value = Geometry> {
     prop_oneof![
-        Just(Geometry::RAID5_NARROW),
-        Just(Geometry::RAID5_WIDE),
-        Just(Geometry::RAID6),
+        Just(Geometry::of(shoal_model::StripeGeometry::RAID5_NARROW).unwrap()),
+        Just(Geometry::of(shoal_model::StripeGeometry::RAID5_WIDE).unwrap()),
+        Just(Geometry::of(shoal_model::StripeGeometry::RAID6).unwrap()),
         (1usize..=MAX_DATA_SHARDS, 1usize..=MAX_PARITY_SHARDS)
             .prop_map(|(d, p)| Geometry::new(d, p).unwrap()),
     ]
@@ -130,7 +130,7 @@ proptest! {
 
 #[test]
 fn every_loss_of_raid6_is_rebuilt_exhaustively() {
-    let codec = Codec::new(Geometry::RAID6).unwrap();
+    let codec = Codec::new(Geometry::of(shoal_model::StripeGeometry::RAID6).unwrap()).unwrap();
     let data: Vec<Vec<u8>> = (0..4)
         .map(|i| (0..=255u8).map(|b| b ^ (i * 37)).collect())
         .collect();
@@ -155,7 +155,8 @@ fn every_loss_of_raid6_is_rebuilt_exhaustively() {
 
 #[test]
 fn too_many_losses_and_bad_shapes_are_refused_changing_nothing() {
-    let codec = Codec::new(Geometry::RAID5_NARROW).unwrap();
+    let codec =
+        Codec::new(Geometry::of(shoal_model::StripeGeometry::RAID5_NARROW).unwrap()).unwrap();
     let mut shards = vec![None, None, Some(vec![1u8; 8])];
     let before = shards.clone();
     assert_eq!(
@@ -199,16 +200,12 @@ fn too_many_losses_and_bad_shapes_are_refused_changing_nothing() {
 }
 
 #[test]
-fn esa_geometries_follow_the_cluster_size() {
-    assert_eq!(Geometry::raid5_for(2), None);
-    for n in 3..=5 {
-        assert_eq!(Geometry::raid5_for(n), Some(Geometry::RAID5_NARROW));
-    }
-    assert_eq!(Geometry::raid5_for(6), Some(Geometry::RAID5_WIDE));
-    assert_eq!(Geometry::raid5_for(40), Some(Geometry::RAID5_WIDE));
-    assert_eq!(Geometry::raid6_for(5), None);
-    assert_eq!(Geometry::raid6_for(6), Some(Geometry::RAID6));
-    assert_eq!(Geometry::RAID5_NARROW.overhead(), 1.5);
-    assert_eq!(Geometry::RAID5_WIDE.overhead(), 1.25);
-    assert_eq!(Geometry::RAID6.to_string(), "4+2");
+fn a_volume_s_geometry_is_a_codec_s() {
+    use shoal_model::StripeGeometry;
+    let g = |s| Geometry::of(s).unwrap();
+    assert_eq!(g(StripeGeometry::RAID5_NARROW).overhead(), 1.5);
+    assert_eq!(g(StripeGeometry::RAID5_WIDE).overhead(), 1.25);
+    assert_eq!(g(StripeGeometry::RAID6).to_string(), "4+2");
+    let none = StripeGeometry { data: 0, parity: 1 };
+    assert!(Geometry::of(none).is_err());
 }

@@ -78,8 +78,7 @@ impl ColumnSet {
         timeout: Duration,
         auth: &PeerAuth,
     ) -> Result<ColumnSet, ColumnError> {
-        let g = Geometry::new(usize::from(geometry.data), usize::from(geometry.parity))
-            .map_err(StripeError::from)?;
+        let g = Geometry::of(geometry).map_err(StripeError::from)?;
         let columns = Columns::new(g);
         if targets.len() != columns.width() {
             return Err(ColumnError::Width {

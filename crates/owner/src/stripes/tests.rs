@@ -12,6 +12,17 @@ const BLOCKS: u64 = 300;
 /// Data blocks per stripe in the model (a 2+1 stripe of 31-block units).
 const STRIPE_BLOCKS: usize = 2 * BLOCKS_PER_UNIT;
 
+/// A stripe record of the test volume, its stripe seq its record seq.
+pub(super) fn stripe_record(seq: u64, slot: u64, blocks: Vec<u64>) -> MapRecord {
+    MapRecord::Stripe {
+        volume: VOLUME,
+        seq,
+        stripe_seq: seq,
+        slot,
+        blocks,
+    }
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     /// Destage these blocks (deduplicated) into the lowest free slot.
@@ -390,14 +401,7 @@ fn a_record_numbered_zero_is_ignored_and_a_wide_unmap_walks_only_what_is_mapped(
     bogus.extend(StripeMap::default().checkpoint(VOLUME, 1));
     assert!(StripeMap::replay(&bogus).is_ok());
     let mut m = StripeMap::default();
-    m.apply(&MapRecord::Stripe {
-        volume: VOLUME,
-        seq: 1,
-        stripe_seq: 1,
-        slot: 0,
-        blocks: vec![5, 6],
-    })
-    .unwrap();
+    m.apply(&stripe_record(1, 0, vec![5, 6])).unwrap();
     // The whole address space at once: done in no time.
     m.apply(&MapRecord::Unmap {
         volume: VOLUME,

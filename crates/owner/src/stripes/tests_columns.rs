@@ -9,9 +9,9 @@ use shoal_erasure::{Codec, Geometry};
 
 fn geometries() -> impl Strategy<Value = Geometry> {
     prop_oneof![
-        Just(Geometry::RAID5_NARROW),
-        Just(Geometry::RAID5_WIDE),
-        Just(Geometry::RAID6),
+        Just(Geometry::of(shoal_model::StripeGeometry::RAID5_NARROW).unwrap()),
+        Just(Geometry::of(shoal_model::StripeGeometry::RAID5_WIDE).unwrap()),
+        Just(Geometry::of(shoal_model::StripeGeometry::RAID6).unwrap()),
     ]
 }
 
@@ -25,9 +25,9 @@ fn block(seed: u64, i: usize) -> Vec<u8> {
 #[test]
 fn each_slot_puts_every_unit_on_its_own_column_and_rotates_parity() {
     for g in [
-        Geometry::RAID5_NARROW,
-        Geometry::RAID5_WIDE,
-        Geometry::RAID6,
+        Geometry::of(shoal_model::StripeGeometry::RAID5_NARROW).unwrap(),
+        Geometry::of(shoal_model::StripeGeometry::RAID5_WIDE).unwrap(),
+        Geometry::of(shoal_model::StripeGeometry::RAID6).unwrap(),
     ] {
         let c = Columns::new(g);
         let mut parity_on = vec![0usize; c.width()];
@@ -53,7 +53,7 @@ fn each_slot_puts_every_unit_on_its_own_column_and_rotates_parity() {
 
 #[test]
 fn columns_are_sized_for_the_data_twice_and_spares() {
-    let c = Columns::new(Geometry::RAID5_NARROW);
+    let c = Columns::new(Geometry::of(shoal_model::StripeGeometry::RAID5_NARROW).unwrap());
     // 1 GiB: 262144 blocks, 4229 stripes of 62.
     let stripes = (1u64 << 30).div_ceil(4096).div_ceil(62);
     assert_eq!(c.column_bytes(1 << 30), (2 * stripes + 16) * UNIT_BYTES);
@@ -62,8 +62,9 @@ fn columns_are_sized_for_the_data_twice_and_spares() {
 
 #[test]
 fn encoding_refuses_what_is_not_a_stripe() {
-    let c = Columns::new(Geometry::RAID5_NARROW);
-    let codec = Codec::new(Geometry::RAID5_NARROW).unwrap();
+    let c = Columns::new(Geometry::of(shoal_model::StripeGeometry::RAID5_NARROW).unwrap());
+    let codec =
+        Codec::new(Geometry::of(shoal_model::StripeGeometry::RAID5_NARROW).unwrap()).unwrap();
     let s = summary_of(&c, 1, (1, 0), &[5]);
     let small = vec![0u8; 512];
     assert_eq!(

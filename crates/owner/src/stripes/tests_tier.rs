@@ -94,7 +94,7 @@ struct Sim {
 }
 
 fn columns() -> Columns {
-    Columns::new(Geometry::RAID5_NARROW)
+    Columns::new(Geometry::of(shoal_model::StripeGeometry::RAID5_NARROW).unwrap())
 }
 
 impl Sim {
@@ -451,14 +451,8 @@ fn a_log_without_a_checkpoint_is_refused() {
 #[test]
 fn classify_keeps_newer_data_and_drops_resync_zeros() {
     let mut map = StripeMap::default();
-    map.apply(&MapRecord::Stripe {
-        volume: VOLUME,
-        seq: 1,
-        stripe_seq: 1,
-        slot: 0,
-        blocks: vec![10, 11],
-    })
-    .unwrap();
+    map.apply(&super::tests::stripe_record(1, 0, vec![10, 11]))
+        .unwrap();
     let zeros: BTreeSet<u64> = [11, 12].into();
     let pending = classify(&map, [10, 11, 12, 13], |b| zeros.contains(&b));
     assert_eq!(pending, vec![10, 12, 13]);
