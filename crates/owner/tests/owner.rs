@@ -731,6 +731,11 @@ async fn stripes_are_written_whole_and_read_back_degraded() {
 /// A RAID-5 volume on the three in-memory nodes: copies 1 and 2 and
 /// witness 3 (the performance leg), stripe columns 10, 11, 12.
 fn ec_view(addrs: &[String], gen: Generation) -> View {
+    ec_view_of(addrs, gen, SIZE)
+}
+
+/// [`ec_view`] of a volume of `size` bytes.
+fn ec_view_of(addrs: &[String], gen: Generation, size: u64) -> View {
     let mut comps = vec![
         comp(1, ComponentRole::Data, 1),
         comp(2, ComponentRole::Data, 2),
@@ -746,6 +751,7 @@ fn ec_view(addrs: &[String], gen: Generation) -> View {
         comps.push(c);
     }
     let mut v = view(addrs, [true; 3], gen);
+    v.volume.size = size;
     v.volume.policy.layout = shoal_model::Layout::Raid5;
     v.volume.stripe = Some(shoal_model::StripeGeometry::RAID5_NARROW);
     v.volume.components = comps.clone();
@@ -1054,6 +1060,47 @@ async fn erasure_coded_owners_stopped_mid_destage_lose_no_acknowledged_write() {
                 }
             }
             peek.stop();
+        }
+    }
+}
+
+/// A 64-block volume, whose columns have 20 stripe slots, written whole
+/// and then one block at a time round after round, each round
+/// destaged while idle into a stripe of its own: only the cleaner, moving
+/// the live blocks of the emptiest slots together, keeps slots free, and
+/// every round still leaves the performance leg empty and every block
+/// readable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cleaner_keeps_an_overwritten_erasure_coded_volume_destaging() {
+    let (mems, addrs, dir) = setup().await;
+    const N: u64 = 64;
+    let o = Owner::start(cfg(), ec_view_of(&addrs, 1, N * 4096), 1, dir.clone())
+        .await
+        .unwrap();
+    let mut want = vec![0u8; N as usize];
+    for round in 1..=30u8 {
+        // All blocks, then one other block each round: every round's
+        // stripe stays live, and 20 slots run out without the cleaner.
+        let hit = |b: u64| round == 1 || b == u64::from(round) * 5 % N;
+        for b in (0..N).filter(|&b| hit(b)) {
+            o.write(b * 4096, Bytes::from(vec![round; 4096]))
+                .await
+                .unwrap();
+            want[b as usize] = round;
+        }
+        eventually("the round destaged", || {
+            mems[0].data(1)[..(N * 4096) as usize]
+                .iter()
+                .all(|&x| x == 0)
+        })
+        .await;
+        for b in 0..N {
+            let got = o.read(b * 4096, 4096).await.unwrap();
+            assert!(
+                got.iter().all(|&x| x == want[b as usize]),
+                "round {round} block {b}: {}",
+                got[0]
+            );
         }
     }
 }

@@ -674,24 +674,15 @@ impl Loop {
             .collect();
         let (set, tx) = (self.set.clone(), self.tx.clone());
         tokio::spawn(async move {
+            // Every part at once: a read over many destaged blocks waits
+            // for one round trip to the columns, not one per block.
+            let parts = sent.into_iter().map(|s| read_part(s, &set, &tx));
             let mut out = BytesMut::with_capacity(len as usize);
             let mut result = Ok(());
-            for s in sent {
-                match s {
-                    Sent::Leg(w) => match w.wait().await {
-                        Ok(d) => out.extend_from_slice(&d),
-                        Err(e) => result = Err(e),
-                    },
-                    Sent::Zeros => out.extend_from_slice(&[0u8; BLOCK_BYTES]),
-                    Sent::Stripe(slot, index) => {
-                        let r = set.read_block(slot, index).await;
-                        let failed = r.as_ref().map(|r| r.failed.clone()).unwrap_or_default();
-                        let _ = tx.send(Ev::SlotRead { slot, failed });
-                        match r {
-                            Ok(r) => out.extend_from_slice(&r.data),
-                            Err(e) => result = Err(column_failure(e)),
-                        }
-                    }
+            for r in futures::future::join_all(parts).await {
+                match r {
+                    Ok(d) => out.extend_from_slice(&d),
+                    Err(e) => result = Err(e),
                 }
             }
             let _ = reply.send(result.map(|()| out.freeze()));
@@ -827,8 +818,12 @@ impl Loop {
                     }
                 }
             }
-            for loc in &d.from {
-                match set.read_block(loc.slot, usize::from(loc.index)).await {
+            let moved = d
+                .from
+                .iter()
+                .map(|l| set.read_block(l.slot, usize::from(l.index)));
+            for r in futures::future::join_all(moved).await {
+                match r {
                     Ok(r) => data.push(r.data),
                     Err(e) => {
                         let _ = tx.send(Ev::StripeUnread(column_failure(e)));
@@ -956,6 +951,25 @@ enum Sent {
     Leg(crate::Submitted),
     Zeros,
     Stripe(u64, usize),
+}
+
+/// One part of a read: from the leg, zeros, or a stripe block (its
+/// slot's read then reported to the loop, with the columns that failed).
+async fn read_part(
+    s: Sent,
+    set: &ColumnSet,
+    tx: &mpsc::UnboundedSender<Ev>,
+) -> Result<Bytes, OwnerError> {
+    match s {
+        Sent::Leg(w) => w.wait().await,
+        Sent::Zeros => Ok(Bytes::from_static(&[0u8; BLOCK_BYTES])),
+        Sent::Stripe(slot, index) => {
+            let r = set.read_block(slot, index).await;
+            let failed = r.as_ref().map(|r| r.failed.clone()).unwrap_or_default();
+            let _ = tx.send(Ev::SlotRead { slot, failed });
+            r.map(|r| r.data).map_err(column_failure)
+        }
+    }
 }
 
 enum Wait {
