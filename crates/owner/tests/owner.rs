@@ -688,6 +688,27 @@ async fn stripes_are_written_whole_and_read_back_degraded() {
         let r = set.read_block(slot, i).await.unwrap();
         assert_eq!((&r.data[..], r.failed.len()), (&b[..], 0), "block {i}");
     }
+    // A bad block on a data column and one on the parity column: read
+    // around (the columns stay in service), then repaired from the
+    // others' rows, as a scrubber asks.
+    let (pos, off) = cols.block_at(slot, 5);
+    let parity = cols.position_of(slot, shoal_owner::stripes::Unit::Parity(0));
+    let parity_off = slot * UNIT_BYTES + 3 * 4096;
+    for (p, o) in [(pos, off), (parity, parity_off)] {
+        mems[p].bad.lock().unwrap().insert((10 + p as u64, o));
+    }
+    let r = set.read_block(slot, 5).await.unwrap();
+    assert_eq!((&r.data[..], r.failed.len()), (&blocks[5][..], 0));
+    for (p, o) in [(pos, off), (parity, parity_off)] {
+        assert!(set.repair_block(p, o).await.unwrap(), "column {p}");
+        assert!(!set.repair_block(p, o).await.unwrap(), "repaired twice");
+        let at = o as usize..o as usize + 4096;
+        let unit_at =
+            at.start - (slot * UNIT_BYTES) as usize..at.end - (slot * UNIT_BYTES) as usize;
+        assert_eq!(&mems[p].data(10 + p as u64)[at], &units[p][unit_at]);
+    }
+    assert_eq!(mems[pos].repairs.load(Ordering::SeqCst), 1);
+    assert_eq!(set.in_service().len(), 3);
     // The column of block 0 fails: its blocks are rebuilt from the
     // other two.
     let lost = cols.block_at(slot, 0).0;
@@ -947,6 +968,18 @@ async fn an_erasure_coded_volume_destages_and_reads_back_through_owners_and_a_fa
         .unwrap();
     assert_eq!(&r[..], &flat[40 * 4096 + 3000..40 * 4096 + 5000]);
     assert_eq!(first_difference(&read_all(o.clone()).await, &flat), None);
+    // A scrubber's bad block on a column, through the owner: rebuilt
+    // from the other columns (slot 0's first data row of column 11).
+    mems[1].bad.lock().unwrap().insert((11, 4096));
+    let r = o
+        .execute(Op::Repair {
+            component: 11,
+            offset: 4096,
+        })
+        .await
+        .unwrap();
+    assert_eq!(&r[..], &[1]);
+    assert!(mems[1].bad.lock().unwrap().is_empty());
     // A new owner: the map from the log, the pending blocks from the leg.
     o.stop();
     dir.generation.store(2, Ordering::SeqCst);

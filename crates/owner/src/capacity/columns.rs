@@ -184,6 +184,10 @@ impl ColumnSet {
     /// Reads block index `index` of the stripe in `slot`: from its column,
     /// or, with that column out or failing, rebuilt from the same row of
     /// `k` others.
+    ///
+    /// A block that fails its checksum is rebuilt too, and its column
+    /// stays in service: one bad block is the scrubber's to repair
+    /// ([`ColumnSet::repair_block`]), not a failed device.
     pub async fn read_block(&self, slot: u64, index: usize) -> Result<BlockRead, ColumnError> {
         let (position, offset) = self.columns.block_at(slot, index);
         let mut failed = Vec::new();
@@ -195,7 +199,9 @@ impl ColumnSet {
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "stripe column read failed: rebuilding the block");
-                    failed.push(position);
+                    if !is_bad_block(&e) {
+                        failed.push(position);
+                    }
                 }
             }
         }
@@ -203,8 +209,37 @@ impl ColumnSet {
         Ok(BlockRead { data, failed })
     }
 
+    /// Replaces the 4 KiB at byte `offset` of column `position`, which
+    /// failed its checksum (found by a scrubber), with its row rebuilt
+    /// from the other columns, if it still fails it. Answers whether it
+    /// was replaced.
+    pub async fn repair_block(&self, position: usize, offset: u64) -> Result<bool, ColumnError> {
+        let offset = offset / BLOCK_BYTES as u64 * BLOCK_BYTES as u64;
+        let slot = offset / UNIT_BYTES;
+        let row = self
+            .rebuild(slot, position, offset, &mut Vec::new())
+            .await?;
+        let req = Request::Repair {
+            component: self.targets[position].component,
+            generation: self.generation,
+            offset,
+        };
+        let answer = self
+            .peer(position)?
+            .call(&req, row, self.timeout)
+            .await
+            .map_err(|e| column_error(position, e))?;
+        Ok(matches!(answer.0, shoal_rpc::Response::Repaired(true)))
+    }
+
+    /// The position of column component `component`, if it is one.
+    pub fn position_of(&self, component: ComponentId) -> Option<usize> {
+        self.targets.iter().position(|t| t.component == component)
+    }
+
     /// Rebuilds the row at `offset` of column `lost` from the other
-    /// columns in service (those that fail join `failed`).
+    /// columns in service (those that fail, other than by a bad block,
+    /// join `failed`).
     async fn rebuild(
         &self,
         slot: u64,
@@ -225,6 +260,9 @@ impl ColumnSet {
                 Err(ColumnError::Deposed { position }) => {
                     return Err(ColumnError::Deposed { position })
                 }
+                // A bad block of another column: its row is missing here,
+                // the column stays in service.
+                Err(e) if is_bad_block(&e) => {}
                 Err(_) => failed.push(p),
             }
         }
@@ -269,6 +307,17 @@ impl ColumnSet {
                 error: RpcError::Closed,
             })
     }
+}
+
+/// Whether a column's error is one block failing its checksum.
+fn is_bad_block(e: &ColumnError) -> bool {
+    matches!(
+        e,
+        ColumnError::Column {
+            error: RpcError::Remote(RemoteError::Checksum { .. }),
+            ..
+        }
+    )
 }
 
 /// A column's error, a newer owner's refusal told apart.

@@ -450,7 +450,7 @@ impl Loop {
                     let _ = reply.send(done.wait().await);
                 });
             }
-            Op::Repair { .. } => {}
+            Op::Repair { component, offset } => self.repair(component, offset, reply),
         }
     }
 
@@ -465,9 +465,6 @@ impl Loop {
                 Some(OwnerError::OutOfRange)
             }
             Op::Zero { offset, len } if past_end(*offset, *len) => Some(OwnerError::OutOfRange),
-            Op::Repair { .. } => Some(OwnerError::Io(
-                "repair of an erasure-coded volume's blocks is not served yet".into(),
-            )),
             _ => None,
         }
     }
@@ -488,6 +485,27 @@ impl Loop {
         }
         let (first, last) = (offset / block, end.saturating_sub(1) / block);
         self.tier.write_in_flight(first) || self.tier.write_in_flight(last)
+    }
+
+    /// A bad block a scrubber found: on a stripe column, rebuilt from the
+    /// other columns' same row; on the performance leg, repaired by its
+    /// RAID-1 loop from another copy. Answers one byte, 1 if replaced.
+    fn repair(&mut self, component: shoal_model::ComponentId, offset: u64, reply: Reply) {
+        let Some(position) = self.set.position_of(component) else {
+            let done = self.leg.submit(Op::Repair { component, offset });
+            tokio::spawn(async move {
+                let _ = reply.send(done.wait().await);
+            });
+            return;
+        };
+        let set = self.set.clone();
+        tokio::spawn(async move {
+            let r = set.repair_block(position, offset).await;
+            let _ = reply.send(
+                r.map(|done| Bytes::from(vec![u8::from(done)]))
+                    .map_err(column_failure),
+            );
+        });
     }
 
     /// Whether blocks `span` overlap a read-modify-write in progress.
