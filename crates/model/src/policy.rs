@@ -3,9 +3,9 @@
 //! Text form, words separated by spaces or commas, in any order:
 //! `raid1 ftt=1`, `ftt=0`, `raid1 ftt=2 reserve=100 iops=5000`. Every word
 //! either works or is refused: `checksum=off` is refused (every block is
-//! checksummed), `raid5`/`raid6` are refused until the owner serves them
-//! (the model and placement know them already: [`Layout::Raid5`]), a word
-//! given twice is refused. `encrypt=on` encrypts the volume's data at rest.
+//! checksummed), `raid5 ftt=2` is refused (an erasure-coded layout
+//! tolerates exactly one number of failures: [`Layout::fixed_ftt`]), a
+//! word given twice is refused. `encrypt=on` encrypts the volume's data at rest.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -146,8 +146,6 @@ pub enum PolicyError {
     UnknownWord(String),
     #[error("ftt={0} is out of range: failures to tolerate must be 0 to 3")]
     FttRange(u64),
-    #[error("{0} is not available yet: this version supports raid1 (ftt=0..3)")]
-    Unsupported(String),
     #[error("bad value in {0:?}")]
     BadValue(String),
     #[error("{layout} tolerates exactly ftt={fixed}, not ftt={asked}")]
@@ -263,15 +261,6 @@ impl FromStr for Policy {
             return Err(PolicyError::UnknownWord(s.to_string()));
         }
         p.fix_erasure_ftt(ftt_given)?;
-        if p.layout.is_erasure() {
-            // Placed and modelled, not yet served by the owner.
-            let word = if p.layout == Layout::Raid5 {
-                "raid5"
-            } else {
-                "raid6"
-            };
-            return Err(PolicyError::Unsupported(word.to_string()));
-        }
         Ok(p)
     }
 }
@@ -343,17 +332,15 @@ mod tests {
             "raid9".parse::<Policy>(),
             Err(PolicyError::UnknownWord(_))
         ));
-        for w in [
-            "raid5 ftt=1",
-            "raid5",
-            "ftt=1 raid-5",
-            "raid6",
-            "raid6 ftt=2",
+        for (w, layout, ftt) in [
+            ("raid5 ftt=1", Layout::Raid5, 1),
+            ("raid5", Layout::Raid5, 1),
+            ("ftt=1 raid-5", Layout::Raid5, 1),
+            ("raid6", Layout::Raid6, 2),
+            ("raid6 ftt=2", Layout::Raid6, 2),
         ] {
-            assert!(
-                matches!(w.parse::<Policy>(), Err(PolicyError::Unsupported(_))),
-                "{w}"
-            );
+            let p: Policy = w.parse().unwrap();
+            assert_eq!((p.layout, p.ftt), (layout, ftt), "{w}");
         }
         assert_eq!(
             "raid5 ftt=2".parse::<Policy>(),

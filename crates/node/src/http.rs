@@ -1194,6 +1194,7 @@ fn volume_metrics(h: &Http, node: &str, out: &mut String) {
          (0: none being copied)",
         &left,
     );
+    tier_metrics(h, node, out);
     let per_volume = |f: &dyn Fn(&ThrottleReport) -> u64| -> Vec<(String, u64)> {
         throttles
             .iter()
@@ -1220,6 +1221,42 @@ fn volume_metrics(h: &Http, node: &str, out: &mut String) {
         "counter",
         "Time I/Os of a volume owned here waited for the IOPS limit, summed (since it became owner)",
         &per_volume(&|t| t.throttled_us),
+    );
+}
+
+/// The capacity legs of the erasure-coded volumes owned here.
+fn tier_metrics(h: &Http, node: &str, out: &mut String) {
+    let s = h.router.dir.state();
+    let tiers: Vec<(String, shoal_owner::status::TierStatus)> = h
+        .router
+        .tiers()
+        .into_iter()
+        .filter_map(|(v, t)| Some((format!("{node},volume=\"{}\"", s.volumes.get(&v)?.name), t)))
+        .collect();
+    let each = |f: &dyn Fn(&shoal_owner::status::TierStatus) -> u64| -> Vec<(String, u64)> {
+        tiers.iter().map(|(l, t)| (l.clone(), f(t))).collect()
+    };
+    family(
+        out,
+        "shoal_volume_staged_blocks",
+        "gauge",
+        "4 KiB blocks of an erasure-coded volume owned here held on its performance leg, \
+         not destaged to stripes yet",
+        &each(&|t| t.staged_blocks),
+    );
+    family(
+        out,
+        "shoal_volume_stripe_columns_out",
+        "gauge",
+        "Stripe columns of an erasure-coded volume owned here out of service (destage waits)",
+        &each(&|t| t.columns_out),
+    );
+    family(
+        out,
+        "shoal_volume_stripes_written_total",
+        "counter",
+        "Full stripes an erasure-coded volume's owner here wrote (since it became owner)",
+        &each(&|t| t.stripes_written),
     );
 }
 

@@ -29,9 +29,19 @@ pub enum PolicyChangeError {
     /// that moves data is never left to its default.
     #[error("the new policy must say its failures to tolerate: add ftt=N (0 to 3) to {0:?}")]
     NoFtt(String),
-    /// Only RAID-1 exists today: its changes are the only ones.
-    #[error("volume {volume} cannot change to {policy}: only raid1 layouts (ftt=0 to 3) exist")]
-    Layout { volume: String, policy: String },
+    /// A change between layouts (RAID-1 and RAID-5/6), or of an
+    /// erasure-coded volume: not built yet, only ftt changes within RAID-1.
+    #[error(
+        "volume {volume} cannot change from {from} to {policy}: a change from {from_layout} to \
+         {to_layout} is not available yet; only ftt changes within raid1 are"
+    )]
+    Layout {
+        volume: String,
+        from: String,
+        policy: String,
+        from_layout: Layout,
+        to_layout: Layout,
+    },
     /// Encryption is chosen at creation: turning it on or off would
     /// rewrite every block.
     #[error(
@@ -140,7 +150,10 @@ pub fn plan(state: &ClusterState, name: &str, policy: &Policy) -> Result<Plan, P
     if (v.policy.layout, policy.layout) != (Layout::Raid1, Layout::Raid1) {
         return Err(PolicyChangeError::Layout {
             volume: v.name.clone(),
+            from: v.policy.to_string(),
             policy: policy.to_string(),
+            from_layout: v.policy.layout,
+            to_layout: policy.layout,
         });
     }
     if policy.encrypt != v.policy.encrypt {

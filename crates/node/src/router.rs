@@ -285,6 +285,20 @@ impl Router {
             .unwrap_or_default()
     }
 
+    /// The capacity leg of every erasure-coded volume owned here now, as
+    /// its owner last published it.
+    pub fn tiers(&self) -> Vec<(VolumeId, shoal_owner::status::TierStatus)> {
+        self.owners
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .filter(|(_, o)| o.is_running())
+                    .filter_map(|(v, o)| Some((*v, o.tier_status()?)))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// The healing status of every volume owned here now, as its owner
     /// last reported it.
     pub fn healing(&self) -> Vec<(VolumeId, shoal_owner::status::HealingStatus)> {

@@ -455,6 +455,12 @@ impl Owner {
         }
     }
 
+    /// An erasure-coded volume's capacity leg as its owner sees it (None
+    /// for RAID-1).
+    pub fn tier_status(&self) -> Option<status::TierStatus> {
+        self.tier.as_ref().map(|t| t.status())
+    }
+
     /// The IOPS limit in force and what it has held back.
     pub fn throttle_stats(&self) -> throttle::ThrottleStats {
         self.throttle.stats()

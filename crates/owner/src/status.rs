@@ -76,3 +76,17 @@ mod tests {
         assert_eq!(s.eta(), Some(Duration::from_secs(8)));
     }
 }
+
+/// The capacity leg of an erasure-coded volume as its owner sees it now
+/// (`docs/erasure-coding.md`): published by the tiered loop after every
+/// event.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TierStatus {
+    /// Blocks held on the performance leg and not destaged yet.
+    pub staged_blocks: u64,
+    /// Stripe columns out of service (no stripe is written while one
+    /// is: destage waits, reads of their blocks are rebuilt).
+    pub columns_out: u64,
+    /// Stripes written by this owner (destages and cleans).
+    pub stripes_written: u64,
+}

@@ -165,6 +165,14 @@ fn refusals_say_why() {
     let e = plan(&s, "w", &pol("raid1 ftt=2")).unwrap_err();
     assert_eq!(e, PolicyChangeError::NoSuchVolume("w".into()));
     assert_eq!(e.http_status(), 404);
+    // Between layouts: not built yet.
+    let e = plan(&s, "v", &pol("raid5 ftt=1")).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "volume v cannot change from raid1 ftt=1 to raid5 ftt=1: a change from raid1 to raid5 \
+         is not available yet; only ftt changes within raid1 are"
+    );
+    assert_eq!(e.http_status(), 400);
     // Space: the new copy reserves the whole volume, and no device left
     // has it.
     for d in s.devices.values_mut().filter(|d| d.node >= 4) {
@@ -197,7 +205,7 @@ fn the_text_is_a_whole_policy_with_its_ftt() {
     assert_eq!(parse("FTT=0,reserve=10"), Ok(pol("ftt=0 reserve=10")));
     for (text, want) in [
         ("raid1 ftt=2 fast=yes", "unknown policy word \"fast=yes\""),
-        ("raid5 ftt=1", "raid5 is not available yet"),
+        ("raid5 ftt=2", "raid5 tolerates exactly ftt=1"),
         ("raid1 ftt=4", "out of range"),
         ("checksum=off ftt=1", "checksum=off is not supported"),
         ("raid1 reserve=50", "add ftt=N"),

@@ -59,6 +59,8 @@ pub struct ColumnSet {
     /// How long one column may take to answer, as for copies.
     timeout: Duration,
     targets: Vec<ColumnTarget>,
+    /// How the owner proves itself to the columns' nodes, to reconnect.
+    auth: PeerAuth,
     /// By position: the connection of a column in service.
     peers: RwLock<Vec<Option<Arc<Peer>>>>,
 }
@@ -110,6 +112,7 @@ impl ColumnSet {
             generation,
             timeout,
             targets,
+            auth: auth.clone(),
             peers: RwLock::new(peers),
         };
         set.need(usize::from(geometry.data))?;
@@ -136,6 +139,39 @@ impl ColumnSet {
         if let Some(p) = peers.get_mut(position) {
             *p = None;
         }
+    }
+
+    /// Brings column `position`, out of service, back in once its node
+    /// answers an activation under this owner's generation. Nothing is
+    /// written to the columns while one is out (a stripe is written
+    /// whole), so it still holds every stripe the map refers to. It is
+    /// not created: a column its node no longer has stays out (it is
+    /// rebuilt elsewhere, not filled with zeros).
+    pub async fn revive(&self, position: usize) -> Result<(), ColumnError> {
+        let t = self.targets.get(position).ok_or(ColumnError::Width {
+            want: self.columns.width(),
+            got: position + 1,
+        })?;
+        let peer = Peer::connect(&t.addr, self.timeout, &self.auth)
+            .await
+            .map_err(|e| column_error(position, e))?;
+        let req = Request::Activate {
+            component: t.component,
+            generation: self.generation,
+        };
+        peer.call(&req, Bytes::new(), self.timeout)
+            .await
+            .map_err(|e| column_error(position, e))?;
+        let mut peers = self.peers.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = peers.get_mut(position) {
+            *p = Some(Arc::new(peer));
+        }
+        Ok(())
+    }
+
+    /// Whether every column is in service: only then is a stripe written.
+    pub fn whole(&self) -> bool {
+        self.in_service().len() == self.columns.width()
     }
 
     fn need(&self, need: usize) -> Result<(), ColumnError> {

@@ -12,6 +12,7 @@
 //! back until its whole blocks are written.
 
 use super::{ColumnError, ColumnSet, ColumnTarget};
+use crate::status::TierStatus;
 use crate::stripes::{
     classify, log_records_for, summary_of, Applied, MapRecord, Source, Ticket, Tier, BLOCK_BYTES,
 };
@@ -19,7 +20,8 @@ use crate::{Control, Op, Owner, OwnerConfig, OwnerError, View};
 use bytes::{Bytes, BytesMut};
 use shoal_model::{ComponentRole, ComponentState, Generation};
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 type Reply = oneshot::Sender<Result<Bytes, OwnerError>>;
@@ -36,11 +38,17 @@ const RECONCILE_POLL_MS: u64 = 20;
 /// pause, and a lone write is not held there for long.
 const IDLE_DESTAGE_MS: u64 = 200;
 
+/// Interval between tries to bring a column out of service back, in
+/// milliseconds: a restarted node answers within a few, and a dead one
+/// costs one refused connection per try.
+const COLUMN_RETRY_MS: u64 = 2000;
+
 /// Handle to a running erasure-coded owner. Cheap to clone.
 #[derive(Clone)]
 pub struct TieredOwner {
     tx: mpsc::UnboundedSender<Ev>,
     leg: Owner,
+    status: Arc<Mutex<TierStatus>>,
 }
 
 enum Ev {
@@ -68,6 +76,8 @@ enum Ev {
         slot: u64,
         failed: Vec<usize>,
     },
+    /// Column `.0`, out of service, answered its activation (or not).
+    Revived(usize, Result<(), ColumnError>),
     Tick,
     Stop,
 }
@@ -116,10 +126,11 @@ impl TieredOwner {
     /// Starts the loop and its ticker.
     fn serve(leg: Owner, size: u64, set: ColumnSet, tier: Tier) -> TieredOwner {
         let (tx, rx) = mpsc::unbounded_channel();
+        let status = Arc::new(Mutex::new(TierStatus::default()));
         let lp = Loop {
             size,
             leg: leg.clone(),
-            set: std::sync::Arc::new(set),
+            set: Arc::new(set),
             tier,
             tx: tx.clone(),
             reading: BTreeMap::new(),
@@ -129,6 +140,10 @@ impl TieredOwner {
             ready: BTreeSet::new(),
             acked_upto: 0,
             idle: false,
+            reviving: BTreeSet::new(),
+            revived_at: None,
+            status: status.clone(),
+            stripes_written: 0,
             locks: Vec::new(),
             blocked: Default::default(),
         };
@@ -143,7 +158,15 @@ impl TieredOwner {
                 }
             }
         });
-        TieredOwner { tx, leg }
+        TieredOwner { tx, leg, status }
+    }
+
+    /// The capacity leg as the loop last published it.
+    pub fn status(&self) -> TierStatus {
+        match self.status.lock() {
+            Ok(s) => s.clone(),
+            Err(e) => e.into_inner().clone(),
+        }
     }
 
     /// Runs one operation; reads answer data, everything else empty bytes.
@@ -326,7 +349,7 @@ fn column_failure(e: ColumnError) -> OwnerError {
 struct Loop {
     size: u64,
     leg: Owner,
-    set: std::sync::Arc<ColumnSet>,
+    set: Arc<ColumnSet>,
     tier: Tier,
     tx: mpsc::UnboundedSender<Ev>,
     /// Stripe slots with reads in flight: not written until they end.
@@ -340,6 +363,12 @@ struct Loop {
     acked_upto: Ticket,
     /// A tick came: a partly filled stripe may go.
     idle: bool,
+    /// Columns out of service being activated again.
+    reviving: BTreeSet<usize>,
+    /// When columns out of service were last tried.
+    revived_at: Option<Instant>,
+    status: Arc<Mutex<TierStatus>>,
+    stripes_written: u64,
     /// Blocks (first, end) of read-modify-writes in progress.
     locks: Vec<(u64, u64)>,
     /// Writes and zeroings waiting for those locks, in order.
@@ -398,8 +427,13 @@ impl Loop {
                     self.slot_read(slot, failed);
                     true
                 }
+                Ev::Revived(position, r) => {
+                    self.revived(position, r);
+                    true
+                }
                 Ev::Tick => {
                     self.idle = true;
+                    self.revive_columns();
                     true
                 }
                 Ev::Stop => false,
@@ -408,6 +442,7 @@ impl Loop {
                 break;
             }
             self.pump();
+            self.publish();
         }
         self.leg.stop();
         for (_, r) in std::mem::take(&mut self.zeroings) {
@@ -790,7 +825,9 @@ impl Loop {
                 self.write_record(rec);
             }
         }
-        if self.destaging {
+        // A stripe is written whole: with a column out, blocks stay on
+        // the performance leg until it is back (or rebuilt).
+        if self.destaging || !self.set.whole() {
             return;
         }
         let full = self.tier.destageable_blocks() >= self.set.columns().blocks_per_stripe();
@@ -869,6 +906,7 @@ impl Loop {
         match r {
             Ok(()) => {
                 self.tier.stripe_written();
+                self.stripes_written += 1;
                 true
             }
             Err(ColumnError::Deposed { .. }) => false,
@@ -944,6 +982,48 @@ impl Loop {
                 let _ = r.send(Ok(Bytes::new()));
             }
         }
+    }
+
+    /// On a tick: tries the columns out of service again, every
+    /// [`COLUMN_RETRY_MS`].
+    fn revive_columns(&mut self) {
+        let due = self
+            .revived_at
+            .is_none_or(|t| t.elapsed() >= Duration::from_millis(COLUMN_RETRY_MS));
+        if !due {
+            return;
+        }
+        self.revived_at = Some(Instant::now());
+        let service = self.set.in_service();
+        for position in 0..self.set.columns().width() {
+            if service.contains(&position) || !self.reviving.insert(position) {
+                continue;
+            }
+            let (set, tx) = (self.set.clone(), self.tx.clone());
+            tokio::spawn(async move {
+                let r = set.revive(position).await;
+                let _ = tx.send(Ev::Revived(position, r));
+            });
+        }
+    }
+
+    fn revived(&mut self, position: usize, r: Result<(), ColumnError>) {
+        self.reviving.remove(&position);
+        match r {
+            Ok(()) => tracing::info!(position, "stripe column back in service"),
+            Err(e) => tracing::debug!(position, error = %e, "stripe column still out"),
+        }
+    }
+
+    /// Publishes the capacity leg's figures for the status readers.
+    fn publish(&self) {
+        let s = TierStatus {
+            staged_blocks: self.tier.pending_blocks() as u64,
+            columns_out: (self.set.columns().width() - self.set.in_service().len()) as u64,
+            stripes_written: self.stripes_written,
+        };
+        let mut st = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        *st = s;
     }
 
     fn slot_read(&mut self, slot: u64, failed: Vec<usize>) {

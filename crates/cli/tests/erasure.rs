@@ -1,0 +1,285 @@
+//! Erasure-coded volumes (`raid5`, `raid6`) on real node processes
+//! (`docs/erasure-coding.md`): fio verify through NBD while the node of a
+//! stripe column (two for raid6) is killed -9, the column back in service
+//! and every staged block destaged once its node returns, every node
+//! killed at once while stripes are being destaged, and what the cluster
+//! refuses of such volumes.
+
+mod common;
+
+use common::fio::{finish, fio_verify_only, fio_write_verify};
+use common::ledger::{connect, Writer};
+use common::{components_of, require, sh, wait_for, Cluster};
+use shoal_nbd::codec::{Command as Nbd, Request, SimpleReply, SIMPLE_REPLY_LEN};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+const HEAL: Duration = Duration::from_secs(120);
+/// Time allowed for a load to reach its goal on a slow machine.
+const LOAD: Duration = Duration::from_secs(300);
+/// NBD writes the client's node must have served before a fault (16 MiB
+/// of 4 KiB writes: stripes are destaged by then).
+const WRITES_BEFORE_FAULT: u64 = 4096;
+
+/// The nodes of `vol`'s components of role `role` ("Data", "Witness",
+/// or "stripe" for the stripe columns), in the order `volume show` lists
+/// them.
+fn nodes_of(c: &Cluster, vol: &str, role: &str) -> Vec<u32> {
+    let v = c.json(&["volume", "show", vol]);
+    v["volume"]["components"]
+        .as_array()
+        .expect("components")
+        .iter()
+        .filter(|x| match role {
+            "stripe" => x["role"].get("Stripe").is_some(),
+            r => x["role"] == r,
+        })
+        .map(|x| x["node"].as_u64().expect("node") as u32)
+        .collect()
+}
+
+/// Makes node 1 the owner by doing I/O through it.
+fn own_from_node1(c: &Cluster, vol: &str) {
+    sh(&format!(
+        "qemu-io -f raw -c 'write -P 7 0 4k' {}",
+        c.uri(1, vol)
+    ));
+    let v = c.json(&["volume", "show", vol]);
+    assert_eq!(v["volume"]["owner"], 1, "{v}");
+}
+
+/// Waits until the owner on `owner` has every column in service and
+/// nothing left on the performance leg: everything written is in stripes.
+fn wait_destaged(c: &Cluster, owner: u32, vol: &str) {
+    let staged = format!("shoal_volume_staged_blocks{{node=\"{owner}\",volume=\"{vol}\"}} 0");
+    let out = format!("shoal_volume_stripe_columns_out{{node=\"{owner}\",volume=\"{vol}\"}} 0");
+    wait_for(&format!("{vol} destaged on node {owner}"), LOAD, || {
+        let m = c.try_rest(owner, "/metrics", &[])?;
+        match m.contains(&staged) && m.contains(&out) {
+            true => Ok(()),
+            false => Err(m
+                .lines()
+                .filter(|l| l.starts_with("shoal_volume_st"))
+                .collect::<Vec<_>>()
+                .join("; ")),
+        }
+    });
+}
+
+/// What the cluster refuses of an erasure-coded volume, each with why.
+fn refusals(c: &Cluster, vol: &str) {
+    let e = c.shoal_fails(&[
+        "volume", "create", "r6", "--size", "64M", "--policy", "raid6",
+    ]);
+    assert!(e.contains("fault domains"), "{e}");
+    let e = c.shoal_fails(&[
+        "volume",
+        "create",
+        "r52",
+        "--size",
+        "64M",
+        "--policy",
+        "raid5 ftt=2",
+    ]);
+    assert!(
+        e.contains("raid5 tolerates exactly ftt=1, not ftt=2"),
+        "{e}"
+    );
+    let e = c.shoal_fails(&["volume", "set-policy", vol, "--policy", "raid1 ftt=1"]);
+    assert!(
+        e.contains("from raid5 to raid1 is not available yet"),
+        "{e}"
+    );
+    let e = c.shoal_fails(&["volume", "resize", vol, "--size", "512M"]);
+    assert!(e.contains("erasure-coded"), "{e}");
+}
+
+/// Sends one request (with `data` for a write) and returns the reply's
+/// error and, for a read that succeeded, its data.
+fn ask(s: &mut TcpStream, command: Nbd, offset: u64, len: u32, data: &[u8]) -> (u32, Vec<u8>) {
+    let req = Request {
+        flags: 0,
+        command,
+        handle: offset ^ u64::from(len),
+        offset,
+        len,
+    };
+    s.write_all(&req.encode()).expect("sending a request");
+    s.write_all(data).expect("sending data");
+    let mut h = [0u8; SIMPLE_REPLY_LEN];
+    s.read_exact(&mut h).expect("reading a reply header");
+    let r = SimpleReply::decode(&h).expect("a simple reply");
+    assert_eq!(r.handle, req.handle, "reply to another request");
+    let mut got = Vec::new();
+    if r.error == 0 && command == Nbd::Read {
+        got = vec![0u8; len as usize];
+        s.read_exact(&mut got).expect("reading data");
+    }
+    (r.error, got)
+}
+
+/// Requests a careless or hostile client sends an erasure-coded volume
+/// of `size` bytes: past its end, unaligned, zeroes and trims over parts
+/// of blocks. Each is answered (an error where it cannot be done), on one
+/// connection that keeps working, and what reads back is exactly what was
+/// written.
+fn hostile_requests(c: &Cluster, vol: &str, size: u64) {
+    let mut s = connect(&c.nbd_addr(1), vol);
+    let pattern: Vec<u8> = (0..12288u32).map(|i| (i * 7 + 3) as u8).collect();
+    assert_eq!(ask(&mut s, Nbd::Write, 0, 12288, &pattern).0, 0);
+    // Past the end, straddling it, and at offsets that overflow.
+    for (offset, len) in [(size, 4096), (size - 4096, 8192), (u64::MAX - 100, 4096)] {
+        assert_ne!(
+            ask(&mut s, Nbd::Write, offset, len, &vec![9; len as usize]).0,
+            0
+        );
+        assert_ne!(ask(&mut s, Nbd::Read, offset, len, &[]).0, 0);
+        assert_ne!(ask(&mut s, Nbd::WriteZeroes, offset, len, &[]).0, 0);
+    }
+    // Unaligned: a write over parts of three blocks, then zeroes and a
+    // trim over parts of blocks.
+    let mut want = pattern.clone();
+    let part = vec![0xA5u8; 5000];
+    assert_eq!(ask(&mut s, Nbd::Write, 1000, 5000, &part).0, 0);
+    want[1000..6000].copy_from_slice(&part);
+    assert_eq!(ask(&mut s, Nbd::WriteZeroes, 7000, 3000, &[]).0, 0);
+    want[7000..10000].fill(0);
+    assert_eq!(ask(&mut s, Nbd::Flush, 0, 0, &[]).0, 0);
+    let (e, got) = ask(&mut s, Nbd::Read, 0, 12288, &[]);
+    assert_eq!(e, 0);
+    assert!(got == want, "unaligned writes and zeroes read back wrong");
+    // A trim may drop data or not; it changes nothing outside its range.
+    assert_eq!(ask(&mut s, Nbd::Trim, 512, 1024, &[]).0, 0);
+    let (e, got) = ask(&mut s, Nbd::Read, 2048, 10240, &[]);
+    assert_eq!(e, 0);
+    assert!(got == want[2048..], "a trim changed what lies outside it");
+    // A read of a few bytes of a block, unaligned.
+    let (e, got) = ask(&mut s, Nbd::Read, 4097, 3, &[]);
+    assert_eq!((e, &got[..]), (0, &want[4097..4100]));
+}
+
+/// A raid5 volume on four hosts: 2+1 stripes, a performance leg of two
+/// copies and a witness. fio writes and verifies it while the node of a
+/// data copy and a stripe column is killed -9; the writes go on (the
+/// column's blocks are rebuilt on read, new writes stay on the leg), and
+/// once the node is back its column returns, every staged block is
+/// destaged, and everything reads back through another node.
+#[test]
+fn raid5_survives_the_kill_of_a_column_node_under_fio_verify() {
+    require("fio");
+    let c = Cluster::start(4);
+    c.create_volume("e", "256M", "raid5");
+    let text = c.shoal(&["volume", "show", "e"]);
+    assert!(
+        text.contains("2+1 stripes over 3 stripe components"),
+        "{text}"
+    );
+    assert_eq!(nodes_of(&c, "e", "stripe").len(), 3, "{text}");
+    refusals(&c, "e");
+    own_from_node1(&c, "e");
+    hostile_requests(&c, "e", 256 << 20);
+    let columns = nodes_of(&c, "e", "stripe");
+    let data = nodes_of(&c, "e", "Data");
+    let victim = *columns
+        .iter()
+        .find(|n| **n != 1 && data.contains(n))
+        .unwrap_or_else(|| panic!("a node with a copy and a column: {text}"));
+    let client = (2..=4).find(|n| *n != victim).expect("a client node");
+    let fio = fio_write_verify(&c.uri(client, "e"), "128M");
+    c.wait_metric(
+        &[client],
+        "shoal_nbd_writes_total",
+        WRITES_BEFORE_FAULT,
+        HEAL,
+    );
+    assert!(c.metric(&[1], "shoal_volume_stripes_written_total") > 0);
+    c.signal(victim, "KILL");
+    finish(fio);
+    assert_eq!(c.metric(&[1], "shoal_volume_stripe_columns_out"), 1);
+    assert_ne!(
+        c.health("e"),
+        "healthy",
+        "{}",
+        components_of(&c.json(&["volume", "show", "e"]))
+    );
+    // Read back with the column still out: degraded reads.
+    let other = (2..=4)
+        .find(|n| *n != victim && *n != client)
+        .expect("a third node");
+    fio_verify_only(&c.uri(other, "e"), "128M");
+    c.up();
+    c.wait_healthy("e", HEAL);
+    wait_destaged(&c, 1, "e");
+    fio_verify_only(&c.uri(victim, "e"), "128M");
+}
+
+/// Every node killed -9 at once while a client writes a raid5 volume and
+/// its owner destages stripes: after `shoal up` every acknowledged write
+/// reads back (no block older, none torn), through two nodes, before and
+/// after the new owner destaged what the leg held.
+#[test]
+fn raid5_whole_cluster_kill_during_destage_loses_no_acknowledged_write() {
+    let c = Cluster::start(4);
+    c.create_volume("e", "64M", "raid5");
+    let versions = vec![0u32; (64 << 20) / 4096];
+    let w = Writer::start(&c.nbd_addr(1), "e", versions, 16);
+    wait_for("stripes destaged under writes", LOAD, || {
+        let (acks, stripes) = (
+            w.ledger().acks(),
+            c.try_metric(&[1], "shoal_volume_stripes_written_total")?,
+        );
+        let staged = c.try_metric(&[1], "shoal_volume_staged_blocks")?;
+        match acks >= 20_000 && stripes >= 50 && staged > 0 {
+            true => Ok(()),
+            false => Err(format!("{acks} acks, {stripes} stripes, {staged} staged")),
+        }
+    });
+    let pids: Vec<String> = (1..=4).map(|n| c.pid(n).to_string()).collect();
+    sh(&format!("kill -KILL {}", pids.join(" ")));
+    let ledger = w.wait_cut();
+    assert!(ledger.errors() <= 16, "{} writes failed", ledger.errors());
+    c.up();
+    let through2 = ledger.check(&c.nbd_addr(2), "e");
+    let owner = c.json(&["volume", "show", "e"])["volume"]["owner"]
+        .as_u64()
+        .expect("an owner") as u32;
+    wait_destaged(&c, owner, "e");
+    let through3 = ledger.check(&c.nbd_addr(3), "e");
+    assert!(through2 == through3, "two reads gave different versions");
+}
+
+/// A raid6 volume on six hosts: 4+2 stripes. fio writes and verifies it
+/// while the nodes of two stripe columns are killed -9, and reads it back
+/// with both still down (rows rebuilt from the four others) and once they
+/// are back and everything is destaged.
+#[test]
+fn raid6_survives_two_column_nodes_killed_under_fio_verify() {
+    require("fio");
+    let c = Cluster::start(6);
+    c.create_volume("e", "128M", "raid6");
+    let text = c.shoal(&["volume", "show", "e"]);
+    assert!(
+        text.contains("4+2 stripes over 6 stripe components"),
+        "{text}"
+    );
+    own_from_node1(&c, "e");
+    let victims: Vec<u32> = nodes_of(&c, "e", "stripe")
+        .into_iter()
+        .filter(|n| *n != 1 && *n != 6)
+        .take(2)
+        .collect();
+    assert_eq!(victims.len(), 2, "{text}");
+    let fio = fio_write_verify(&c.uri(6, "e"), "64M");
+    c.wait_metric(&[6], "shoal_nbd_writes_total", WRITES_BEFORE_FAULT, HEAL);
+    for v in &victims {
+        c.signal(*v, "KILL");
+    }
+    finish(fio);
+    assert_eq!(c.metric(&[1], "shoal_volume_stripe_columns_out"), 2);
+    fio_verify_only(&c.uri(1, "e"), "64M");
+    c.up();
+    c.wait_healthy("e", HEAL);
+    wait_destaged(&c, 1, "e");
+    fio_verify_only(&c.uri(victims[0], "e"), "64M");
+}
