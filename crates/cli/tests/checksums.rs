@@ -5,50 +5,17 @@
 
 mod common;
 
+use common::bitrot::{device_paths, find_block, flip_bit, wait_scrub_passes};
 use common::*;
-use std::collections::HashMap;
-use std::fs::OpenOptions;
-use std::io::Read;
-use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::time::Duration;
 
 const MIB: usize = 1 << 20;
 const BLOCK: usize = 4096;
 
-/// Waits until every node in `nodes` finished `passes` scrub passes.
-fn wait_scrub_passes(c: &Cluster, nodes: &[u32], passes: u64) {
-    wait_for(
-        &format!("{passes} scrub passes on every node"),
-        Duration::from_secs(60),
-        || {
-            for &n in nodes {
-                let r: serde_json::Value =
-                    serde_json::from_str(&c.rest(n, "/v1/scrub", &[])).expect("scrub json");
-                let done = r["passes"].as_u64().unwrap_or(0);
-                if done < passes {
-                    return Err(format!("node {n}: {done} passes"));
-                }
-            }
-            Ok(())
-        },
-    );
-}
-
 /// (node, device path) of each data copy of `vol`, and its owner.
 fn copies(c: &Cluster, vol: &str) -> (Vec<(u32, PathBuf)>, Option<u32>) {
-    let status = c.json(&["status"]);
-    let paths: HashMap<u64, PathBuf> = status["devices"]
-        .as_array()
-        .expect("devices")
-        .iter()
-        .map(|d| {
-            (
-                d["id"].as_u64().expect("device id"),
-                PathBuf::from(d["path"].as_str().expect("device path")),
-            )
-        })
-        .collect();
+    let paths = device_paths(c);
     let v = c.json(&["volume", "show", vol]);
     let data = v["volume"]["components"]
         .as_array()
@@ -62,45 +29,6 @@ fn copies(c: &Cluster, vol: &str) -> (Vec<(u32, PathBuf)>, Option<u32>) {
         })
         .collect();
     (data, v["volume"]["owner"].as_u64().map(|o| o as u32))
-}
-
-/// Byte offset in the device file of the 4 KiB block equal to `block`.
-fn find_block(path: &PathBuf, block: &[u8]) -> u64 {
-    let mut f = std::fs::File::open(path).expect("device file");
-    let mut buf = vec![0u8; 4 * MIB];
-    let mut base = 0u64;
-    loop {
-        let mut got = 0;
-        while got < buf.len() {
-            match f.read(&mut buf[got..]).expect("reading the device file") {
-                0 => break,
-                n => got += n,
-            }
-        }
-        if got == 0 {
-            panic!("block not found in {}", path.display());
-        }
-        for (i, b) in buf[..got].chunks(BLOCK).enumerate() {
-            if b == block {
-                return base + (i * BLOCK) as u64;
-            }
-        }
-        base += got as u64;
-    }
-}
-
-/// Flips one bit of the block at `at` in the device file, durably.
-fn flip_bit(path: &PathBuf, at: u64) {
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .expect("device file");
-    let mut b = [0u8; 1];
-    f.read_exact_at(&mut b, at + 1234).expect("read");
-    b[0] ^= 0x10;
-    f.write_all_at(&b, at + 1234).expect("write");
-    f.sync_all().expect("sync");
 }
 
 /// Nothing of `vol` is being resynced or rebuilt, as every node and the

@@ -7,6 +7,7 @@
 
 mod common;
 
+use common::bitrot::{device_paths, find_blocks, flip_bit, wait_scrub_passes};
 use common::fio::{finish, fio_verify_only, fio_write_verify};
 use common::ledger::{connect, Writer};
 use common::{components_of, require, sh, wait_for, Cluster};
@@ -282,4 +283,115 @@ fn raid6_survives_two_column_nodes_killed_under_fio_verify() {
     c.wait_healthy("e", HEAL);
     wait_destaged(&c, 1, "e");
     fio_verify_only(&c.uri(victims[0], "e"), "64M");
+}
+
+/// (node, device file) of `vol`'s stripe column at `position`.
+fn column_device(c: &Cluster, vol: &str, position: u64) -> (u32, std::path::PathBuf) {
+    let v = c.json(&["volume", "show", vol]);
+    let x = v["volume"]["components"]
+        .as_array()
+        .expect("components")
+        .iter()
+        .find(|x| x["role"]["Stripe"]["position"] == position)
+        .unwrap_or_else(|| panic!("no stripe column {position}: {v}"))
+        .clone();
+    let node = x["node"].as_u64().expect("node") as u32;
+    let device = x["device"].as_u64().expect("device");
+    (node, device_paths(c)[&device].clone())
+}
+
+/// Flips a bit in every copy of each of `blocks` in the device file of
+/// column `position` (one column only: each stripe row has one bad unit
+/// at most), runs a scrub pass on every node and checks that bad blocks
+/// were found on that column's node and all repaired from the other
+/// columns, that the next pass finds none, and that the volume reads
+/// back `content`.
+fn rot_and_scrub(c: &Cluster, vol: &str, position: u64, blocks: &[Vec<u8>], content: &[u8]) {
+    let (node, path) = column_device(c, vol, position);
+    let mut found: Vec<u64> = blocks.iter().flat_map(|b| find_blocks(&path, b)).collect();
+    // Flipped once each: two equal contents must not flip a bit back.
+    found.sort_unstable();
+    found.dedup();
+    assert!(!found.is_empty(), "column {position}: no block found");
+    for at in &found {
+        flip_bit(&path, *at);
+    }
+    let nodes = [1, 2, 3];
+    let passes = |n: u32| -> u64 {
+        let r: serde_json::Value =
+            serde_json::from_str(&c.rest(n, "/v1/scrub", &[])).expect("scrub json");
+        r["passes"].as_u64().unwrap_or(0)
+    };
+    let done = nodes.iter().map(|&n| passes(n)).min().unwrap_or(0);
+    let bad_before = c.metric(&[node], "shoal_scrub_bad_blocks_total");
+    for n in nodes {
+        c.rest(n, "/v1/scrub", &["-X", "POST"]);
+    }
+    wait_scrub_passes(c, &nodes, done + 1);
+    let bad = c.metric(&[node], "shoal_scrub_bad_blocks_total") - bad_before;
+    assert!(
+        bad >= 1,
+        "column {position} on node {node}: none of {} bad blocks found: {:?}",
+        found.len(),
+        nodes.map(|n| c.rest(n, "/v1/scrub", &[]))
+    );
+    assert_eq!(c.metric(&nodes, "shoal_scrub_unrepaired_total"), 0);
+    let all_bad = c.metric(&nodes, "shoal_scrub_bad_blocks_total");
+    for n in nodes {
+        c.rest(n, "/v1/scrub", &["-X", "POST"]);
+    }
+    wait_scrub_passes(c, &nodes, done + 2);
+    assert_eq!(c.metric(&nodes, "shoal_scrub_bad_blocks_total"), all_bad);
+    let back = tempfile::NamedTempFile::new().expect("temp file");
+    sh(&format!(
+        "nbdcopy {} {}",
+        c.uri(node, vol),
+        back.path().display()
+    ));
+    let got = std::fs::read(back.path()).expect("read back");
+    assert!(
+        got == content,
+        "column {position}: the volume reads back wrong"
+    );
+}
+
+/// The scrubber on a raid5 volume's columns: flipped bits in data units
+/// and in parity units are found by their CRC and rebuilt from the same
+/// row of the other columns.
+#[test]
+fn the_scrubber_repairs_flipped_bits_in_a_data_and_a_parity_column() {
+    require("nbdcopy");
+    // Small devices: the test reads them whole to find the blocks.
+    let c = Cluster::start_sized(3, "256M", &[]);
+    c.create_volume("e", "4M", "raid5");
+    // Blocks alternate between two contents. A stripe's two data units
+    // hold runs of 31 blocks (a unit's first block is its summary), so
+    // each row pairs an even and an odd block: its parity is one of two
+    // blocks (one, if the code is symmetric), found nowhere else.
+    let (a, b) = (vec![0x41u8; 4096], vec![0x42u8; 4096]);
+    let content: Vec<u8> = (0..1024)
+        .flat_map(|i| if i % 2 == 0 { a.clone() } else { b.clone() })
+        .collect();
+    let src = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(src.path(), &content).expect("source");
+    sh(&format!(
+        "nbdcopy {} {} && qemu-io -f raw -c flush {}",
+        src.path().display(),
+        c.uri(1, "e"),
+        c.uri(1, "e")
+    ));
+    wait_destaged(&c, 1, "e");
+    let codec =
+        shoal_erasure::Codec::new(shoal_erasure::Geometry::new(2, 1).expect("2+1")).expect("codec");
+    let parity = |x: &[u8], y: &[u8]| {
+        let mut p = vec![0u8; 4096];
+        codec.encode(&[x, y], &mut [&mut p]).expect("parity");
+        p
+    };
+    let (p1, p2) = (parity(&a, &b), parity(&b, &a));
+    for p in [&p1, &p2] {
+        assert!(*p != a && *p != b && p.iter().any(|&x| x != 0));
+    }
+    rot_and_scrub(&c, "e", 0, &[a.clone(), b.clone()], &content);
+    rot_and_scrub(&c, "e", 1, &[p1, p2], &content);
 }

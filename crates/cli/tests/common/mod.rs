@@ -4,6 +4,7 @@
 //! when dropped.
 #![allow(dead_code)]
 
+pub mod bitrot;
 pub mod fio;
 pub mod ledger;
 pub mod load;
