@@ -204,18 +204,13 @@ impl ClusterState {
                 });
             }
         }
-        let stripe = |r: ComponentRole| matches!(r, ComponentRole::Stripe { .. });
-        let moves_columns = b.add.iter().any(|c| stripe(c.role))
-            || v.components
-                .iter()
-                .any(|c| stripe(c.role) && b.remove.contains(&c.id));
-        if moves_columns || (v.stripe.is_some() && b.policy.is_some()) {
+        if v.stripe.is_some() && b.policy.is_some() {
             return Err(input(format!(
-                "volume {} is erasure-coded: moving its stripe components or changing its \
-                 policy is not available yet",
+                "volume {} is erasure-coded: changing its policy is not available yet",
                 v.name
             )));
         }
+        check_column_moves(v, b)?;
         for (i, c) in b.add.iter().enumerate() {
             self.check_placed(c)?;
             // The legs of an erasure-coded volume share devices.
@@ -380,3 +375,49 @@ impl crate::state::Command {
 
 #[cfg(test)]
 mod tests;
+
+/// Stripe columns move only one for one: each column added takes the
+/// position of a column the same change removes (the rebuild of a lost
+/// column), on a node that holds no other column of the volume; no other
+/// change touches the capacity leg.
+fn check_column_moves(v: &Volume, b: &Begin<'_>) -> Result<(), StateError> {
+    let position = |r: ComponentRole| match r {
+        ComponentRole::Stripe { position } => Some(position),
+        _ => None,
+    };
+    let removed: Vec<&Component> = v
+        .components
+        .iter()
+        .filter(|c| position(c.role).is_some() && b.remove.contains(&c.id))
+        .collect();
+    let added: Vec<_> = b
+        .add
+        .iter()
+        .filter(|c| position(c.role).is_some())
+        .collect();
+    if removed.is_empty() && added.is_empty() {
+        return Ok(());
+    }
+    let refuse = |why: &str| {
+        Err(input(format!(
+            "volume {}: stripe components are only replaced one for one ({why})",
+            v.name
+        )))
+    };
+    if removed.len() != added.len() {
+        return refuse("as many added as removed");
+    }
+    for a in &added {
+        let Some(old) = removed.iter().find(|r| r.role == a.role) else {
+            return refuse("each at the position of one removed");
+        };
+        let crowded = v
+            .components
+            .iter()
+            .any(|c| c.id != old.id && position(c.role).is_some() && c.node == a.node);
+        if crowded {
+            return refuse("on a node without another of the volume's columns");
+        }
+    }
+    Ok(())
+}

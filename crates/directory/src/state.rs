@@ -1291,31 +1291,62 @@ pub(crate) mod tests {
         assert_eq!(v.stripe, Some(StripeGeometry::RAID5_NARROW));
         assert_eq!(v.stripe_components().count(), 3);
         assert_eq!(v.total_votes(), 3);
-        // Not yet: growing it, moving a column, changing its policy.
-        let before = s.clone();
+        // Not yet: growing it, changing its policy. A column moves only
+        // one for one, to a node without another column.
         let grow = Command::ResizeVolume {
             name: "ec".into(),
             size: 2 << 20,
         };
         let e = s.apply(&grow).unwrap_err().to_string();
         assert!(e.contains("erasure-coded"), "{e}");
-        let column = v.stripe_components().next().unwrap().id;
-        let begin = |remove: Vec<ComponentId>, policy: Option<Policy>| Command::BeginReconfig {
-            volume: id,
-            generation: 0,
-            add: vec![],
-            remove,
-            policy,
-            reason: String::new(),
+        let old = v.stripe_components().nth(1).unwrap().clone();
+        let begin =
+            |add: Vec<PlannedComponent>, remove: Vec<ComponentId>, policy: Option<Policy>| {
+                Command::BeginReconfig {
+                    volume: id,
+                    generation: 0,
+                    add,
+                    remove,
+                    policy,
+                    reason: String::new(),
+                }
+            };
+        s.apply(&Command::RegisterNode { node: node(4) }).unwrap();
+        let Response::Id(d4) = s
+            .apply(&Command::RegisterDevice {
+                node: 4,
+                path: "/dev/a".into(),
+                capacity: 1 << 30,
+                store_uuid: 0,
+            })
+            .unwrap()
+        else {
+            panic!()
         };
-        for cmd in [
-            begin(vec![column], None),
-            begin(vec![], Some(Policy::default())),
+        let before = s.clone();
+        let on4 = |position: u8| PlannedComponent {
+            role: ComponentRole::Stripe { position },
+            node: 4,
+            device: d4,
+            votes: 0,
+        };
+        for (cmd, want) in [
+            (begin(vec![], vec![old.id], None), "one for one"),
+            (begin(vec![on4(1)], vec![], None), "one for one"),
+            (begin(vec![on4(2)], vec![old.id], None), "one for one"),
+            (begin(vec![column(1, 0)], vec![old.id], None), "one for one"),
+            (
+                begin(vec![], vec![], Some(Policy::default())),
+                "erasure-coded",
+            ),
         ] {
             let e = s.apply(&cmd).unwrap_err().to_string();
-            assert!(e.contains("erasure-coded"), "{e}");
+            assert!(e.contains(want), "{e}");
         }
         assert_eq!(s, before);
+        s.apply(&begin(vec![on4(1)], vec![old.id], None)).unwrap();
+        let r = s.volumes[&id].reconfig.clone().unwrap();
+        assert_eq!(r.remove, vec![old.id]);
     }
 
     #[test]

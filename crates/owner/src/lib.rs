@@ -388,6 +388,8 @@ pub struct Owner {
     latency: Arc<pace::ClientLatency>,
     /// What the loop reports of the volume's healing.
     status: event_loop::SharedStatus,
+    /// The loop's generation now (raised by its reclaims).
+    generation: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Owner {
@@ -427,11 +429,13 @@ impl Owner {
         let throttle = Arc::new(throttle::Throttle::new(view.volume.policy.iops_limit));
         let status = event_loop::SharedStatus::default();
         let latency = Arc::new(pace::ClientLatency::default());
+        let shared_generation = Arc::new(std::sync::atomic::AtomicU64::new(generation));
         let shared = event_loop::Shared {
             route: route.clone(),
             lease: lease.clone(),
             status: status.clone(),
             latency: latency.clone(),
+            generation: shared_generation.clone(),
         };
         let tx =
             event_loop::start(cfg, view.performance_leg(), generation, control, shared).await?;
@@ -444,14 +448,25 @@ impl Owner {
             throttle,
             latency,
             status,
+            generation: shared_generation,
         })
+    }
+
+    /// The owner's generation now: the one it activated its copies
+    /// under, raised by each reclaim.
+    pub(crate) fn generation(&self) -> Generation {
+        self.generation.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// The volume's healing as the loop last reported it (every tick).
     pub fn healing(&self) -> status::HealingStatus {
-        match self.status.lock() {
+        let leg = match self.status.lock() {
             Ok(s) => s.clone(),
             Err(e) => e.into_inner().clone(),
+        };
+        match &self.tier {
+            Some(t) => leg.with_columns(&t.status()),
+            None => leg,
         }
     }
 
@@ -593,6 +608,9 @@ impl Owner {
     /// limit (in force for the next I/O).
     pub fn update(&self, view: View) {
         self.throttle.set_limit(view.volume.policy.iops_limit);
+        if let Some(t) = &self.tier {
+            t.update(view.clone());
+        }
         let _ = self.tx.send(Event::View(Box::new(view.performance_leg())));
     }
 

@@ -89,4 +89,29 @@ pub struct TierStatus {
     pub columns_out: u64,
     /// Stripes written by this owner (destages and cleans).
     pub stripes_written: u64,
+    /// Columns out of service whose rebuild waits for the repair delay,
+    /// with the time left.
+    pub waiting: Vec<(ComponentId, Duration)>,
+    /// The column being filled in place of a lost one.
+    pub copy: Option<ResyncStatus>,
+    /// Why a lost column cannot be rebuilt now.
+    pub cannot_rebuild: Option<String>,
+}
+
+impl HealingStatus {
+    /// The performance leg's healing with the capacity leg's folded in:
+    /// one status per volume.
+    pub fn with_columns(mut self, t: &TierStatus) -> HealingStatus {
+        self.waiting.extend(t.waiting.iter().copied());
+        if self.resync.is_none() {
+            self.resync = t.copy.clone();
+        }
+        if let (None, Some(c)) = (&self.change, &t.copy) {
+            self.change = Some(format!("rebuild of stripe component {}", c.component));
+        }
+        if self.cannot_rebuild.is_none() {
+            self.cannot_rebuild = t.cannot_rebuild.clone();
+        }
+        self
+    }
 }

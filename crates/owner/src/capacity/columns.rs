@@ -41,6 +41,8 @@ pub enum ColumnError {
     Stripe(#[from] StripeError),
     #[error("{got} columns given for a stripe of {want}")]
     Width { want: usize, got: usize },
+    #[error("column {position} is in service: it is not rebuilt")]
+    InService { position: usize },
 }
 
 /// A read of one block: its data, and the columns that failed on the way
@@ -58,7 +60,8 @@ pub struct ColumnSet {
     generation: Generation,
     /// How long one column may take to answer, as for copies.
     timeout: Duration,
-    targets: Vec<ColumnTarget>,
+    /// By position: the column (replaced when a lost one is rebuilt).
+    targets: RwLock<Vec<ColumnTarget>>,
     /// How the owner proves itself to the columns' nodes, to reconnect.
     auth: PeerAuth,
     /// By position: the connection of a column in service.
@@ -111,7 +114,7 @@ impl ColumnSet {
             codec,
             generation,
             timeout,
-            targets,
+            targets: RwLock::new(targets),
             auth: auth.clone(),
             peers: RwLock::new(peers),
         };
@@ -148,10 +151,7 @@ impl ColumnSet {
     /// not created: a column its node no longer has stays out (it is
     /// rebuilt elsewhere, not filled with zeros).
     pub async fn revive(&self, position: usize) -> Result<(), ColumnError> {
-        let t = self.targets.get(position).ok_or(ColumnError::Width {
-            want: self.columns.width(),
-            got: position + 1,
-        })?;
+        let t = self.target(position)?;
         let peer = Peer::connect(&t.addr, self.timeout, &self.auth)
             .await
             .map_err(|e| column_error(position, e))?;
@@ -198,7 +198,7 @@ impl ColumnSet {
         for (position, unit) in units.into_iter().enumerate() {
             debug_assert_eq!(unit.len() as u64, UNIT_BYTES);
             let req = Request::WriteChecked {
-                component: self.targets[position].component,
+                component: self.target(position)?.component,
                 generation: self.generation,
                 offset: slot * UNIT_BYTES,
                 seq: 0,
@@ -256,7 +256,7 @@ impl ColumnSet {
             .rebuild(slot, position, offset, &mut Vec::new())
             .await?;
         let req = Request::Repair {
-            component: self.targets[position].component,
+            component: self.target(position)?.component,
             generation: self.generation,
             offset,
         };
@@ -270,7 +270,8 @@ impl ColumnSet {
 
     /// The position of column component `component`, if it is one.
     pub fn position_of(&self, component: ComponentId) -> Option<usize> {
-        self.targets.iter().position(|t| t.component == component)
+        let targets = self.targets.read().unwrap_or_else(|e| e.into_inner());
+        targets.iter().position(|t| t.component == component)
     }
 
     /// Rebuilds the row at `offset` of column `lost` from the other
@@ -312,25 +313,136 @@ impl ColumnSet {
     }
 
     async fn read_row(&self, position: usize, offset: u64) -> Result<Bytes, ColumnError> {
+        self.read_at(position, offset, BLOCK_BYTES as u32).await
+    }
+
+    /// `len` bytes at `offset` of column `position`.
+    async fn read_at(&self, position: usize, offset: u64, len: u32) -> Result<Bytes, ColumnError> {
         let req = Request::Read {
-            component: self.targets[position].component,
+            component: self.target(position)?.component,
             generation: self.generation,
             offset,
-            len: BLOCK_BYTES as u32,
+            len,
         };
         let (_, data) = self
             .peer(position)?
             .call(&req, Bytes::new(), self.timeout)
             .await
             .map_err(|e| column_error(position, e))?;
-        if data.len() != BLOCK_BYTES {
-            let e = RpcError::Protocol(format!(
-                "a read of {BLOCK_BYTES} bytes answered {}",
-                data.len()
-            ));
+        if data.len() != len as usize {
+            let e = RpcError::Protocol(format!("a read of {len} bytes answered {}", data.len()));
             return Err(ColumnError::Column { position, error: e });
         }
         Ok(data)
+    }
+
+    /// The column at `position` now.
+    pub fn target(&self, position: usize) -> Result<ColumnTarget, ColumnError> {
+        let targets = self.targets.read().unwrap_or_else(|e| e.into_inner());
+        targets.get(position).cloned().ok_or(ColumnError::Width {
+            want: self.columns.width(),
+            got: position + 1,
+        })
+    }
+
+    /// Fills `new`, the column rebuilt in place of lost column
+    /// `position` (out of service), with that column's unit of every
+    /// stripe slot of `slots`, recomputed from the same slot of `k` other
+    /// columns (row by row, around bad blocks, when a whole unit cannot
+    /// be read). The column is created and activated under this owner's
+    /// generation first. Counts the bytes written in `copied`; answers the
+    /// new column's connection, to [`ColumnSet::replace`] it in once the
+    /// change is committed.
+    pub async fn copy_column(
+        &self,
+        position: usize,
+        new: &ColumnTarget,
+        (volume, volume_bytes): (VolumeId, u64),
+        slots: &[u64],
+        copied: &std::sync::atomic::AtomicU64,
+    ) -> Result<Peer, ColumnError> {
+        if self.peer(position).is_ok() {
+            return Err(ColumnError::InService { position });
+        }
+        let size = self.columns.column_bytes(volume_bytes);
+        let peer = activate_one(
+            new,
+            (volume, size),
+            self.generation,
+            self.timeout,
+            &self.auth,
+        )
+        .await
+        .map_err(|e| column_error(position, e))?;
+        for &slot in slots {
+            let unit = match self.rebuild_unit(slot, position).await {
+                Ok(u) => u,
+                Err(ColumnError::Deposed { position }) => {
+                    return Err(ColumnError::Deposed { position })
+                }
+                Err(_) => self.rebuild_unit_by_rows(slot, position).await?,
+            };
+            let req = Request::WriteChecked {
+                component: new.component,
+                generation: self.generation,
+                offset: slot * UNIT_BYTES,
+                seq: 0,
+                crcs: unit.chunks(BLOCK_BYTES).map(crc32c::crc32c).collect(),
+            };
+            peer.call(&req, Bytes::from(unit), self.timeout)
+                .await
+                .map_err(|e| column_error(position, e))?;
+            copied.fetch_add(UNIT_BYTES, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(peer)
+    }
+
+    /// Puts `target` in place of column `position`, in service through
+    /// `peer`: its rebuild is committed.
+    pub fn replace(&self, position: usize, target: ColumnTarget, peer: Peer) {
+        let mut targets = self.targets.write().unwrap_or_else(|e| e.into_inner());
+        let mut peers = self.peers.write().unwrap_or_else(|e| e.into_inner());
+        if let (Some(t), Some(p)) = (targets.get_mut(position), peers.get_mut(position)) {
+            *t = target;
+            *p = Some(Arc::new(peer));
+        }
+    }
+
+    /// Column `lost`'s unit of stripe slot `slot`, from whole units of
+    /// `k` columns in service.
+    async fn rebuild_unit(&self, slot: u64, lost: usize) -> Result<Vec<u8>, ColumnError> {
+        let others: Vec<usize> = self
+            .in_service()
+            .into_iter()
+            .filter(|p| *p != lost)
+            .take(self.columns.data_units())
+            .collect();
+        let reads = others
+            .iter()
+            .map(|&p| self.read_at(p, slot * UNIT_BYTES, UNIT_BYTES as u32));
+        let mut units: Vec<Option<Vec<u8>>> = vec![None; self.columns.width()];
+        for (&p, r) in others.iter().zip(join_all(reads).await) {
+            units[p] = Some(r?.to_vec());
+        }
+        let have = units.iter().flatten().count();
+        if have < self.columns.data_units() {
+            let need = self.columns.data_units();
+            return Err(ColumnError::TooFewColumns { have, need });
+        }
+        let mut whole = self.columns.rebuild_row(&self.codec, slot, units)?;
+        Ok(std::mem::take(&mut whole[lost]))
+    }
+
+    /// `rebuild_unit` one row at a time, each from whichever `k` columns
+    /// read it (a bad block in one column is read around).
+    async fn rebuild_unit_by_rows(&self, slot: u64, lost: usize) -> Result<Vec<u8>, ColumnError> {
+        let mut unit = Vec::with_capacity(UNIT_BYTES as usize);
+        for row in 0..UNIT_BYTES / BLOCK_BYTES as u64 {
+            let offset = slot * UNIT_BYTES + row * BLOCK_BYTES as u64;
+            let data = self.rebuild(slot, lost, offset, &mut Vec::new()).await?;
+            unit.extend_from_slice(&data);
+        }
+        Ok(unit)
     }
 
     fn peer(&self, position: usize) -> Result<Arc<Peer>, ColumnError> {

@@ -479,8 +479,7 @@ impl<C: Control> Loop<C> {
         }
         match result {
             Ok(g) => {
-                assert!(g > self.generation, "reclaim must raise the generation");
-                self.generation = g;
+                self.set_generation(g);
                 self.fence_in_service();
                 for idx in lost.iter() {
                     self.activate_lost(idx);

@@ -75,6 +75,9 @@ pub(crate) struct Shared {
     pub(crate) status: SharedStatus,
     /// The clients' latencies, which the handles record.
     pub(crate) latency: Arc<crate::pace::ClientLatency>,
+    /// The loop's generation, raised when it reclaims the volume: what
+    /// the tiered loop of an erasure-coded volume proposes under.
+    pub(crate) generation: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The loop serves a RAID-1 layout: of an erasure-coded volume, only its
@@ -308,6 +311,8 @@ pub(super) struct Loop<C: Control> {
     status: SharedStatus,
     /// The clients' latencies, recorded by the [`crate::Owner`] handles.
     latency: Arc<crate::pace::ClientLatency>,
+    /// `generation`, shared with the [`crate::Owner`] handles.
+    shared_generation: Arc<std::sync::atomic::AtomicU64>,
     /// The adaptive pace of copies, fed those latencies every tick.
     adaptive: crate::pace::Adaptive,
     /// Bytes copied by the resync since the last tick.
@@ -327,6 +332,15 @@ fn report(tx: &mpsc::UnboundedSender<Event>, ev: Internal) {
 }
 
 impl<C: Control> Loop<C> {
+    /// Raises the loop's generation to `g` (a reclaim answered) and
+    /// shares it with the handles.
+    pub(super) fn set_generation(&mut self, g: Generation) {
+        assert!(g > self.generation, "reclaim must raise the generation");
+        self.generation = g;
+        self.shared_generation
+            .store(g, std::sync::atomic::Ordering::Release);
+    }
+
     /// A loop over `replicas` (connected or not, in whatever modes the
     /// caller set), and the receiving end of its events.
     fn new(
@@ -376,6 +390,7 @@ impl<C: Control> Loop<C> {
             lease: shared.lease,
             status: shared.status,
             latency: shared.latency,
+            shared_generation: shared.generation,
             adaptive: Default::default(),
             copied_since_tick: 0,
             renewing: false,

@@ -199,8 +199,7 @@ impl<C: Control> Loop<C> {
     ) -> Flow {
         match result {
             Ok(g) => {
-                assert!(g > self.generation, "reclaim must raise the generation");
-                self.generation = g;
+                self.set_generation(g);
                 self.fence_in_service();
                 if self.is_current(attempt) {
                     self.revive();

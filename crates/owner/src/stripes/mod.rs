@@ -92,6 +92,11 @@ impl StripeMap {
         self.live.len()
     }
 
+    /// The slots holding live blocks, in order.
+    pub fn live_slots(&self) -> Vec<u64> {
+        self.live.keys().copied().collect()
+    }
+
     /// The mapped blocks of `slots`, with where each is.
     pub fn blocks_in(&self, slots: &[u64]) -> Vec<(u64, Loc)> {
         self.blocks

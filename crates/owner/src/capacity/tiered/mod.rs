@@ -11,6 +11,8 @@
 //! its first and last blocks, which holds later writes to those blocks
 //! back until its whole blocks are written.
 
+mod heal;
+
 use super::{ColumnError, ColumnSet, ColumnTarget};
 use crate::status::TierStatus;
 use crate::stripes::{
@@ -78,6 +80,18 @@ enum Ev {
     },
     /// Column `.0`, out of service, answered its activation (or not).
     Revived(usize, Result<(), ColumnError>),
+    /// The directory's view of the volume changed.
+    View(Box<View>),
+    /// The directory answered a request to rebuild a lost column.
+    RebuildAsked(Result<(), crate::ControlError>),
+    /// The column rebuilt in place of a lost one is filled (its
+    /// connection), or why not.
+    ColumnCopied(Box<Result<shoal_rpc::Peer, ColumnError>>),
+    /// The directory answered the commit or abort of a column change.
+    ColumnChangeEnded {
+        commit: bool,
+        result: Result<(), crate::ControlError>,
+    },
     Tick,
     Stop,
 }
@@ -99,6 +113,11 @@ impl TieredOwner {
         let columns = column_targets(&view);
         let copies = in_sync_copies(&view);
         let (timeout, auth) = (cfg.io_timeout, cfg.peer_auth.clone());
+        let directory: Arc<dyn heal::ColumnControl> = Arc::new(heal::Directory {
+            control: control.clone(),
+            volume: v.id,
+        });
+        let first_view = view.clone();
         let leg = Owner::start_mirror(cfg, view, generation, control).await?;
         let set = ColumnSet::activate(
             geometry,
@@ -115,7 +134,15 @@ impl TieredOwner {
             Err(e) => Err(e),
         };
         match taken {
-            Ok((set, tier)) => Ok(TieredOwner::serve(leg, v.size, set, tier)),
+            Ok((set, tier)) => {
+                let heal = heal::Healing::new(directory, &first_view);
+                Ok(TieredOwner::serve(
+                    leg,
+                    (v.size, set, tier),
+                    heal,
+                    first_view,
+                ))
+            }
             Err(e) => {
                 leg.stop();
                 Err(e)
@@ -124,7 +151,12 @@ impl TieredOwner {
     }
 
     /// Starts the loop and its ticker.
-    fn serve(leg: Owner, size: u64, set: ColumnSet, tier: Tier) -> TieredOwner {
+    fn serve(
+        leg: Owner,
+        (size, set, tier): (u64, ColumnSet, Tier),
+        heal: heal::Healing,
+        view: View,
+    ) -> TieredOwner {
         let (tx, rx) = mpsc::unbounded_channel();
         let status = Arc::new(Mutex::new(TierStatus::default()));
         let lp = Loop {
@@ -144,9 +176,14 @@ impl TieredOwner {
             revived_at: None,
             status: status.clone(),
             stripes_written: 0,
+            heal,
+            copied_peer: None,
             locks: Vec::new(),
             blocked: Default::default(),
         };
+        // A column change in progress (an earlier owner's) is carried
+        // out again from the start.
+        let _ = tx.send(Ev::View(Box::new(view)));
         tokio::spawn(lp.run(rx));
         let ticker = tx.clone();
         tokio::spawn(async move {
@@ -159,6 +196,12 @@ impl TieredOwner {
             }
         });
         TieredOwner { tx, leg, status }
+    }
+
+    /// The directory changed: a column change to carry out, the repair
+    /// delay.
+    pub fn update(&self, view: View) {
+        let _ = self.tx.send(Ev::View(Box::new(view)));
     }
 
     /// The capacity leg as the loop last published it.
@@ -198,11 +241,19 @@ impl TieredOwner {
     }
 }
 
-/// The stripe columns of a view, by position.
+/// The stripe columns of a view, by position: with a column change in
+/// progress, the columns it replaces (the loop carries it out again).
 fn column_targets(view: &View) -> Vec<ColumnTarget> {
+    let added = |id: u64| {
+        view.volume
+            .reconfig
+            .as_ref()
+            .is_some_and(|r| r.added.contains(&id))
+    };
     let mut columns: Vec<(u8, ColumnTarget)> = view
         .targets
         .iter()
+        .filter(|t| !added(t.component.id))
         .filter_map(|t| match t.component.role {
             ComponentRole::Stripe { position } => {
                 let c = ColumnTarget {
@@ -369,6 +420,10 @@ struct Loop {
     revived_at: Option<Instant>,
     status: Arc<Mutex<TierStatus>>,
     stripes_written: u64,
+    /// The rebuild of lost columns.
+    heal: heal::Healing,
+    /// The filled column of a rebuild, put in service once committed.
+    copied_peer: Option<shoal_rpc::Peer>,
     /// Blocks (first, end) of read-modify-writes in progress.
     locks: Vec<(u64, u64)>,
     /// Writes and zeroings waiting for those locks, in order.
@@ -431,9 +486,22 @@ impl Loop {
                     self.revived(position, r);
                     true
                 }
+                Ev::View(view) => {
+                    self.heal_view(*view);
+                    true
+                }
+                Ev::RebuildAsked(r) => {
+                    self.rebuild_asked(r);
+                    true
+                }
+                Ev::ColumnCopied(r) => self.column_copied(*r),
+                Ev::ColumnChangeEnded { commit, result } => {
+                    self.column_change_ended(commit, result)
+                }
                 Ev::Tick => {
                     self.idle = true;
                     self.revive_columns();
+                    self.heal_tick();
                     true
                 }
                 Ev::Stop => false,
@@ -996,7 +1064,12 @@ impl Loop {
         self.revived_at = Some(Instant::now());
         let service = self.set.in_service();
         for position in 0..self.set.columns().width() {
-            if service.contains(&position) || !self.reviving.insert(position) {
+            // A column being rebuilt elsewhere stays out: the new one
+            // replaces it.
+            if service.contains(&position)
+                || self.heal.replacing() == Some(position)
+                || !self.reviving.insert(position)
+            {
                 continue;
             }
             let (set, tx) = (self.set.clone(), self.tx.clone());
@@ -1017,10 +1090,16 @@ impl Loop {
 
     /// Publishes the capacity leg's figures for the status readers.
     fn publish(&self) {
+        let width = self.set.columns().width();
+        let targets: Vec<ColumnTarget> =
+            (0..width).filter_map(|p| self.set.target(p).ok()).collect();
         let s = TierStatus {
             staged_blocks: self.tier.pending_blocks() as u64,
-            columns_out: (self.set.columns().width() - self.set.in_service().len()) as u64,
+            columns_out: (width - self.set.in_service().len()) as u64,
             stripes_written: self.stripes_written,
+            waiting: self.heal.waiting(&targets),
+            copy: self.heal.copy(),
+            cannot_rebuild: self.heal.problem(),
         };
         let mut st = self.status.lock().unwrap_or_else(|e| e.into_inner());
         *st = s;
