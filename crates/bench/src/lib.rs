@@ -17,6 +17,7 @@
 //! processes.
 
 pub mod cluster;
+pub mod compare;
 pub mod fio;
 pub mod hist;
 pub mod native;
@@ -112,6 +113,13 @@ pub struct BenchArgs {
     /// cluster size: ftt=0, raid1 ftt=1 from 3 nodes, raid1 ftt=2 from 5].
     #[arg(long)]
     pub policy: Option<String>,
+    /// Policies to compare, comma-separated (e.g. "raid1 ftt=1,raid5"):
+    /// every profile runs on each, one after the other on the same
+    /// cluster, and a table gives each one's IOPS, p99 latency and CPU per
+    /// I/O with the ratio to the first. Each policy's results go to a
+    /// folder of its own under the output folder.
+    #[arg(long, conflicts_with = "policy")]
+    pub policies: Option<String>,
     /// Preparation of new volumes.
     #[arg(long, value_enum, default_value_t = Fill::Random)]
     pub fill: Fill,
@@ -312,6 +320,40 @@ struct Ctx {
 /// Runs `shoal bench`. `data_dir` is the local cluster's folder (for the
 /// node pids), `None` for a cluster given by address.
 pub async fn run(args: BenchArgs, client: Client, data_dir: Option<PathBuf>) -> Result<()> {
+    let Some(list) = args.policies.clone() else {
+        return run_one(args, client, data_dir).await.map(|_| ());
+    };
+    let policies = compare::policies(&list)?;
+    let out = match &args.out {
+        Some(o) => o.clone(),
+        None => PathBuf::from("shoal-bench").join(stamp(false)),
+    };
+    let mut reports = Vec::with_capacity(policies.len());
+    for p in &policies {
+        let mut one = args.clone();
+        one.policies = None;
+        one.policy = Some(p.clone());
+        one.out = Some(out.join(compare::folder(p)));
+        eprintln!("shoal bench: policy {p:?}");
+        let r = run_one(one, client.clone(), data_dir.clone())
+            .await
+            .with_context(|| format!("policy {p:?}"))?;
+        reports.push((p.clone(), r));
+    }
+    let table = compare::table(&reports);
+    std::fs::write(out.join("policies.txt"), &table)?;
+    std::fs::write(out.join("policies.csv"), compare::csv(&reports))?;
+    println!("{table}");
+    println!("wrote {0}/policies.txt, {0}/policies.csv", out.display());
+    Ok(())
+}
+
+/// One bench run on one policy: its report, also written to its folder.
+async fn run_one(
+    args: BenchArgs,
+    client: Client,
+    data_dir: Option<PathBuf>,
+) -> Result<report::Report> {
     let plan = plan(&args)?;
     let status = client
         .status()
@@ -416,7 +458,7 @@ pub async fn run(args: BenchArgs, client: Client, data_dir: Option<PathBuf>) -> 
         "wrote {0}/results.json, {0}/results.csv, {0}/report.html",
         out.display()
     );
-    Ok(())
+    Ok(report)
 }
 
 fn require_tool(tool: &str, arg: &str) -> Result<()> {

@@ -22,6 +22,11 @@ pub struct UpArgs {
     /// Size of each node's device file of a new cluster [default: 8G].
     #[arg(long)]
     device_size: Option<String>,
+    /// Device files each node of a new cluster starts with (devN.img in
+    /// its folder, each of --device-size), 1 to 16 [default: 1]: to
+    /// compare, say, 4 and 8 devices per host.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=16))]
+    devices_per_node: Option<u32>,
     /// First three octets of a new cluster's loopback addresses: node i is
     /// NET.i [default: 127.0.0].
     #[arg(long)]
@@ -91,6 +96,7 @@ impl UpArgs {
         let given = [
             ("--nodes", self.nodes.is_some()),
             ("--device-size", self.device_size.is_some()),
+            ("--devices-per-node", self.devices_per_node.is_some()),
             ("--net", self.net.is_some()),
             ("--nbd-port", self.nbd_port.is_some()),
             ("--api-port", self.api_port.is_some()),
@@ -133,6 +139,9 @@ pub struct LocalNode {
     pub nbd: String,
     pub peer: String,
     pub device: String,
+    /// The node's other devices (`--devices-per-node`), started with it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub more_devices: Vec<String>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -276,6 +285,7 @@ fn start_node(
         .arg(&n.dir)
         .arg("--device")
         .arg(&n.device)
+        .args(n.more_devices.iter().flat_map(|d| ["--device", d.as_str()]))
         .arg("--api")
         .arg(&n.api)
         .arg("--nbd")
@@ -358,6 +368,16 @@ pub async fn up(a: UpArgs) -> Result<()> {
             if let Some(id) = overrides.keys().find(|&&id| id == 0 || id > nodes as u64) {
                 bail!("--node-device: there is no node {id}");
             }
+            let per_node = a.devices_per_node.unwrap_or(1);
+            if per_node > 1 && !overrides.is_empty() {
+                bail!(
+                    "--node-device gives a node its one device: use it without --devices-per-node"
+                );
+            }
+            let spec = |file: PathBuf| match a.thick {
+                true => format!("{}:{size}:thick", file.display()),
+                false => format!("{}:{size}", file.display()),
+            };
             let nodes = (1..=nodes as u64)
                 .map(|i| {
                     let dir = data.join(format!("node{i}"));
@@ -375,6 +395,9 @@ pub async fn up(a: UpArgs) -> Result<()> {
                         } else {
                             format!("{}:{size}", file.display())
                         },
+                        more_devices: (1..per_node)
+                            .map(|k| spec(dir.join(format!("dev{k}.img"))))
+                            .collect(),
                         dir,
                     }
                 })
@@ -458,6 +481,7 @@ pub async fn up(a: UpArgs) -> Result<()> {
     // Wait for every node to be up in the directory.
     let deadline = Instant::now() + Duration::from_secs(a.timeout);
     let want = cluster.nodes.len();
+    let want_devices: usize = cluster.nodes.iter().map(|n| 1 + n.more_devices.len()).sum();
     let status = loop {
         // Every node answers (so it serves NBD too) and sees a leader, and
         // the directory has every node up with its devices.
@@ -476,7 +500,7 @@ pub async fn up(a: UpArgs) -> Result<()> {
         }
         if let Some(s) = view {
             let up = s.nodes.iter().filter(|x| x.state == NodeState::Up).count();
-            if answered == want && up == want && s.devices.len() >= want {
+            if answered == want && up == want && s.devices.len() >= want_devices {
                 break s;
             }
             if last.is_empty() {
