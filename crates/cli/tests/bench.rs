@@ -119,3 +119,63 @@ fn bench_quick_run_reports_sane_figures_and_cleans_up() {
     assert!(left.is_empty(), "bench volumes left behind: {left:?}");
     eprintln!("[bench] took {:.1?}", t.elapsed());
 }
+
+/// `shoal bench --policies` on a cluster started with two devices per
+/// node: each policy's run in its folder, and one table of them with the
+/// ratios to the first; its refusals of bad lists.
+#[test]
+fn bench_compares_policies_side_by_side() {
+    let c = Cluster::start_with(3, &["--devices-per-node", "2"]);
+    let st = c.json(&["status"]);
+    assert_eq!(st["devices"].as_array().unwrap().len(), 6, "{st}");
+    let out = c.data.parent().unwrap().join("bench-out");
+    let stdout = c.shoal(&[
+        "bench",
+        "--quick",
+        "--duration",
+        "1",
+        "--warmup",
+        "1",
+        "--size",
+        "32M",
+        "--volumes",
+        "1",
+        "--profiles",
+        "4k-randwrite",
+        "--policies",
+        "raid1 ftt=1,raid5",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(stdout.contains("ratios to \"raid1 ftt=1\""), "{stdout}");
+    let table = std::fs::read_to_string(out.join("policies.txt")).expect("policies.txt");
+    let rows: Vec<&str> = table
+        .lines()
+        .filter(|l| l.starts_with("4k-randwrite"))
+        .collect();
+    assert_eq!(rows.len(), 2, "{table}");
+    assert!(
+        rows[0].contains("raid1 ftt=1") && rows[0].contains("1.00"),
+        "{table}"
+    );
+    assert!(rows[1].contains("raid5"), "{table}");
+    for (folder, policy) in [
+        ("policy-raid1-ftt_1", "raid1 ftt=1"),
+        ("policy-raid5", "raid5"),
+    ] {
+        let v: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(out.join(folder).join("results.json")).expect("results.json"),
+        )
+        .expect("valid JSON");
+        assert_eq!(v["config"]["policy"], policy);
+        let iops = v["profiles"][0]["runs"][0]["iops"].as_f64().unwrap_or(0.0);
+        assert!(iops > 0.0, "{policy}: no IOPS");
+    }
+    for (list, want) in [
+        ("raid1 ftt=1", "at least two policies"),
+        ("raid1 ftt=1,raid7", "raid7"),
+    ] {
+        let e = c.shoal_fails(&["bench", "--quick", "--policies", list]);
+        assert!(e.contains(want), "{list}: {e}");
+    }
+}
