@@ -92,6 +92,47 @@ pub struct VolumeReport {
     /// "inaccessible".
     #[serde(default)]
     pub healing: String,
+    /// What the volume takes on the devices; None where it was not
+    /// measured.
+    #[serde(default)]
+    pub capacity: Option<CapacityReport>,
+}
+
+/// What a volume (or the cluster's volumes together) takes: its size,
+/// the bytes of it written, and the bytes every component takes on the
+/// devices (copies, witnesses, performance leg and stripe columns alike).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CapacityReport {
+    pub size_bytes: u64,
+    /// Bytes of the volume's address space that hold data; None when it
+    /// could not be told (the owner of an erasure-coded volume did not
+    /// answer, no copy's node did).
+    pub written_bytes: Option<u64>,
+    /// Bytes its components' written blocks take on the devices; None
+    /// when a component's node did not answer.
+    pub used_bytes: Option<u64>,
+}
+
+impl CapacityReport {
+    /// Bytes on the devices per byte written: the policy's overhead (2
+    /// for raid1 ftt=1, 1.5 for 2+1 stripes, more while writes wait on an
+    /// erasure-coded volume's performance leg).
+    pub fn overhead(&self) -> Option<f64> {
+        match (self.written_bytes, self.used_bytes) {
+            (Some(w), Some(u)) if w > 0 => Some(u as f64 / w as f64),
+            _ => None,
+        }
+    }
+
+    /// The sum of two reports (unknown if either part is).
+    pub fn plus(self, o: CapacityReport) -> CapacityReport {
+        let add = |a: Option<u64>, b: Option<u64>| Some(a?.saturating_add(b?));
+        CapacityReport {
+            size_bytes: self.size_bytes.saturating_add(o.size_bytes),
+            written_bytes: add(self.written_bytes, o.written_bytes),
+            used_bytes: add(self.used_bytes, o.used_bytes),
+        }
+    }
 }
 
 /// The IOPS limit of a volume as its owner applies it.
@@ -117,6 +158,9 @@ pub struct StatusReport {
     pub nodes: Vec<NodeInfo>,
     pub devices: Vec<DeviceReport>,
     pub volumes: Vec<VolumeReport>,
+    /// The volumes' capacity added up.
+    #[serde(default)]
+    pub capacity: Option<CapacityReport>,
 }
 
 /// A device as `GET /v1/status` reports it: what the directory keeps (its
@@ -184,6 +228,10 @@ pub struct Owners {
     /// How each owned volume heals.
     #[serde(default)]
     pub healing: Vec<HealingReport>,
+    /// Bytes written of each owned erasure-coded volume (its map and its
+    /// performance leg together: only its owner can tell).
+    #[serde(default)]
+    pub written: Vec<(String, u64)>,
 }
 
 /// `GET /v1/scrub`: the counters of one node's scrubber (`POST` starts a

@@ -522,7 +522,9 @@ mod tests {
                 throttle: None,
                 resync: None,
                 healing: String::new(),
+                capacity: None,
             }],
+            capacity: None,
         }
     }
 

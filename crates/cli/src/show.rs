@@ -1,6 +1,6 @@
 //! Tables for people.
 
-use shoal_api::{ResyncKind, ResyncReport, StatusReport, VolumeReport};
+use shoal_api::{CapacityReport, ResyncKind, ResyncReport, StatusReport, VolumeReport};
 use shoal_model::human_size;
 
 pub fn status(s: &StatusReport) {
@@ -46,18 +46,42 @@ pub fn status(s: &StatusReport) {
     }
     println!();
     volumes(&s.volumes);
+    if let Some(c) = &s.capacity {
+        println!();
+        println!("volumes in all: {}", capacity_line(c));
+    }
+}
+
+/// "1 GiB; 512 MiB written; 1 GiB on devices (2.00x written)".
+pub fn capacity_line(c: &CapacityReport) -> String {
+    let known = |b: Option<u64>| b.map_or("unknown".to_string(), human_size);
+    let overhead = c
+        .overhead()
+        .map(|o| format!(" ({o:.2}x written)"))
+        .unwrap_or_default();
+    format!(
+        "{}; {} written; {} on devices{overhead}",
+        human_size(c.size_bytes),
+        known(c.written_bytes),
+        known(c.used_bytes)
+    )
 }
 
 pub fn volumes(v: &[VolumeReport]) {
     println!(
-        "{:<20} {:>10} {:<22} {:<6} HEALTH",
-        "VOLUME", "SIZE", "POLICY", "OWNER"
+        "{:<20} {:>10} {:>10} {:>10} {:>8} {:<22} {:<6} HEALTH",
+        "VOLUME", "SIZE", "WRITTEN", "ON DEVICES", "OVERHEAD", "POLICY", "OWNER"
     );
     for r in v {
+        let c = r.capacity.unwrap_or_default();
+        let known = |b: Option<u64>| b.map_or("-".to_string(), human_size);
         println!(
-            "{:<20} {:>10} {:<22} {:<6} {}",
+            "{:<20} {:>10} {:>10} {:>10} {:>8} {:<22} {:<6} {}",
             r.volume.name,
             human_size(r.volume.size),
+            known(c.written_bytes),
+            known(c.used_bytes),
+            c.overhead().map_or("-".to_string(), |o| format!("{o:.2}x")),
             r.volume.policy.to_string(),
             r.volume
                 .owner
@@ -97,6 +121,9 @@ pub fn volume(r: &VolumeReport) {
         ),
         (Some(w), Some(_)) => println!("wanted      {w} (changing now)"),
         (None, _) => {}
+    }
+    if let Some(c) = &r.capacity {
+        println!("capacity    {}", capacity_line(c));
     }
     println!("checksums   CRC-32C of every block, checked on every read and by the scrubber");
     println!("iops limit  {}", iops_line(r));

@@ -430,3 +430,65 @@ fn a_lost_column_is_rebuilt_on_another_host() {
     wait_destaged(&c, 1, "e");
     fio_verify_only(&c.uri(1, "e"), "64M");
 }
+
+/// `capacity` of `vol` from `volume show --json`: (size, written, used).
+fn capacity(c: &Cluster, vol: &str) -> (u64, u64, u64) {
+    let v = c.json(&["volume", "show", vol]);
+    let cap = &v["capacity"];
+    let field = |k: &str| {
+        cap[k]
+            .as_u64()
+            .unwrap_or_else(|| panic!("capacity.{k}: {v}"))
+    };
+    (
+        field("size_bytes"),
+        field("written_bytes"),
+        field("used_bytes"),
+    )
+}
+
+/// What each policy takes on the devices, as `volume show` and `shoal
+/// status` report it: a raid1 ftt=1 volume written whole once takes twice
+/// its data; a raid5 one (2+1 stripes) at most 1.6 times once destaged.
+#[test]
+fn capacity_shows_what_each_policy_takes_on_the_devices() {
+    require("qemu-io");
+    let c = Cluster::start_sized(4, "1G", &[]);
+    for (vol, policy) in [("m", "raid1 ftt=1"), ("e", "raid5")] {
+        c.create_volume(vol, "64M", policy);
+        sh(&format!(
+            "qemu-io -f raw -c 'write -P 9 0 64M' -c flush {}",
+            c.uri(1, vol)
+        ));
+    }
+    wait_destaged(&c, 1, "e");
+    let mib = 1u64 << 20;
+    assert_eq!(capacity(&c, "m"), (64 * mib, 64 * mib, 128 * mib));
+    // The owner counts the written blocks once a tick.
+    let (size, written, used) = wait_for("raid5 written bytes counted", HEAL, || {
+        match capacity(&c, "e") {
+            (s, w, u) if w == 64 * mib => Ok((s, w, u)),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    assert_eq!(size, 64 * mib);
+    let overhead = used as f64 / written as f64;
+    assert!(
+        (1.5..=1.6).contains(&overhead),
+        "raid5 2+1 takes {overhead:.3}x"
+    );
+    let text = c.shoal(&["volume", "show", "e"]);
+    assert!(
+        text.contains("capacity    64 MiB; 64 MiB written;"),
+        "{text}"
+    );
+    let st = c.json(&["status"]);
+    assert_eq!(st["capacity"]["written_bytes"], 128 * mib, "{st}");
+    assert_eq!(st["capacity"]["used_bytes"], 128 * mib + used, "{st}");
+    let text = c.shoal(&["status"]);
+    assert!(
+        text.contains("volumes in all: 128 MiB; 128 MiB written;"),
+        "{text}"
+    );
+    eprintln!("raid5 2+1: {overhead:.3}x the data written on the devices");
+}

@@ -9,9 +9,9 @@ use axum::response::{IntoResponse, Response as HttpResponse};
 use axum::routing::{get, post};
 use axum::{Extension, Json};
 use shoal_api::{
-    healing_text, ClusterSettingsUpdate, Connections, CopyDigest, CreateVolume, Digests, ErrorBody,
-    HealingReport, Heartbeat, Owners, Resize, ResyncKind, ResyncReport, StatusReport,
-    ThrottleReport, VolumeReport, VolumeSettings, WaitingComponent,
+    healing_text, CapacityReport, ClusterSettingsUpdate, Connections, CopyDigest, CreateVolume,
+    Digests, ErrorBody, HealingReport, Heartbeat, Owners, Resize, ResyncKind, ResyncReport,
+    StatusReport, ThrottleReport, VolumeReport, VolumeSettings, WaitingComponent,
 };
 use shoal_directory::{Caller, ClusterState, Command, DirectoryError, StateError};
 use shoal_model::{
@@ -78,6 +78,7 @@ pub fn report(state: &ClusterState, v: &Volume) -> VolumeReport {
         throttle: None,
         resync: None,
         healing: healing_text(health, None),
+        capacity: None,
     }
 }
 
@@ -128,8 +129,22 @@ async fn reports_with_owners(
         .into_iter()
         .flatten()
         .collect();
+    let owner_of = |name: &str| {
+        let v = state.volume_by_name(name)?;
+        answers.get(&v.owner?)
+    };
+    let written_of = |name: &str| {
+        let o = owner_of(name)?;
+        o.written.iter().find(|(n, _)| n == name).map(|(_, b)| *b)
+    };
+    let capacity = crate::capacity::measure(&h.router, state, vs, written_of).await;
     vs.iter()
-        .map(|v| with_owner(report(state, v), v.owner.and_then(|o| answers.get(&o))))
+        .zip(capacity)
+        .map(|(v, c)| {
+            let mut r = with_owner(report(state, v), v.owner.and_then(|o| answers.get(&o)));
+            r.capacity = Some(c);
+            r
+        })
         .collect()
 }
 
@@ -429,6 +444,12 @@ async fn status(State(h): State<Http>, headers: HeaderMap) -> Json<StatusReport>
     let s = h.router.dir.state();
     let vs: Vec<&Volume> = s.volumes.values().collect();
     let token = crate::auth::bearer(&headers).map(String::from);
+    let volumes = reports_with_owners(&h, &s, &vs, token).await;
+    // The cluster's: every volume's added up (unknown if one is).
+    let capacity = volumes
+        .iter()
+        .map(|v| v.capacity.unwrap_or_default())
+        .reduce(CapacityReport::plus);
     Json(StatusReport {
         cluster_id: s.cluster_id.clone(),
         leader: h.router.dir.leader(),
@@ -445,7 +466,8 @@ async fn status(State(h): State<Http>, headers: HeaderMap) -> Json<StatusReport>
                     .map_or(shoal_model::NodeState::Down, |n| n.state),
             })
             .collect(),
-        volumes: reports_with_owners(&h, &s, &vs, token).await,
+        volumes,
+        capacity,
     })
 }
 
@@ -480,7 +502,14 @@ async fn show_report(
         Some(o) => owners_of(h, &s, o, token).await,
         None => None,
     };
-    Ok(Json(with_owner(report(&s, v), owners.as_ref())))
+    let written_of = |n: &str| {
+        let o = owners.as_ref()?;
+        o.written.iter().find(|(x, _)| x == n).map(|(_, b)| *b)
+    };
+    let capacity = crate::capacity::measure(&h.router, &s, &[v], written_of).await;
+    let mut r = with_owner(report(&s, v), owners.as_ref());
+    r.capacity = capacity.into_iter().next();
+    Ok(Json(r))
 }
 
 async fn settings(
@@ -830,6 +859,12 @@ fn owners_report(h: &Http) -> Owners {
             .healing()
             .into_iter()
             .filter_map(|(v, st)| Some(healing_report(name(&v)?, h.router.node, &st)))
+            .collect(),
+        written: h
+            .router
+            .tiers()
+            .into_iter()
+            .filter_map(|(v, t)| Some((name(&v)?, t.written_bytes)))
             .collect(),
     }
 }

@@ -9,6 +9,7 @@
 
 pub mod api_server;
 pub mod auth;
+pub mod capacity;
 pub mod caretaker;
 pub mod clock;
 pub mod devices;

@@ -846,6 +846,11 @@ impl Replicas {
                 self.fence(&d, component, generation)?;
                 Self::durable(d, Response::Ok)
             }
+            Request::Usage { component } => {
+                let d = self.device_of(component)?;
+                let allocated_bytes = d.store.component(component).map_or(0, |m| m.allocated);
+                done(Ok(Response::Usage { allocated_bytes }))
+            }
             Request::AllocatedRanges { component } => {
                 let d = self.device_of(component)?;
                 let (deps, _) = self.seq.enter(component, 0, u64::MAX, false);

@@ -238,6 +238,22 @@ impl Router {
         &self.cfg.peer_auth
     }
 
+    /// The bytes component `component` takes on its device, asked of its
+    /// node at `addr` ([`shoal_rpc::Request::Usage`]).
+    pub async fn usage(
+        &self,
+        addr: &str,
+        component: shoal_model::ComponentId,
+    ) -> Result<u64, String> {
+        let p = self.peer(addr).await.map_err(|e| e.to_string())?;
+        let req = shoal_rpc::Request::Usage { component };
+        match p.call(&req, Bytes::new(), Duration::from_secs(2)).await {
+            Ok((shoal_rpc::Response::Usage { allocated_bytes }, _)) => Ok(allocated_bytes),
+            Ok((other, _)) => Err(format!("unexpected answer {other:?}")),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
     pub fn new(
         node: NodeId,
         dir: Directory,

@@ -89,6 +89,8 @@ pub struct TierStatus {
     pub columns_out: u64,
     /// Stripes written by this owner (destages and cleans).
     pub stripes_written: u64,
+    /// Bytes of the volume holding data (as of the last tick).
+    pub written_bytes: u64,
     /// Columns out of service whose rebuild waits for the repair delay,
     /// with the time left.
     pub waiting: Vec<(ComponentId, Duration)>,

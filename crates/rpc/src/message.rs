@@ -127,6 +127,10 @@ pub enum Request {
         generation: Generation,
         regions: RegionSet,
     },
+    /// The bytes the component's written blocks take on its device, for
+    /// capacity reports. Answered with [`Response::Usage`]. Reads a
+    /// counter only: no ordering with the component's writes.
+    Usage { component: ComponentId },
 }
 
 /// A set of a component's regions ([`REGION_BYTES`] each).
@@ -260,6 +264,10 @@ pub enum Response {
     Repaired(bool),
     /// Answer to [`Request::TrackedRegions`].
     Tracked(RegionSet),
+    /// Answer to [`Request::Usage`].
+    Usage {
+        allocated_bytes: u64,
+    },
 }
 
 /// An error the remote side reports; callers branch on it.

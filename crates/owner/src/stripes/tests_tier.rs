@@ -338,6 +338,12 @@ impl Sim {
     }
 
     fn check(&self) -> Result<(), TestCaseError> {
+        // The capacity reports' count: every block a read does not answer
+        // with zeros without I/O.
+        let holding = (0..BLOCKS)
+            .filter(|&b| self.tier.source(b) != Source::Zeros)
+            .count() as u64;
+        prop_assert_eq!(self.tier.written_blocks(), holding);
         for b in 0..BLOCKS {
             let want = self.model.get(&b).copied().unwrap_or(0);
             prop_assert_eq!(

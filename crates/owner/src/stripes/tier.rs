@@ -226,6 +226,21 @@ impl Tier {
         self.pending.get(&block).is_some_and(|p| !p.zero && !p.done)
     }
 
+    /// Blocks of the volume holding data: mapped and not being zeroed,
+    /// or written and not mapped yet (for capacity reports; walks the
+    /// pending set).
+    pub fn written_blocks(&self) -> u64 {
+        let mut n = self.map.len() as u64;
+        for (&b, p) in &self.pending {
+            match (p.zero, self.map.get(b).is_some()) {
+                (true, true) => n -= 1,
+                (false, false) => n += 1,
+                _ => {}
+            }
+        }
+        n
+    }
+
     /// Pending blocks a destage may take now.
     pub fn destageable_blocks(&self) -> usize {
         self.pending.values().filter(|p| !p.zero && p.done).count()

@@ -176,6 +176,7 @@ impl TieredOwner {
             revived_at: None,
             status: status.clone(),
             stripes_written: 0,
+            written_blocks: 0,
             heal,
             copied_peer: None,
             locks: Vec::new(),
@@ -420,6 +421,8 @@ struct Loop {
     revived_at: Option<Instant>,
     status: Arc<Mutex<TierStatus>>,
     stripes_written: u64,
+    /// `Tier::written_blocks` as of the last tick.
+    written_blocks: u64,
     /// The rebuild of lost columns.
     heal: heal::Healing,
     /// The filled column of a rebuild, put in service once committed.
@@ -502,6 +505,7 @@ impl Loop {
                     self.idle = true;
                     self.revive_columns();
                     self.heal_tick();
+                    self.written_blocks = self.tier.written_blocks();
                     true
                 }
                 Ev::Stop => false,
@@ -1097,6 +1101,7 @@ impl Loop {
             staged_blocks: self.tier.pending_blocks() as u64,
             columns_out: (width - self.set.in_service().len()) as u64,
             stripes_written: self.stripes_written,
+            written_bytes: self.written_blocks * BLOCK_BYTES as u64,
             waiting: self.heal.waiting(&targets),
             copy: self.heal.copy(),
             cannot_rebuild: self.heal.problem(),
