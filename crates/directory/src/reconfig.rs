@@ -323,6 +323,20 @@ impl ClusterState {
             }
         }
         after.policy = r.policy.unwrap_or(before.policy);
+        if after.stripe.is_none() && after.policy.layout.is_erasure() {
+            // A capacity leg added: its geometry, checked at the begin.
+            let leg: Vec<PlannedComponent> = after
+                .components
+                .iter()
+                .map(|c| PlannedComponent {
+                    role: c.role,
+                    node: c.node,
+                    device: c.device,
+                    votes: c.votes,
+                })
+                .collect();
+            after.stripe = crate::state::stripe_of(&after.policy, &leg)?;
+        }
         if after.wanted_policy == Some(after.policy) {
             after.wanted_policy = None;
         }
@@ -397,6 +411,20 @@ fn check_column_moves(v: &Volume, b: &Begin<'_>) -> Result<(), StateError> {
         .collect();
     if removed.is_empty() && added.is_empty() {
         return Ok(());
+    }
+    // A RAID-1 volume becoming RAID-5/6: a whole capacity leg added.
+    if let (None, Some(p)) = (v.stripe, b.policy.filter(|p| p.layout.is_erasure())) {
+        let leg: Vec<PlannedComponent> = added.iter().map(|c| (*c).clone()).collect();
+        if removed.is_empty() && added.len() == b.add.len() {
+            let spread = v.components.iter().all(|c| position(c.role).is_none());
+            if spread && crate::state::stripe_of(&p, &leg)?.is_some() {
+                return Ok(());
+            }
+        }
+        return Err(input(format!(
+            "volume {}: a change to {p} adds a whole capacity leg and nothing else",
+            v.name
+        )));
     }
     let refuse = |why: &str| {
         Err(input(format!(

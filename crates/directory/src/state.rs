@@ -353,7 +353,7 @@ pub fn reservation(size: u64, policy: &Policy) -> u64 {
 /// none for RAID-1 (which has no stripe column); for RAID-5/6 the columns'
 /// count less the parity, which must be a geometry of the layout, the
 /// columns at positions `0..k + m` once each, voteless, on distinct nodes.
-fn stripe_of(
+pub(crate) fn stripe_of(
     policy: &Policy,
     components: &[PlannedComponent],
 ) -> Result<Option<StripeGeometry>, StateError> {

@@ -29,11 +29,12 @@ pub enum PolicyChangeError {
     /// that moves data is never left to its default.
     #[error("the new policy must say its failures to tolerate: add ftt=N (0 to 3) to {0:?}")]
     NoFtt(String),
-    /// A change between layouts (RAID-1 and RAID-5/6), or of an
-    /// erasure-coded volume: not built yet, only ftt changes within RAID-1.
+    /// A change between layouts other than RAID-1 to RAID-5/6 of the same
+    /// ftt, or of an erasure-coded volume: not built yet.
     #[error(
         "volume {volume} cannot change from {from} to {policy}: a change from {from_layout} to \
-         {to_layout} is not available yet; only ftt changes within raid1 are"
+         {to_layout} is not available yet; ftt changes within raid1 are, and raid1 ftt=1 to \
+         raid5, raid1 ftt=2 to raid6"
     )]
     Layout {
         volume: String,
@@ -147,7 +148,12 @@ pub fn plan(state: &ClusterState, name: &str, policy: &Policy) -> Result<Plan, P
             problem: problem.clone(),
         });
     }
-    if (v.policy.layout, policy.layout) != (Layout::Raid1, Layout::Raid1) {
+    // Within RAID-1, or from RAID-1 to RAID-5/6 of the same ftt (a
+    // capacity leg added behind the copies).
+    let to_erasure = v.policy.layout == Layout::Raid1
+        && policy.layout.is_erasure()
+        && v.policy.ftt == policy.ftt;
+    if (v.policy.layout, policy.layout) != (Layout::Raid1, Layout::Raid1) && !to_erasure {
         return Err(PolicyChangeError::Layout {
             volume: v.name.clone(),
             from: v.policy.to_string(),

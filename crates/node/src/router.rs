@@ -366,6 +366,17 @@ impl Router {
             return;
         };
         m.retain(|vid, o| match view_of(state, *vid) {
+            // A change of policy between RAID-1 and an erasure-coded
+            // layout committed: the next I/O claims the volume again with
+            // the owner of its new kind.
+            Some(view) if view.volume.stripe.is_some() != o.is_tiered() => {
+                tracing::info!(
+                    volume = vid,
+                    "the volume's layout changed kind: its owner restarts"
+                );
+                o.stop();
+                false
+            }
             Some(view) => {
                 o.update(view);
                 o.is_running()

@@ -132,7 +132,11 @@ impl View {
             r.remove.retain(|id| kept.contains(id));
             named > 0 && r.added.is_empty() && r.remove.is_empty()
         });
-        if stripes_only {
+        // A RAID-1 volume gaining a capacity leg (a change to RAID-5/6)
+        // is a change of its policy only, for this loop: it commits it
+        // (the columns are created by the erasure-coded owner that
+        // follows).
+        if stripes_only && self.volume.stripe.is_some() {
             self.volume.reconfig = None;
         }
         // The map log lives past the volume's end, on this leg.
@@ -468,6 +472,12 @@ impl Owner {
             Some(t) => leg.with_columns(&t.status()),
             None => leg,
         }
+    }
+
+    /// Whether this owner serves an erasure-coded volume (its tiered loop
+    /// in front of the performance leg's).
+    pub fn is_tiered(&self) -> bool {
+        self.tier.is_some()
     }
 
     /// An erasure-coded volume's capacity leg as its owner sees it (None

@@ -223,7 +223,7 @@ pub fn stripe_geometry(policy: &Policy, planned: &[Planned]) -> Option<StripeGeo
 /// Places the `k + m` stripe components of a capacity leg on distinct
 /// domains among `domains`, the roomiest first (`need` bytes free on the
 /// device: a column's share of a reservation), positions in that order.
-fn fill_stripes(
+pub(crate) fn fill_stripes(
     mut domains: Vec<&Domain>,
     g: StripeGeometry,
     need: u64,

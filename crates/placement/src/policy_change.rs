@@ -17,7 +17,10 @@
 //!   maintenance, on a device that failed or is unknown), then those on
 //!   the most loaded devices (least headroom); the copies kept always
 //!   include an active one;
-//! - a volume with a change in progress is refused: one change at a time.
+//! - a volume with a change in progress is refused: one change at a time;
+//! - RAID-1 to RAID-5 or RAID-6 of the same ftt adds a capacity leg of
+//!   stripe columns and keeps the RAID-1 layout as the performance leg;
+//!   other changes between layouts are refused (`LayoutChange`).
 
 use crate::{policy_name, reserved_bytes, usable, Domain, PlacementError, Planned};
 use shoal_model::{
@@ -58,6 +61,12 @@ pub fn policy_change(
             volume: volume.name.clone(),
             reason: r.reason.clone(),
         });
+    }
+    if volume.policy.layout == shoal_model::Layout::Raid1
+        && policy.layout.is_erasure()
+        && policy.ftt == volume.policy.ftt
+    {
+        return capacity_leg(volume, policy, nodes, devices);
     }
     if volume.policy.layout != policy.layout || volume.policy.layout.is_erasure() {
         return Err(PlacementError::LayoutChange {
@@ -121,6 +130,43 @@ pub fn policy_change(
         });
     }
     Ok(PolicyChange { add, remove })
+}
+
+/// RAID-1 to RAID-5/6 of the same ftt: the RAID-1 layout is the
+/// performance leg as it stands (ftt + 1 copies, ftt witnesses); the
+/// change adds a capacity leg of `k + m` stripe columns on distinct
+/// domains, the stripe as wide as the cluster allows
+/// ([`StripeGeometry::for_layout`]).
+fn capacity_leg(
+    volume: &Volume,
+    policy: &Policy,
+    nodes: &[NodeInfo],
+    devices: &[DeviceInfo],
+) -> Result<PolicyChange, PlacementError> {
+    let count = |role| volume.components.iter().filter(|c| c.role == role).count();
+    let leg_as_policy = count(ComponentRole::Data) == policy.copies()
+        && count(ComponentRole::Witness) == policy.witnesses();
+    if !leg_as_policy {
+        return Err(PlacementError::LayoutChange {
+            volume: volume.name.clone(),
+            from: volume.policy.layout,
+            to: policy.layout,
+        });
+    }
+    let domains = usable(nodes, devices);
+    let g = shoal_model::StripeGeometry::for_layout(policy.layout, domains.len()).ok_or(
+        PlacementError::NotEnoughFaultDomains {
+            policy: policy_name(policy),
+            needed: policy.fault_domains_needed(),
+            have: domains.len(),
+        },
+    )?;
+    let need = reserved_bytes(policy, volume.size).div_ceil(u64::from(g.data));
+    let add = crate::fill_stripes(domains.values().collect(), g, need)?;
+    Ok(PolicyChange {
+        add,
+        remove: Vec::new(),
+    })
 }
 
 /// What the cluster says of the components' nodes and devices.

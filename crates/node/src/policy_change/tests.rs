@@ -1,5 +1,5 @@
 use super::*;
-use shoal_model::{ComponentRole, VolumeId};
+use shoal_model::{ComponentRole, StripeGeometry, VolumeId};
 use std::sync::Mutex;
 
 fn pol(s: &str) -> Policy {
@@ -165,12 +165,13 @@ fn refusals_say_why() {
     let e = plan(&s, "w", &pol("raid1 ftt=2")).unwrap_err();
     assert_eq!(e, PolicyChangeError::NoSuchVolume("w".into()));
     assert_eq!(e.http_status(), 404);
-    // Between layouts: not built yet.
-    let e = plan(&s, "v", &pol("raid5 ftt=1")).unwrap_err();
+    // Between layouts: only raid1 to raid5/6 of the same ftt.
+    let e = plan(&s, "v", &pol("raid6 ftt=2")).unwrap_err();
     assert_eq!(
         e.to_string(),
-        "volume v cannot change from raid1 ftt=1 to raid5 ftt=1: a change from raid1 to raid5 \
-         is not available yet; only ftt changes within raid1 are"
+        "volume v cannot change from raid1 ftt=1 to raid6 ftt=2: a change from raid1 to raid6 \
+         is not available yet; ftt changes within raid1 are, and raid1 ftt=1 to raid5, raid1 \
+         ftt=2 to raid6"
     );
     assert_eq!(e.http_status(), 400);
     // Space: the new copy reserves the whole volume, and no device left
@@ -290,4 +291,45 @@ async fn a_begin_applied_twice_stands() {
     let r = change_with(state, propose, "v", &pol("raid1 ftt=2")).await;
     assert!(matches!(r, Ok(Outcome::Begun { .. })), "{r:?}");
     assert!(s.lock().unwrap().volumes[&v].reconfig.is_some());
+}
+
+/// raid1 ftt=1 to raid5: the copies stay as the performance leg, the
+/// change adds a capacity leg (2+1 on five hosts, 4+1 on six), and its
+/// commit records the stripe geometry; raid1 ftt=2 to raid6 likewise.
+#[test]
+fn raid1_to_raid5_or_raid6_adds_a_capacity_leg() {
+    for (hosts, from, to, geometry) in [
+        (
+            5,
+            "raid1 ftt=1",
+            "raid5 ftt=1",
+            StripeGeometry::RAID5_NARROW,
+        ),
+        (6, "raid1 ftt=1", "raid5 ftt=1", StripeGeometry::RAID5_WIDE),
+        (6, "raid1 ftt=2", "raid6 ftt=2", StripeGeometry::RAID6),
+    ] {
+        let (mut s, v) = cluster(hosts, from);
+        let before = s.volumes[&v].components.clone();
+        let cmd = begin(&s, to);
+        let Command::BeginReconfig { add, remove, .. } = &cmd else {
+            panic!("{cmd:?}");
+        };
+        assert!(remove.is_empty(), "{to}: {cmd:?}");
+        assert_eq!(add.len(), geometry.width(), "{to}: {cmd:?}");
+        assert!(add
+            .iter()
+            .all(|c| matches!(c.role, ComponentRole::Stripe { .. })));
+        s.apply(&cmd).unwrap();
+        commit(&mut s, v);
+        let after = &s.volumes[&v];
+        assert_eq!(after.stripe, Some(geometry), "{to}");
+        assert_eq!(after.policy, pol(to));
+        assert!(before.iter().all(|c| after.components.contains(c)), "{to}");
+    }
+    // Not the other way, nor to another ftt.
+    let (s, _) = cluster(6, "raid1 ftt=2");
+    assert!(matches!(
+        plan(&s, "v", &pol("raid5 ftt=1")),
+        Err(PolicyChangeError::Layout { .. })
+    ));
 }

@@ -35,9 +35,11 @@ const LOG_READ_BYTES: u64 = 1 << 20;
 const RECONCILE_WAIT_TIMEOUTS: u32 = 20;
 /// Interval of the checks of the leg's reconcile, in milliseconds.
 const RECONCILE_POLL_MS: u64 = 20;
-/// Interval at which a partly filled stripe is destaged when no full one
-/// waits, in milliseconds: the performance leg empties while clients
-/// pause, and a lone write is not held there for long.
+/// Interval after which a partly filled stripe is destaged if no write
+/// was staged in it, in milliseconds: the performance leg empties while
+/// clients pause, and a lone write is not held there for long; while
+/// writes keep coming, stripes go out full (a partly filled one takes a
+/// whole slot until the cleaner moves its blocks).
 const IDLE_DESTAGE_MS: u64 = 200;
 
 /// Interval between tries to bring a column out of service back, in
@@ -172,6 +174,7 @@ impl TieredOwner {
             ready: BTreeSet::new(),
             acked_upto: 0,
             idle: false,
+            busy: false,
             reviving: BTreeSet::new(),
             revived_at: None,
             status: status.clone(),
@@ -413,8 +416,11 @@ struct Loop {
     /// Tickets whose unmap and trims are done, waiting for earlier ones.
     ready: BTreeSet<Ticket>,
     acked_upto: Ticket,
-    /// A tick came: a partly filled stripe may go.
+    /// A tick came with no write staged since the one before: a partly
+    /// filled stripe may go.
     idle: bool,
+    /// A write was staged since the last tick.
+    busy: bool,
     /// Columns out of service being activated again.
     reviving: BTreeSet<usize>,
     /// When columns out of service were last tried.
@@ -454,6 +460,7 @@ impl Loop {
                 }
                 Ev::Staged((first, count, seq)) => {
                     self.tier.staged(first, count, seq);
+                    self.busy = true;
                     self.replay_blocked();
                     true
                 }
@@ -502,7 +509,7 @@ impl Loop {
                     self.column_change_ended(commit, result)
                 }
                 Ev::Tick => {
-                    self.idle = true;
+                    self.idle = !std::mem::take(&mut self.busy);
                     self.revive_columns();
                     self.heal_tick();
                     self.written_blocks = self.tier.written_blocks();
