@@ -1023,23 +1023,28 @@ pub(crate) mod tests {
     }
 
     /// Three nodes with one device each; returns (state, device ids).
+    /// Registers node `n` with one 1 GiB device; answers the device's id.
+    fn add_node(s: &mut ClusterState, n: NodeId) -> DeviceId {
+        s.apply(&Command::RegisterNode { node: node(n) }).unwrap();
+        let Response::Id(d) = s
+            .apply(&Command::RegisterDevice {
+                node: n,
+                path: "/dev/a".into(),
+                capacity: 1 << 30,
+                store_uuid: 0,
+            })
+            .unwrap()
+        else {
+            panic!()
+        };
+        d
+    }
+
     fn cluster() -> (ClusterState, Vec<DeviceId>) {
         let mut s = ClusterState::default();
         let mut devs = vec![];
         for n in 1..=3 {
-            s.apply(&Command::RegisterNode { node: node(n) }).unwrap();
-            let Response::Id(d) = s
-                .apply(&Command::RegisterDevice {
-                    node: n,
-                    path: "/dev/a".into(),
-                    capacity: 1 << 30,
-                    store_uuid: 0,
-                })
-                .unwrap()
-            else {
-                panic!()
-            };
-            devs.push(d);
+            devs.push(add_node(&mut s, n));
         }
         (s, devs)
     }
@@ -1311,18 +1316,7 @@ pub(crate) mod tests {
                     reason: String::new(),
                 }
             };
-        s.apply(&Command::RegisterNode { node: node(4) }).unwrap();
-        let Response::Id(d4) = s
-            .apply(&Command::RegisterDevice {
-                node: 4,
-                path: "/dev/a".into(),
-                capacity: 1 << 30,
-                store_uuid: 0,
-            })
-            .unwrap()
-        else {
-            panic!()
-        };
+        let d4 = add_node(&mut s, 4);
         let before = s.clone();
         let on4 = |position: u8| PlannedComponent {
             role: ComponentRole::Stripe { position },

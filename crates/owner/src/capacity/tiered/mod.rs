@@ -42,6 +42,12 @@ const RECONCILE_POLL_MS: u64 = 20;
 /// whole slot until the cleaner moves its blocks).
 const IDLE_DESTAGE_MS: u64 = 200;
 
+/// Staged writes an owner keeps in memory, in bytes, so that destage
+/// need not read them back from the performance leg: a few seconds of
+/// writes at the rates this owner sustains. Past it, destage reads the
+/// leg.
+const WRITE_CACHE_BYTES: usize = 64 << 20;
+
 /// Interval between tries to bring a column out of service back, in
 /// milliseconds: a restarted node answers within a few, and a dead one
 /// costs one refused connection per try.
@@ -181,6 +187,7 @@ impl TieredOwner {
             stripes_written: 0,
             written_blocks: 0,
             heal,
+            cache: WriteCache::default(),
             copied_peer: None,
             locks: Vec::new(),
             blocked: Default::default(),
@@ -429,6 +436,10 @@ struct Loop {
     stripes_written: u64,
     /// `Tier::written_blocks` as of the last tick.
     written_blocks: u64,
+    /// Staged blocks' data by block, with the write that put it there
+    /// (at most [`WRITE_CACHE_BYTES`]): what a destage of that write
+    /// takes instead of reading the leg.
+    cache: WriteCache,
     /// The rebuild of lost columns.
     heal: heal::Healing,
     /// The filled column of a rebuild, put in service once committed.
@@ -855,6 +866,9 @@ impl Loop {
                 waits.extend(self.zero_blocks(b, n));
             } else {
                 let seq = self.tier.stage(b, n);
+                for (k, c) in chunks[i..j].iter().enumerate() {
+                    self.cache.put(b + k as u64, seq, c.clone());
+                }
                 let d = data.slice(i * BLOCK_BYTES..j * BLOCK_BYTES);
                 let w = self.leg.submit(Op::Write {
                     offset: b * block,
@@ -875,6 +889,7 @@ impl Loop {
     /// Zeroes blocks: trims what the capacity leg does not hold now, and
     /// for the rest waits for a ticket (its unmap, then its trims).
     fn zero_blocks(&mut self, first: u64, count: u64) -> Vec<Wait> {
+        self.cache.forget(first, count);
         let z = self.tier.zero(first, count);
         let mut waits: Vec<Wait> = z
             .trim_now
@@ -927,15 +942,16 @@ impl Loop {
     /// columns), encodes it and writes it whole.
     fn write_stripe(&mut self, d: crate::stripes::Destage) {
         let block = BLOCK_BYTES as u64;
-        let leg_reads: Vec<crate::Submitted> = match d.from.is_empty() {
+        let leg_reads: Vec<Staged> = match d.from.is_empty() {
             true => d
                 .blocks
                 .iter()
-                .map(|&(b, _)| {
-                    self.leg.submit(Op::Read {
+                .map(|&(b, seq)| match self.cache.get(b, seq) {
+                    Some(data) => Staged::Cached(data),
+                    None => Staged::Leg(self.leg.submit(Op::Read {
                         offset: b * block,
                         len: BLOCK_BYTES as u32,
-                    })
+                    })),
                 })
                 .collect(),
             false => Vec::new(),
@@ -944,7 +960,11 @@ impl Loop {
         tokio::spawn(async move {
             let mut data = Vec::with_capacity(d.blocks.len());
             for r in leg_reads {
-                match r.wait().await {
+                let r = match r {
+                    Staged::Cached(data) => Ok(data),
+                    Staged::Leg(w) => w.wait().await,
+                };
+                match r {
                     Ok(b) => data.push(b),
                     Err(e) => {
                         let _ = tx.send(Ev::StripeUnread(e));
@@ -984,6 +1004,11 @@ impl Loop {
         self.destaging = false;
         match r {
             Ok(()) => {
+                if let Some(d) = self.tier.destaging() {
+                    for &(b, seq) in &d.blocks {
+                        self.cache.destaged(b, seq);
+                    }
+                }
                 self.tier.stripe_written();
                 self.stripes_written += 1;
                 true
@@ -1126,6 +1151,59 @@ impl Loop {
         }
         for p in failed {
             self.set.set_out(p);
+        }
+    }
+}
+
+/// A destaged block's data: kept from its write, or read from the leg.
+enum Staged {
+    Cached(Bytes),
+    Leg(crate::Submitted),
+}
+
+/// [`Loop::cache`].
+#[derive(Default)]
+struct WriteCache {
+    blocks: std::collections::HashMap<u64, (u64, Bytes)>,
+}
+
+impl WriteCache {
+    /// Keeps block `b` as write `seq` put it, if there is room (a newer
+    /// write replaces an older one).
+    fn put(&mut self, b: u64, seq: u64, data: Bytes) {
+        debug_assert_eq!(data.len(), BLOCK_BYTES);
+        let full = self.blocks.len() * BLOCK_BYTES >= WRITE_CACHE_BYTES;
+        if full && !self.blocks.contains_key(&b) {
+            // An older write's data must not stand for this one.
+            return;
+        }
+        self.blocks.insert(b, (seq, data));
+    }
+
+    /// Block `b` as write `seq` put it, if kept.
+    fn get(&self, b: u64, seq: u64) -> Option<Bytes> {
+        match self.blocks.get(&b) {
+            Some((s, d)) if *s == seq => Some(d.clone()),
+            _ => None,
+        }
+    }
+
+    /// Write `seq` of block `b` is destaged: no longer needed.
+    fn destaged(&mut self, b: u64, seq: u64) {
+        if self.blocks.get(&b).is_some_and(|(s, _)| *s == seq) {
+            self.blocks.remove(&b);
+        }
+    }
+
+    /// Blocks zeroed: what was kept of them is stale.
+    fn forget(&mut self, first: u64, count: u64) {
+        if count as usize > self.blocks.len() {
+            self.blocks
+                .retain(|b, _| !(first..first + count).contains(b));
+        } else {
+            for b in first..first + count {
+                self.blocks.remove(&b);
+            }
         }
     }
 }
