@@ -146,6 +146,13 @@ fn plan_lines(before: &Volume, after: &Volume, policy: &Policy) -> Vec<String> {
                 human_size(before.size),
                 plural(copies, "copy", "copies")
             )
+        } else if added
+            .iter()
+            .any(|c| matches!(c.role, ComponentRole::Stripe { .. }))
+        {
+            "begun: the owner commits at once (the new stripe columns start empty), then \
+             restarts as an erasure-coded owner and destages every block to stripes"
+                .to_string()
         } else if !added.is_empty() {
             "begun: the owner commits once the new witnesses answer".to_string()
         } else {

@@ -542,6 +542,8 @@ fn raid1_becomes_raid5_under_fio_verify() {
         "5m",
     ]);
     assert!(out.contains("committed"), "{out}");
+    assert!(out.contains("add  stripe 0"), "{out}");
+    assert!(out.contains("destages every block to stripes"), "{out}");
     finish(fio);
     let text = c.shoal(&["volume", "show", "p"]);
     assert!(

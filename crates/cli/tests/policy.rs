@@ -144,7 +144,7 @@ fn refusals(c: &Cluster) {
     );
     for (text, want) in [
         ("raid1 ftt=2 fast=yes", "unknown policy word \"fast=yes\""),
-        ("raid5 ftt=1", "from raid1 to raid5 is not available yet"),
+        ("raid6 ftt=2", "from raid1 to raid6 is not available yet"),
         ("raid1 reserve=50", "add ftt=N"),
     ] {
         let e = c.shoal_fails(&["volume", "set-policy", "v", "--policy", text]);
