@@ -95,6 +95,9 @@ struct Writer {
     log: Log,
     history: Vec<MapRecord>,
     checkpoints: Vec<(u64, u64)>,
+    /// The last record known durable: what a crash kept stays kept (a
+    /// later crash loses only what was written since).
+    durable: u64,
 }
 
 impl Writer {
@@ -107,6 +110,7 @@ impl Writer {
             },
             history: Vec::new(),
             checkpoints: Vec::new(),
+            durable: 0,
         };
         w.checkpoint();
         w
@@ -174,7 +178,8 @@ impl Writer {
         // The first checkpoint is written when the leg is made, before the
         // volume serves: durable before anything else.
         let made = self.checkpoints[0].1;
-        let kept = last.saturating_sub(n).max(made);
+        let kept = last.saturating_sub(n).max(made).max(self.durable);
+        self.durable = kept;
         if kept < last {
             self.log.lose(kept + 1..=last);
         }
