@@ -7,7 +7,7 @@ use crate::show;
 use anyhow::{anyhow, bail, Context, Result};
 use shoal_api::{Client, VolumeReport};
 use shoal_model::{human_size, Component, ComponentRole, Policy, Volume};
-use shoal_node::policy_change::{parse, reason};
+use shoal_node::policy_change::{next_step, parse, reason};
 use std::time::{Duration, Instant};
 
 /// How often `--wait` asks for the volume.
@@ -68,11 +68,23 @@ fn plural<'a>(n: usize, one: &'a str, more: &'a str) -> &'a str {
     }
 }
 
-/// Whether `v` is in the change to `policy`.
+/// Whether `v` is in the change to `policy`, or in a step towards it.
 fn in_change(v: &Volume, policy: &Policy) -> bool {
-    v.reconfig
-        .as_ref()
-        .is_some_and(|r| r.policy == Some(*policy) && r.reason == reason(policy))
+    v.reconfig.as_ref().is_some_and(|r| {
+        (r.policy == Some(*policy) && r.reason == reason(policy))
+            || v.wanted_policy == Some(*policy)
+    })
+}
+
+/// The policies a change from `from` to `to` goes through, `to` last.
+fn steps(from: &Policy, to: &Policy) -> Vec<Policy> {
+    let mut out = Vec::new();
+    let mut at = *from;
+    while at != *to && out.len() < 4 {
+        at = next_step(&at, to);
+        out.push(at);
+    }
+    out
 }
 
 /// What the change does, for people: from `before` (the volume as it was)
@@ -85,6 +97,16 @@ fn plan_lines(before: &Volume, after: &Volume, policy: &Policy) -> Vec<String> {
         )];
     }
     let mut out = vec![format!("volume {name}: {} -> {policy}", before.policy)];
+    let path = steps(&before.policy, policy);
+    if path.len() > 1 {
+        let names: Vec<String> = path.iter().map(|p| p.to_string()).collect();
+        out.push(format!(
+            "  in {} steps, each committed before the next: {}",
+            path.len(),
+            names.join(" -> ")
+        ));
+        out.push(format!("  step 1, to {}:", path[0]));
+    }
     let added: Vec<&Component> = match &after.reconfig {
         Some(r) => after
             .components
@@ -138,8 +160,18 @@ fn plan_lines(before: &Volume, after: &Volume, policy: &Policy) -> Vec<String> {
         .iter()
         .filter(|c| c.role == ComponentRole::Data)
         .count();
+    let lowering = before.stripe.is_some()
+        && after
+            .reconfig
+            .as_ref()
+            .and_then(|r| r.policy)
+            .is_some_and(|p| !p.layout.is_erasure());
     if in_change(after, policy) {
-        out.push(if copies > 0 {
+        out.push(if lowering {
+            "begun: the owner reads every block the stripes hold back to the copies (while it \
+             serves I/O), then commits and drops the stripe components"
+                .to_string()
+        } else if copies > 0 {
             format!(
                 "begun: the owner copies the data ({} per copy at most) into the new {} \
                  while it serves I/O, then commits",
@@ -181,12 +213,24 @@ async fn follow(
     };
     let (mut healing, mut progress) = (String::new(), None::<(u64, Instant)>);
     let mut told_aborted = false;
+    // The volume's policy when a change was last seen in progress: a
+    // change gone with the policy moved is a step committed, not aborted.
+    let mut changing_from: Option<Policy> = None;
     loop {
         let error = match c.volume(name).await {
             Ok(r) if r.volume.policy == *policy => return Ok(r),
+            Ok(r) if changing_from.is_some_and(|p| p != r.volume.policy) => {
+                say(format!(
+                    "step committed: volume {name} is {} now; the next step begins",
+                    r.volume.policy
+                ));
+                changing_from = None;
+                None
+            }
             Ok(r) if !in_change(&r.volume, policy) && r.volume.wanted_policy == Some(*policy) => {
-                // Aborted, still wanted: the caretaker begins it again.
-                if !told_aborted {
+                // Between two steps, or aborted and still wanted: the
+                // caretaker begins it (again).
+                if !told_aborted && changing_from == Some(r.volume.policy) {
                     told_aborted = true;
                     say(
                         "the change was aborted (an added copy could not be brought in); the \
@@ -204,6 +248,7 @@ async fn follow(
                 );
             }
             Ok(r) => {
+                changing_from = Some(r.volume.policy);
                 if r.healing != healing {
                     healing = r.healing.clone();
                     say(format!("healing: {healing}"));

@@ -116,8 +116,9 @@ pub fn volume(r: &VolumeReport) {
     }
     match (&v.wanted_policy, &v.reconfig) {
         (Some(w), None) => println!(
-            "wanted      {w} (its change ended without it; the volume's caretaker begins it \
-             again, or `set-policy` with the policy above keeps that one)"
+            "wanted      {w} (a step towards it committed, or its change ended without it: \
+             the volume's caretaker begins the next step or the change again; `set-policy` \
+             with the policy above keeps that one)"
         ),
         (Some(w), Some(_)) => println!("wanted      {w} (changing now)"),
         (None, _) => {}

@@ -87,11 +87,16 @@ fn refusals(c: &Cluster, vol: &str) {
         e.contains("raid5 tolerates exactly ftt=1, not ftt=2"),
         "{e}"
     );
-    let e = c.shoal_fails(&["volume", "set-policy", vol, "--policy", "raid1 ftt=1"]);
+    // raid5 to raid6 goes through raid1 ftt=2 and needs six hosts: refused
+    // on four before its first step, the volume left as it is.
+    let e = c.shoal_fails(&["volume", "set-policy", vol, "--policy", "raid6 ftt=2"]);
     assert!(
-        e.contains("from raid5 to raid1 is not available yet"),
+        e.contains("raid6 ftt=2 needs 6 fault domains; the cluster has 4"),
         "{e}"
     );
+    let v = c.json(&["volume", "show", vol]);
+    assert_eq!(v["volume"]["policy"]["layout"], "Raid5", "{v}");
+    assert_eq!(v["volume"]["reconfig"], serde_json::Value::Null, "{v}");
     let e = c.shoal_fails(&["volume", "resize", vol, "--size", "512M"]);
     assert!(e.contains("erasure-coded"), "{e}");
 }
@@ -571,9 +576,117 @@ fn raid1_becomes_raid5_under_fio_verify() {
         "raid5 2+1 after the change takes {overhead:.3}x"
     );
     eprintln!("raid5 2+1 after the change: {overhead:.3}x");
-    let e = c.shoal_fails(&["volume", "set-policy", "p", "--policy", "raid1 ftt=1"]);
+}
+
+/// `text` without its terminal colour codes (the nodes' logs have them).
+fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(ch) = chars.next() {
+        if ch == '\u{1b}' {
+            // ESC [ ... m
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(ch);
+        }
+    }
+    out
+}
+
+/// `set-policy --wait` to `policy` while fio writes and verifies the
+/// whole of `vol` through node 2 (its `round`-th pass): the change ends
+/// committed, fio finds no error, and node 3 reads the same data back.
+/// Answers what `set-policy` printed.
+fn change_under_fio_verify(c: &Cluster, vol: &str, policy: &str, round: u64) -> String {
+    let fio = fio_write_verify(&c.uri(2, vol), "32M");
+    // Part of this pass written (8,192 blocks a pass) before the change.
+    c.wait_metric(&[2], "shoal_nbd_writes_total", round * 8192 + 2048, HEAL);
+    let out = c.shoal(&[
+        "volume",
+        "set-policy",
+        vol,
+        "--policy",
+        policy,
+        "--wait",
+        "--timeout",
+        "5m",
+    ]);
+    assert!(out.contains("committed"), "{out}");
+    finish(fio);
+    fio_verify_only(&c.uri(3, vol), "32M");
+    out
+}
+
+/// raid1 -> raid5 -> raid6 -> raid1 on six hosts, each change under fio
+/// verify: raid5 to raid6 and raid6 to raid1 go through RAID-1 step by
+/// step (the stripes read back to the copies, the ftt changed, a new
+/// capacity leg destaged), and the volume ends a mirror again, its stripe
+/// components gone from the layout and from their nodes.
+#[test]
+fn raid1_to_raid5_to_raid6_and_back_to_raid1_under_fio_verify() {
+    require("fio");
+    let c = Cluster::start(6);
+    c.create_volume("p", "32M", "raid1 ftt=1");
+    own_from_node1(&c, "p");
+    change_under_fio_verify(&c, "p", "raid5 ftt=1", 0);
+    let text = c.shoal(&["volume", "show", "p"]);
+    assert!(text.contains("4+1 stripes"), "{text}");
+    let out = change_under_fio_verify(&c, "p", "raid6 ftt=2", 1);
     assert!(
-        e.contains("from raid5 to raid1 is not available yet"),
-        "{e}"
+        out.contains(
+            "in 3 steps, each committed before the next: raid1 ftt=1 -> raid1 ftt=2 -> raid6 ftt=2"
+        ),
+        "{out}"
     );
+    assert!(
+        out.contains("reads every block the stripes hold back"),
+        "{out}"
+    );
+    let text = c.shoal(&["volume", "show", "p"]);
+    assert!(
+        text.contains("4+2 stripes over 6 stripe components"),
+        "{text}"
+    );
+    assert_eq!(nodes_of(&c, "p", "Data").len(), 3, "{text}");
+    let owner = c.json(&["volume", "show", "p"])["volume"]["owner"]
+        .as_u64()
+        .expect("an owner") as u32;
+    wait_destaged(&c, owner, "p");
+    fio_verify_only(&c.uri(4, "p"), "32M");
+    let v = c.json(&["volume", "show", "p"]);
+    let columns: Vec<u64> = v["volume"]["components"]
+        .as_array()
+        .expect("components")
+        .iter()
+        .filter(|x| x["role"].get("Stripe").is_some())
+        .map(|x| x["id"].as_u64().expect("id"))
+        .collect();
+    assert_eq!(columns.len(), 6, "{v}");
+    let out = change_under_fio_verify(&c, "p", "raid1 ftt=1", 2);
+    assert!(out.contains("raid1 ftt=2 -> raid1 ftt=1"), "{out}");
+    let v = c.json(&["volume", "show", "p"]);
+    assert_eq!(v["volume"]["stripe"], serde_json::Value::Null, "{v}");
+    assert!(nodes_of(&c, "p", "stripe").is_empty(), "{v}");
+    assert_eq!(nodes_of(&c, "p", "Data").len(), 2, "{v}");
+    // The columns leave their nodes too.
+    wait_for("stripe components deleted from their nodes", HEAL, || {
+        let logs = strip_ansi(&c.logs());
+        let deleted = |id: &u64| {
+            let field = format!("component={id} ");
+            logs.lines().any(|l| {
+                l.contains("removing a component the directory no longer lists")
+                    && l.contains(&field)
+            })
+        };
+        let left: Vec<u64> = columns.iter().copied().filter(|id| !deleted(id)).collect();
+        match left.is_empty() {
+            true => Ok(()),
+            false => Err(format!("{left:?}")),
+        }
+    });
+    fio_verify_only(&c.uri(5, "p"), "32M");
 }

@@ -144,7 +144,12 @@ fn refusals(c: &Cluster) {
     );
     for (text, want) in [
         ("raid1 ftt=2 fast=yes", "unknown policy word \"fast=yes\""),
-        ("raid6 ftt=2", "from raid1 to raid6 is not available yet"),
+        // Three steps (raid1 ftt=2, then raid6): refused before the
+        // first, since the last does not fit.
+        (
+            "raid6 ftt=2",
+            "raid6 ftt=2 needs 6 fault domains; the cluster has 5",
+        ),
         ("raid1 reserve=50", "add ftt=N"),
     ] {
         let e = c.shoal_fails(&["volume", "set-policy", "v", "--policy", text]);

@@ -187,6 +187,7 @@ mod tests {
             remove: vec![old],
             policy: None,
             reason: "test".into(),
+            wanted: None,
         })
         .unwrap();
         assert!(s.apply(&Command::UnregisterDevice { device: 1 }).is_err());

@@ -175,6 +175,7 @@ mod tests {
             remove: vec![],
             policy: None,
             reason: "test".into(),
+            wanted: None,
         };
         assert_eq!(s.apply(&begin), Err(StateError::NodeInMaintenance(3)));
         assert_eq!(s, before);

@@ -74,6 +74,7 @@ pub(crate) struct Begin<'a> {
     pub(crate) remove: &'a [ComponentId],
     pub(crate) policy: Option<Policy>,
     pub(crate) reason: &'a str,
+    pub(crate) wanted: Option<Policy>,
 }
 
 impl ClusterState {
@@ -164,8 +165,9 @@ impl ClusterState {
             });
             next_id += 1;
         }
-        if let Some(p) = b.policy {
-            // What the change is for, kept should it end aborted.
+        if let Some(p) = b.wanted.or(b.policy) {
+            // What the change is for, kept should it end aborted (and
+            // after it, when it is one step of several).
             after.wanted_policy = (p != before.policy).then_some(p);
         }
         after.reconfig = Some(Reconfig {
@@ -204,13 +206,11 @@ impl ClusterState {
                 });
             }
         }
-        if v.stripe.is_some() && b.policy.is_some() {
-            return Err(input(format!(
-                "volume {} is erasure-coded: changing its policy is not available yet",
-                v.name
-            )));
+        if let (Some(_), Some(p)) = (v.stripe, b.policy) {
+            check_lowering(v, b, &p)?;
+        } else {
+            check_column_moves(v, b)?;
         }
-        check_column_moves(v, b)?;
         for (i, c) in b.add.iter().enumerate() {
             self.check_placed(c)?;
             // The legs of an erasure-coded volume share devices.
@@ -337,6 +337,10 @@ impl ClusterState {
                 .collect();
             after.stripe = crate::state::stripe_of(&after.policy, &leg)?;
         }
+        if !after.policy.layout.is_erasure() {
+            // Lowered to RAID-1: the capacity leg is gone.
+            after.stripe = None;
+        }
         if after.wanted_policy == Some(after.policy) {
             after.wanted_policy = None;
         }
@@ -374,6 +378,7 @@ impl crate::state::Command {
                 remove,
                 policy,
                 reason,
+                wanted,
             } => Some(Begin {
                 volume: *volume,
                 generation: *generation,
@@ -381,6 +386,7 @@ impl crate::state::Command {
                 remove,
                 policy: *policy,
                 reason,
+                wanted: *wanted,
             }),
             _ => None,
         }
@@ -389,6 +395,39 @@ impl crate::state::Command {
 
 #[cfg(test)]
 mod tests;
+
+/// An erasure-coded volume changes its layout only by lowering to RAID-1
+/// of its ftt: every stripe column dropped, nothing added, the
+/// performance leg kept as the copies (other layouts are reached from
+/// there, step by step). A change of the policy's other words moves
+/// nothing.
+fn check_lowering(v: &Volume, b: &Begin<'_>, p: &Policy) -> Result<(), StateError> {
+    let mut columns: Vec<ComponentId> = v
+        .components
+        .iter()
+        .filter(|c| matches!(c.role, ComponentRole::Stripe { .. }))
+        .map(|c| c.id)
+        .collect();
+    let mut remove = b.remove.to_vec();
+    remove.sort_unstable();
+    columns.sort_unstable();
+    let lowering = p.layout == shoal_model::Layout::Raid1
+        && p.ftt == v.policy.ftt
+        && b.add.is_empty()
+        && remove == columns;
+    // The policy's other words only (an IOPS limit, the reserve).
+    let words_only = (p.layout, p.ftt) == (v.policy.layout, v.policy.ftt)
+        && b.add.is_empty()
+        && b.remove.is_empty();
+    if lowering || words_only {
+        return Ok(());
+    }
+    Err(input(format!(
+        "volume {} is {}: its policy changes only to raid1 ftt={} (every stripe component \
+         dropped, nothing added); other policies are reached from there",
+        v.name, v.policy, v.policy.ftt
+    )))
+}
 
 /// Stripe columns move only one for one: each column added takes the
 /// position of a column the same change removes (the rebuild of a lost

@@ -179,6 +179,12 @@ pub enum Command {
         remove: Vec<ComponentId>,
         policy: Option<Policy>,
         reason: String,
+        /// The policy this change is one step towards, when a change
+        /// takes several (raid5 to raid6 goes through raid1): recorded as
+        /// the volume's wanted policy, so that its caretaker begins the
+        /// next step once this one commits. None: `policy` itself.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        wanted: Option<Policy>,
     },
     /// Switches the volume to its new layout: the added components become
     /// active, the dropped ones leave. `added` and `remove` name the
@@ -1314,6 +1320,7 @@ pub(crate) mod tests {
                     remove,
                     policy,
                     reason: String::new(),
+                    wanted: None,
                 }
             };
         let d4 = add_node(&mut s, 4);
@@ -1331,7 +1338,11 @@ pub(crate) mod tests {
             (begin(vec![column(1, 0)], vec![old.id], None), "one for one"),
             (
                 begin(vec![], vec![], Some(Policy::default())),
-                "erasure-coded",
+                "every stripe component dropped",
+            ),
+            (
+                begin(vec![], vec![old.id], Some(Policy::default())),
+                "every stripe component dropped",
             ),
         ] {
             let e = s.apply(&cmd).unwrap_err().to_string();
@@ -1341,6 +1352,23 @@ pub(crate) mod tests {
         s.apply(&begin(vec![on4(1)], vec![old.id], None)).unwrap();
         let r = s.volumes[&id].reconfig.clone().unwrap();
         assert_eq!(r.remove, vec![old.id]);
+        // Lowered to raid1 ftt=1: every column dropped, nothing added;
+        // the commit leaves a RAID-1 volume of the performance leg.
+        let mut s = before;
+        let columns: Vec<ComponentId> = v.stripe_components().map(|c| c.id).collect();
+        let lower = begin(vec![], columns.clone(), Some(Policy::default()));
+        s.apply(&lower).unwrap();
+        s.apply(&Command::CommitReconfig {
+            volume: id,
+            generation: 0,
+            added: vec![],
+            remove: columns,
+        })
+        .unwrap();
+        let after = &s.volumes[&id];
+        assert_eq!((after.stripe, after.policy), (None, Policy::default()));
+        assert_eq!(after.stripe_components().count(), 0);
+        assert_eq!(after.total_votes(), 3);
     }
 
     #[test]
@@ -1735,6 +1763,7 @@ pub(crate) mod tests {
                         ..Policy::default()
                     }),
                     reason: "test".into(),
+                    wanted: None,
                 }),
             (1u64..20, 0u64..4).prop_map(|(v, g)| Command::CommitReconfig {
                 volume: v,

@@ -105,18 +105,43 @@ pub fn wanted_changes(state: &ClusterState, me: NodeId) -> Vec<(VolumeId, String
 /// Begins again, once each has waited [`POLICY_RETRY_S`] since it was
 /// last seen in progress (or tried), the policy changes this node takes
 /// care of. `waiting` is when each became due.
-async fn begin_wanted(router: &Router, waiting: &mut HashMap<VolumeId, Instant>) {
-    let due = wanted_changes(&router.dir.state(), router.node);
+async fn begin_wanted(
+    router: &Router,
+    waiting: &mut HashMap<VolumeId, Instant>,
+    steps: &mut HashMap<VolumeId, Policy>,
+) {
+    let state = router.dir.state();
+    note_steps(&state, steps);
+    let due = wanted_changes(&state, router.node);
     waiting.retain(|v, _| due.iter().any(|(d, _, _)| d == v));
     for (volume, name, policy) in due {
+        // One step of several committed: the next begins at once.
+        let stepped = steps.get(&volume) == state.volumes.get(&volume).map(|v| &v.policy);
         let since = *waiting.entry(volume).or_insert_with(Instant::now);
-        if since.elapsed() < Duration::from_secs(POLICY_RETRY_S) {
+        if stepped {
+            steps.remove(&volume);
+        } else if since.elapsed() < Duration::from_secs(POLICY_RETRY_S) {
             continue;
         }
         waiting.insert(volume, Instant::now());
         match crate::policy_change::change(&router.dir, &name, &policy).await {
             Ok(o) => tracing::info!(volume, %policy, "wanted policy change begun again: {o:?}"),
             Err(e) => tracing::warn!(volume, %policy, "wanted policy change not begun: {e}"),
+        }
+    }
+}
+
+/// Notes the policy of each step of a change of several (a change in
+/// progress with a wanted policy beyond it) in `steps`: a volume found
+/// with that policy later committed the step.
+fn note_steps(state: &ClusterState, steps: &mut HashMap<VolumeId, Policy>) {
+    steps.retain(|v, _| state.volumes.contains_key(v));
+    for v in state.volumes.values() {
+        let step = v.reconfig.as_ref().and_then(|r| r.policy);
+        if let (Some(step), Some(wanted)) = (step, v.wanted_policy) {
+            if step != wanted {
+                steps.insert(v.id, step);
+            }
         }
     }
 }
@@ -134,9 +159,10 @@ pub async fn run(router: Arc<Router>) {
     // Since when each volume has needed this node's care.
     let mut since: HashMap<VolumeId, Instant> = HashMap::new();
     let mut policies_waiting: HashMap<VolumeId, Instant> = HashMap::new();
+    let mut steps: HashMap<VolumeId, Policy> = HashMap::new();
     loop {
         t.tick().await;
-        begin_wanted(&router, &mut policies_waiting).await;
+        begin_wanted(&router, &mut policies_waiting, &mut steps).await;
         let state = router.dir.state();
         let due = to_claim(&state, router.node);
         since.retain(|v, _| due.contains(v));
@@ -212,6 +238,7 @@ mod tests {
             remove: vec![witness],
             policy: Some(ftt0),
             reason: "policy raid1 ftt=0".into(),
+            wanted: None,
         })
         .unwrap();
         // In progress: the owner carries it, nobody begins it.
@@ -234,5 +261,55 @@ mod tests {
         }
         s.apply(&Command::KeepPolicy { volume: v }).unwrap();
         assert!(wanted_changes(&s, keeper).is_empty());
+    }
+
+    /// A step of several (raid1 ftt=1 to ftt=0, wanting raid1 ftt=0
+    /// iops=500 beyond it) is noted while in progress; once committed the
+    /// volume has the step's policy, still wants the end, and is due.
+    #[test]
+    fn a_committed_step_is_noted_so_the_next_begins_at_once() {
+        let (mut s, v) = cluster();
+        let (step, end): (Policy, Policy) = (
+            "raid1 ftt=0".parse().unwrap(),
+            "raid1 ftt=0 iops=500".parse().unwrap(),
+        );
+        let vol = &s.volumes[&v];
+        let (keeper, generation) = (caretaker(&s, vol).unwrap(), vol.generation);
+        let witness = vol
+            .components
+            .iter()
+            .find(|c| c.role == ComponentRole::Witness)
+            .map(|c| c.id)
+            .unwrap();
+        let mut steps = HashMap::new();
+        note_steps(&s, &mut steps);
+        assert!(steps.is_empty());
+        s.apply(&Command::BeginReconfig {
+            volume: v,
+            generation,
+            add: vec![],
+            remove: vec![witness],
+            policy: Some(step),
+            reason: "policy raid1 ftt=0 (towards raid1 ftt=0 iops=500)".into(),
+            wanted: Some(end),
+        })
+        .unwrap();
+        note_steps(&s, &mut steps);
+        assert_eq!(steps.get(&v), Some(&step));
+        s.apply(&Command::CommitReconfig {
+            volume: v,
+            generation,
+            added: vec![],
+            remove: vec![witness],
+        })
+        .unwrap();
+        let vol = &s.volumes[&v];
+        assert_eq!((vol.policy, vol.wanted_policy), (step, Some(end)));
+        assert_eq!(
+            steps.get(&v),
+            Some(&vol.policy),
+            "the step is seen committed"
+        );
+        assert_eq!(wanted_changes(&s, keeper), vec![(v, "v".to_string(), end)]);
     }
 }

@@ -725,6 +725,7 @@ mod tests {
             remove: vec![w],
             policy: None,
             reason: "test".into(),
+            wanted: None,
         })
         .unwrap();
         let p = plan(&s, 3, MaintenanceMode::FullDataMigration);

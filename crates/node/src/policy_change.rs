@@ -29,20 +29,6 @@ pub enum PolicyChangeError {
     /// that moves data is never left to its default.
     #[error("the new policy must say its failures to tolerate: add ftt=N (0 to 3) to {0:?}")]
     NoFtt(String),
-    /// A change between layouts other than RAID-1 to RAID-5/6 of the same
-    /// ftt, or of an erasure-coded volume: not built yet.
-    #[error(
-        "volume {volume} cannot change from {from} to {policy}: a change from {from_layout} to \
-         {to_layout} is not available yet; ftt changes within raid1 are, and raid1 ftt=1 to \
-         raid5, raid1 ftt=2 to raid6"
-    )]
-    Layout {
-        volume: String,
-        from: String,
-        policy: String,
-        from_layout: Layout,
-        to_layout: Layout,
-    },
     /// Encryption is chosen at creation: turning it on or off would
     /// rewrite every block.
     #[error(
@@ -89,7 +75,6 @@ impl PolicyChangeError {
             PolicyChangeError::NoSuchVolume(_) => 404,
             PolicyChangeError::BadPolicy(_)
             | PolicyChangeError::NoFtt(_)
-            | PolicyChangeError::Layout { .. }
             | PolicyChangeError::Encryption { .. } => 400,
             PolicyChangeError::InProgress { .. }
             | PolicyChangeError::Inaccessible { .. }
@@ -148,20 +133,6 @@ pub fn plan(state: &ClusterState, name: &str, policy: &Policy) -> Result<Plan, P
             problem: problem.clone(),
         });
     }
-    // Within RAID-1, or from RAID-1 to RAID-5/6 of the same ftt (a
-    // capacity leg added behind the copies).
-    let to_erasure = v.policy.layout == Layout::Raid1
-        && policy.layout.is_erasure()
-        && v.policy.ftt == policy.ftt;
-    if (v.policy.layout, policy.layout) != (Layout::Raid1, Layout::Raid1) && !to_erasure {
-        return Err(PolicyChangeError::Layout {
-            volume: v.name.clone(),
-            from: v.policy.to_string(),
-            policy: policy.to_string(),
-            from_layout: v.policy.layout,
-            to_layout: policy.layout,
-        });
-    }
     if policy.encrypt != v.policy.encrypt {
         return Err(PolicyChangeError::Encryption {
             volume: v.name.clone(),
@@ -176,8 +147,16 @@ pub fn plan(state: &ClusterState, name: &str, policy: &Policy) -> Result<Plan, P
     }
     let nodes: Vec<_> = state.nodes.values().cloned().collect();
     let devices: Vec<_> = state.devices.values().cloned().collect();
+    let step = next_step(&v.policy, policy);
+    let wanted = (step != *policy).then_some(*policy);
+    if wanted.is_some() {
+        end_fits(v, policy, (&nodes, &devices))?;
+    }
+    if v.policy.layout.is_erasure() {
+        return Ok(Plan::Begin(erasure_step(v, &step, wanted)));
+    }
     let change =
-        shoal_placement::policy_change(v, policy, &nodes, &devices).map_err(
+        shoal_placement::policy_change(v, &step, &nodes, &devices).map_err(
             |error| match error {
                 PlacementError::ChangeInProgress { volume, reason } => {
                     PolicyChangeError::InProgress { volume, reason }
@@ -204,9 +183,85 @@ pub fn plan(state: &ClusterState, name: &str, policy: &Policy) -> Result<Plan, P
         generation: v.generation,
         add,
         remove: change.remove,
-        policy: Some(*policy),
-        reason: reason(policy),
+        policy: Some(step),
+        reason: step_reason(&step, wanted.as_ref()),
+        wanted,
     }))
+}
+
+/// A change of several steps: its end must fit the cluster (its fault
+/// domains) before the first step begins, or the volume would be left
+/// half way. Each step's placement checks the space as it begins.
+fn end_fits(
+    v: &Volume,
+    policy: &Policy,
+    (nodes, devices): (&[shoal_model::NodeInfo], &[shoal_model::DeviceInfo]),
+) -> Result<(), PolicyChangeError> {
+    let have = shoal_placement::usable_fault_domains(nodes, devices);
+    let needed = policy.fault_domains_needed();
+    if have >= needed {
+        return Ok(());
+    }
+    Err(PolicyChangeError::Placement {
+        volume: v.name.clone(),
+        policy: policy.to_string(),
+        error: PlacementError::NotEnoughFaultDomains {
+            policy: format!("{} ftt={}", policy.layout, policy.ftt),
+            needed,
+            have,
+        },
+    })
+}
+
+/// The next step from `from` towards `to` (`docs/reconfiguration.md`,
+/// Policy change): an erasure-coded volume is lowered to RAID-1 of its
+/// ftt first (unless only the policy's other words change); a RAID-1
+/// volume changes its ftt within RAID-1 before it gains a capacity leg.
+/// Every other change is one step.
+pub fn next_step(from: &Policy, to: &Policy) -> Policy {
+    let same_layout = from.layout == to.layout && from.ftt == to.ftt;
+    let mut step = *to;
+    if from.layout.is_erasure() && !same_layout {
+        step.layout = Layout::Raid1;
+        step.ftt = from.ftt;
+    } else if !from.layout.is_erasure() && to.layout.is_erasure() && from.ftt != to.ftt {
+        step.layout = Layout::Raid1;
+    }
+    step
+}
+
+/// The step of an erasure-coded volume: a change of the policy's other
+/// words only (its owner commits it), or the lowering to RAID-1 of its
+/// ftt, which drops every stripe column (its owner reads the stripes back
+/// to the copies first).
+fn erasure_step(v: &Volume, step: &Policy, wanted: Option<Policy>) -> Command {
+    let lowering = !step.layout.is_erasure();
+    let remove = if lowering {
+        v.components
+            .iter()
+            .filter(|c| matches!(c.role, shoal_model::ComponentRole::Stripe { .. }))
+            .map(|c| c.id)
+            .collect()
+    } else {
+        Vec::new()
+    };
+    Command::BeginReconfig {
+        volume: v.id,
+        generation: v.generation,
+        add: Vec::new(),
+        remove,
+        policy: Some(*step),
+        reason: step_reason(step, wanted.as_ref()),
+        wanted,
+    }
+}
+
+/// The reason a step records: "policy raid1 ftt=1 (towards raid6 ftt=2)".
+fn step_reason(step: &Policy, wanted: Option<&Policy>) -> String {
+    match wanted {
+        Some(w) => format!("{} (towards {w})", reason(step)),
+        None => reason(step),
+    }
 }
 
 /// What a proposed change did.
@@ -261,8 +316,15 @@ where
             }
             Plan::Begin(cmd) => cmd,
         };
-        let Command::BeginReconfig { add, remove, .. } = &cmd else {
-            unreachable!("plan answers a begin");
+        let Command::BeginReconfig {
+            add,
+            remove,
+            policy: Some(step),
+            reason: why,
+            ..
+        } = &cmd
+        else {
+            unreachable!("plan answers a begin with a policy");
         };
         let begun = Outcome::Begun {
             add: add.clone(),
@@ -281,7 +343,7 @@ where
             Err(DirectoryError::State(e)) => {
                 // A proposal applied twice (its first answer lost) is
                 // refused the second time: the change stands all the same.
-                if ours(state().volume_by_name(name), policy) {
+                if ours(state().volume_by_name(name), step, why) {
                     return Ok(begun);
                 }
                 return Err(refused(e.to_string()));
@@ -292,11 +354,11 @@ where
     }
 }
 
-/// Whether `v` is in the change to `policy` (begun by this call or one
-/// just like it).
-fn ours(v: Option<&Volume>, policy: &Policy) -> bool {
+/// Whether `v` is in the change (step) to `step` recorded with `why`
+/// (begun by this call or one just like it).
+fn ours(v: Option<&Volume>, step: &Policy, why: &str) -> bool {
     v.and_then(|v| v.reconfig.as_ref())
-        .is_some_and(|r| r.policy == Some(*policy) && r.reason == reason(policy))
+        .is_some_and(|r| r.policy == Some(*step) && r.reason == why)
 }
 
 #[cfg(test)]

@@ -79,6 +79,7 @@ pub fn move_off(
         remove: comps.to_vec(),
         policy: None,
         reason,
+        wanted: None,
     })
 }
 
@@ -115,6 +116,7 @@ pub fn plan(
         remove: lost,
         policy: None,
         reason: format!("rebuild of component {}", names.join(", ")),
+        wanted: None,
     })
 }
 

@@ -365,27 +365,7 @@ impl Router {
         let Ok(mut m) = self.owners.lock() else {
             return;
         };
-        m.retain(|vid, o| match view_of(state, *vid) {
-            // A change of policy between RAID-1 and an erasure-coded
-            // layout committed: the next I/O claims the volume again with
-            // the owner of its new kind.
-            Some(view) if view.volume.stripe.is_some() != o.is_tiered() => {
-                tracing::info!(
-                    volume = vid,
-                    "the volume's layout changed kind: its owner restarts"
-                );
-                o.stop();
-                false
-            }
-            Some(view) => {
-                o.update(view);
-                o.is_running()
-            }
-            None => {
-                o.stop();
-                false
-            }
-        });
+        m.retain(|vid, o| hand_view(state, *vid, o));
     }
 
     async fn peer(&self, addr: &str) -> Result<Arc<Peer>, RpcError> {
@@ -467,7 +447,11 @@ impl Router {
             }
         };
         if let Ok(mut m) = self.owners.lock() {
-            m.insert(volume, owner);
+            // What the directory changed while the owner started (a change
+            // begun meanwhile) reached no owner: it gets it now.
+            if hand_view(&self.dir.state(), volume, &owner) {
+                m.insert(volume, owner);
+            }
         }
         self.start_succeeded(volume).await;
         Ok(())
@@ -781,5 +765,31 @@ impl Router {
             OwnerError::Deposed | OwnerError::Stopped => RemoteError::NotOwner { volume },
             other => RemoteError::Unavailable(other.to_string()),
         })
+    }
+}
+
+/// Hands owner `o` of `volume` its view of `state`. Answers whether it
+/// stays: an owner of a deleted volume stops, and so does one whose
+/// volume's layout changed kind (a change of policy between RAID-1 and an
+/// erasure-coded layout committed: the next I/O claims the volume again
+/// with the owner of its new kind).
+fn hand_view(state: &ClusterState, volume: VolumeId, o: &Owner) -> bool {
+    match view_of(state, volume) {
+        Some(view) if view.volume.stripe.is_some() != o.is_tiered() => {
+            tracing::info!(
+                volume,
+                "the volume's layout changed kind: its owner restarts"
+            );
+            o.stop();
+            false
+        }
+        Some(view) => {
+            o.update(view);
+            o.is_running()
+        }
+        None => {
+            o.stop();
+            false
+        }
     }
 }

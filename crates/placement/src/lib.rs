@@ -135,6 +135,12 @@ impl<'a> Domain<'a> {
     }
 }
 
+/// How many fault domains could hold a component now (see [`usable`]):
+/// a change of several steps checks its end fits before its first.
+pub fn usable_fault_domains(nodes: &[NodeInfo], devices: &[DeviceInfo]) -> usize {
+    usable(nodes, devices).len()
+}
+
 /// Usable fault domains by name: those with an `Up` node that has a
 /// `Healthy` device, not in maintenance.
 fn usable<'a>(nodes: &'a [NodeInfo], devices: &'a [DeviceInfo]) -> BTreeMap<&'a str, Domain<'a>> {

@@ -78,6 +78,7 @@ fn begin_move(
         remove: vec![from],
         policy: None,
         reason: "rebuild of the copy on node 2".into(),
+        wanted: None,
     })
 }
 
@@ -202,6 +203,7 @@ fn space_is_checked_before_anything_changes() {
         remove: vec![],
         policy: Some("raid1 ftt=1 reserve=100".parse().unwrap()),
         reason: "same".into(),
+        wanted: None,
     };
     s.apply(&grow).unwrap();
 }
@@ -230,6 +232,7 @@ fn a_begin_names_existing_components_and_free_devices() {
         remove,
         policy: None,
         reason: String::new(),
+        wanted: None,
     };
     let before = s.clone();
     // Nothing to change; an unknown component; a device the volume uses;
@@ -359,6 +362,7 @@ fn a_policy_change_is_wanted_until_it_commits_or_the_policy_is_kept() {
         remove: vec![component_on(s, v, 2), component_on(s, v, 3)],
         policy: Some(ftt0),
         reason: "policy raid1 ftt=0".into(),
+        wanted: None,
     };
     s.apply(&to_ftt0(&s)).unwrap();
     assert_eq!(s.volumes[&v].wanted_policy, Some(ftt0));

@@ -355,6 +355,7 @@ mod tests {
             remove: vec![],
             policy: Some("raid1 ftt=1 reserve=90".parse().unwrap()),
             reason: "policy raid1 ftt=1 reserve=90".into(),
+            wanted: None,
         })
         .unwrap();
     }

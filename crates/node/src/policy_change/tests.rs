@@ -165,15 +165,15 @@ fn refusals_say_why() {
     let e = plan(&s, "w", &pol("raid1 ftt=2")).unwrap_err();
     assert_eq!(e, PolicyChangeError::NoSuchVolume("w".into()));
     assert_eq!(e.http_status(), 404);
-    // Between layouts: only raid1 to raid5/6 of the same ftt.
+    // A change of several steps whose end does not fit: refused before
+    // the first step.
     let e = plan(&s, "v", &pol("raid6 ftt=2")).unwrap_err();
     assert_eq!(
         e.to_string(),
-        "volume v cannot change from raid1 ftt=1 to raid6 ftt=2: a change from raid1 to raid6 \
-         is not available yet; ftt changes within raid1 are, and raid1 ftt=1 to raid5, raid1 \
-         ftt=2 to raid6"
+        "cannot change volume v to raid6 ftt=2: raid6 ftt=2 needs 6 fault domains; the cluster \
+         has 5"
     );
-    assert_eq!(e.http_status(), 400);
+    assert_eq!(e.http_status(), 409);
     // Space: the new copy reserves the whole volume, and no device left
     // has it.
     for d in s.devices.values_mut().filter(|d| d.node >= 4) {
@@ -326,10 +326,100 @@ fn raid1_to_raid5_or_raid6_adds_a_capacity_leg() {
         assert_eq!(after.policy, pol(to));
         assert!(before.iter().all(|c| after.components.contains(c)), "{to}");
     }
-    // Not the other way, nor to another ftt.
-    let (s, _) = cluster(6, "raid1 ftt=2");
-    assert!(matches!(
-        plan(&s, "v", &pol("raid5 ftt=1")),
-        Err(PolicyChangeError::Layout { .. })
-    ));
+}
+
+/// The steps between every two policies: an erasure-coded volume is
+/// lowered to RAID-1 of its ftt first, a RAID-1 volume changes ftt before
+/// it gains a capacity leg; a change of the other words only is one step.
+#[test]
+fn changes_between_layouts_go_through_raid1_step_by_step() {
+    let step = |a: &str, b: &str| next_step(&pol(a), &pol(b));
+    assert_eq!(step("raid5 ftt=1", "raid6 ftt=2"), pol("raid1 ftt=1"));
+    assert_eq!(step("raid1 ftt=1", "raid6 ftt=2"), pol("raid1 ftt=2"));
+    assert_eq!(step("raid1 ftt=2", "raid6 ftt=2"), pol("raid6 ftt=2"));
+    assert_eq!(step("raid6 ftt=2", "raid1 ftt=1"), pol("raid1 ftt=2"));
+    assert_eq!(step("raid6 ftt=2", "raid5 ftt=1"), pol("raid1 ftt=2"));
+    assert_eq!(step("raid1 ftt=2", "raid5 ftt=1"), pol("raid1 ftt=1"));
+    assert_eq!(step("raid1 ftt=0", "raid5 ftt=1"), pol("raid1 ftt=1"));
+    assert_eq!(step("raid5 ftt=1", "raid1 ftt=0"), pol("raid1 ftt=1"));
+    assert_eq!(step("raid5 ftt=1", "raid1 ftt=3"), pol("raid1 ftt=1"));
+    assert_eq!(step("raid1 ftt=3", "raid1 ftt=0"), pol("raid1 ftt=0"));
+    // The other words travel with every step.
+    assert_eq!(
+        step("raid5 ftt=1", "raid6 ftt=2 iops=500"),
+        pol("raid1 ftt=1 iops=500")
+    );
+    assert_eq!(
+        step("raid5 ftt=1", "raid5 ftt=1 iops=500"),
+        pol("raid5 ftt=1 iops=500")
+    );
+}
+
+/// raid5 to raid6 on six hosts: the first step lowers the volume to
+/// raid1 ftt=1 (every stripe column dropped, nothing added), wanting
+/// raid6; its commit leaves a RAID-1 volume still wanting raid6, whose
+/// next plan is the ftt change. On four hosts raid6 does not fit, and
+/// nothing begins.
+#[test]
+fn raid5_to_raid6_lowers_first_and_keeps_wanting_raid6() {
+    let (mut s, v) = cluster(6, "raid5 ftt=1");
+    let columns: Vec<ComponentId> = s.volumes[&v]
+        .components
+        .iter()
+        .filter(|c| matches!(c.role, ComponentRole::Stripe { .. }))
+        .map(|c| c.id)
+        .collect();
+    let cmd = begin(&s, "raid6 ftt=2");
+    let Command::BeginReconfig {
+        add,
+        remove,
+        policy,
+        wanted,
+        ..
+    } = &cmd
+    else {
+        panic!("{cmd:?}");
+    };
+    assert!(add.is_empty());
+    assert_eq!(remove, &columns);
+    assert_eq!(*policy, Some(pol("raid1 ftt=1")));
+    assert_eq!(*wanted, Some(pol("raid6 ftt=2")));
+    s.apply(&cmd).unwrap();
+    assert_eq!(s.volumes[&v].wanted_policy, Some(pol("raid6 ftt=2")));
+    commit(&mut s, v);
+    let after = &s.volumes[&v];
+    assert_eq!(after.policy, pol("raid1 ftt=1"));
+    assert_eq!(after.stripe, None);
+    assert_eq!(after.wanted_policy, Some(pol("raid6 ftt=2")));
+    assert!(after.components.iter().all(|c| !columns.contains(&c.id)));
+    // The next step: raid1 ftt=2, still wanting raid6; then raid6.
+    let cmd = begin(&s, "raid6 ftt=2");
+    assert!(
+        matches!(&cmd, Command::BeginReconfig { policy: Some(p), .. } if *p == pol("raid1 ftt=2"))
+    );
+    s.apply(&cmd).unwrap();
+    assert_eq!(s.volumes[&v].wanted_policy, Some(pol("raid6 ftt=2")));
+    let (s4, _) = cluster(4, "raid5 ftt=1");
+    let r = plan(&s4, "v", &pol("raid6 ftt=2"));
+    assert!(
+        matches!(
+            r,
+            Err(PolicyChangeError::Placement {
+                error: PlacementError::NotEnoughFaultDomains {
+                    needed: 6,
+                    have: 4,
+                    ..
+                },
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    // A change of the other words only is one step, nothing moved.
+    let (s, _) = cluster(4, "raid5 ftt=1");
+    let cmd = begin(&s, "raid5 ftt=1 iops=500");
+    assert!(
+        matches!(&cmd, Command::BeginReconfig { add, remove, wanted: None, .. }
+        if add.is_empty() && remove.is_empty())
+    );
 }

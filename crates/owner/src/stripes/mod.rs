@@ -114,6 +114,22 @@ impl StripeMap {
         self.blocks.range(first..end).map(|(&b, _)| b).collect()
     }
 
+    /// The mapped blocks from block `first` on, in order, with where each
+    /// is.
+    pub fn from_block(&self, first: u64) -> impl Iterator<Item = (u64, Loc)> + '_ {
+        self.blocks.range(first..).map(|(&b, &l)| (b, l))
+    }
+
+    /// The same numbering with no block mapped: what an empty checkpoint
+    /// leaves (a volume lowered to RAID-1 forgets its stripes).
+    pub fn emptied(&self) -> StripeMap {
+        StripeMap {
+            last_stripe_seq: self.last_stripe_seq,
+            last_record_seq: self.last_record_seq,
+            ..StripeMap::default()
+        }
+    }
+
     /// Live blocks of slot `slot`.
     pub fn live(&self, slot: u64) -> u32 {
         self.live.get(&slot).copied().unwrap_or(0)

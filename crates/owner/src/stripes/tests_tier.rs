@@ -40,6 +40,17 @@ enum Step {
         sent: usize,
         fill: Option<u64>,
     },
+    /// The volume begins its lowering to RAID-1 (kept across crashes,
+    /// as the directory keeps the change).
+    Lower,
+    /// Reads of up to `n` mapped blocks from the stripes, to stage.
+    RehydrateRead(usize),
+    /// The blocks read come back: each still mapped there is staged.
+    RehydrateWrite,
+    /// The empty checkpoint is asked for.
+    Forget,
+    /// The map log is trimmed, once the map is forgotten.
+    TrimLog,
 }
 
 fn steps() -> impl Strategy<Value = Vec<Step>> {
@@ -52,6 +63,11 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
         3 => Just(Step::Trim),
         1 => (any::<bool>(), 0usize..4, prop::option::of(0..BLOCKS / 16))
             .prop_map(|(torn, sent, fill)| Step::Crash { torn, sent, fill }),
+        1 => Just(Step::Lower),
+        2 => (1usize..40).prop_map(Step::RehydrateRead),
+        2 => Just(Step::RehydrateWrite),
+        1 => Just(Step::Forget),
+        1 => Just(Step::TrimLog),
     ];
     prop::collection::vec(step, 1..300)
 }
@@ -91,6 +107,10 @@ struct Sim {
     ready: BTreeSet<Ticket>,
     /// The last ticket acknowledged: they are, in order.
     acked_upto: Ticket,
+    /// The volume is being lowered to RAID-1.
+    lowering: bool,
+    /// Blocks read back from the stripes, with where from and the data.
+    rehydrating: Vec<(u64, Loc, Data)>,
 }
 
 fn columns() -> Columns {
@@ -122,6 +142,53 @@ impl Sim {
             unacked: BTreeMap::new(),
             ready: BTreeSet::new(),
             acked_upto: 0,
+            lowering: false,
+            rehydrating: Vec::new(),
+        }
+    }
+
+    fn lower(&mut self) {
+        self.lowering = true;
+        self.tier.lower();
+    }
+
+    fn rehydrate_read(&mut self, n: usize) {
+        let skip: BTreeSet<u64> = self.rehydrating.iter().map(|r| r.0).collect();
+        for (b, loc) in self.tier.to_rehydrate(n, &skip) {
+            let data = self.stripes[&loc.slot][&loc.index];
+            self.rehydrating.push((b, loc, data));
+        }
+    }
+
+    /// As the owner does: a block still mapped where it was read from is
+    /// staged with that data (a block of zeros is zeroed).
+    fn rehydrate_write(&mut self) {
+        for (b, loc, data) in std::mem::take(&mut self.rehydrating) {
+            if self.tier.source(b) != Source::Stripe(loc) {
+                continue;
+            }
+            if data == 0 {
+                self.zero(b, 1);
+                continue;
+            }
+            self.ordered_after_trims(b);
+            let seq = self.tier.stage(b, 1);
+            self.perf.insert(b, data);
+            self.tier.staged(b, 1, seq);
+        }
+    }
+
+    fn forget(&mut self) {
+        let asked = self.tier.forget_map();
+        assert!(!asked || self.lowering);
+    }
+
+    /// The owner trims the map log once the map is forgotten: what a new
+    /// owner then finds is an empty log.
+    fn trim_log(&mut self) {
+        if self.tier.map_forgotten() {
+            assert!(self.record.is_none());
+            self.log.iter_mut().for_each(|r| *r = None);
         }
     }
 
@@ -317,6 +384,10 @@ impl Sim {
             pending,
             (LOG_RECORDS, SLOTS),
         );
+        if self.lowering {
+            self.tier.lower();
+        }
+        self.rehydrating.clear();
         self.staged = None;
         self.record = None;
         self.trims.clear();
@@ -373,8 +444,40 @@ proptest! {
                 Step::Record => sim.record(),
                 Step::Trim => sim.trim(),
                 Step::Crash { torn, sent, fill } => sim.crash(torn, sent, fill),
+                Step::Lower => sim.lower(),
+                Step::RehydrateRead(n) => sim.rehydrate_read(n),
+                Step::RehydrateWrite => sim.rehydrate_write(),
+                Step::Forget => sim.forget(),
+                Step::TrimLog => sim.trim_log(),
             }
             sim.check()?;
+        }
+        if sim.lowering {
+            // Carried through: every block on the performance leg alone.
+            for _ in 0..(BLOCKS as usize * 8) {
+                sim.write_stripe();
+                sim.rehydrate_read(40);
+                sim.rehydrate_write();
+                sim.forget();
+                sim.record();
+                sim.record();
+                sim.trim();
+            }
+            prop_assert!(sim.tier.map_forgotten());
+            sim.trim_log();
+            while !sim.trims.is_empty() {
+                sim.trim();
+            }
+            sim.check()?;
+            prop_assert!(sim.tier.map().is_empty());
+            for b in 0..BLOCKS {
+                let want = sim.model.get(&b).copied().unwrap_or(0);
+                prop_assert_eq!(sim.perf.get(&b).copied().unwrap_or(0), want, "block {}", b);
+            }
+            // What a new owner (or the RAID-1 owner) finds: no map at all.
+            sim.crash(true, 0, None);
+            sim.check()?;
+            return Ok(());
         }
         // Drained, every block written is in the capacity leg.
         for _ in 0..(BLOCKS as usize * 8) {

@@ -137,6 +137,23 @@ pub struct Tier {
     log_records: u64,
     /// Stripe slots each column has.
     slots: u64,
+    /// Lowering to RAID-1: no stripe is begun, and the owner reads every
+    /// mapped block back to the performance leg ([`Tier::lower`]).
+    lowering: Option<Lowering>,
+}
+
+/// Where the lowering of the volume to RAID-1 is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lowering {
+    /// Mapped blocks are read back to the leg; `cursor`: where the next
+    /// batch starts looking.
+    Rehydrating { cursor: u64 },
+    /// Every mapped block is pending on the leg: the empty checkpoint
+    /// that forgets the map is the next record (or in flight).
+    Forgetting,
+    /// The empty checkpoint (record `seq`) is durable: the map is empty,
+    /// every block the volume holds is on the leg.
+    Forgotten { seq: u64 },
 }
 
 /// Records of a map log sized for a volume of `volume_bytes` under
@@ -192,6 +209,7 @@ impl Tier {
             since_checkpoint: log_records,
             log_records,
             slots,
+            lowering: None,
         }
     }
 
@@ -351,7 +369,7 @@ impl Tier {
     /// The stripe goes to the lowest free slot not in `busy`: a slot freed
     /// while reads routed to it may still be in flight is not written.
     pub fn begin_stripe(&mut self, busy: &std::collections::BTreeSet<u64>) -> Option<&Destage> {
-        if self.destage.is_some() || !self.unmaps.is_empty() {
+        if self.destage.is_some() || !self.unmaps.is_empty() || self.lowering.is_some() {
             return None;
         }
         let slot = self.map.free_slot_avoiding(busy);
@@ -457,6 +475,16 @@ impl Tier {
         let seq = self.map.next_record_seq();
         let rec = if let Some(part) = self.checkpoint_left.pop_front() {
             part
+        } else if self.lowering == Some(Lowering::Forgetting) {
+            let mut parts = self.map.emptied().checkpoint(self.volume, seq);
+            assert_eq!(parts.len(), 1, "an empty map's checkpoint is one record");
+            parts.pop()?
+        } else if matches!(self.lowering, Some(Lowering::Forgotten { .. }))
+            && self.unmaps.is_empty()
+        {
+            // Nothing is recorded once the map is forgotten: the owner
+            // trims the log.
+            return None;
         } else if self.since_checkpoint >= self.log_records / 2 {
             let mut parts: VecDeque<MapRecord> = self.map.checkpoint(self.volume, seq).into();
             assert!(
@@ -505,6 +533,12 @@ impl Tier {
         let Some(rec) = self.in_flight.take() else {
             return Ok(Applied::default());
         };
+        if self.lowering == Some(Lowering::Forgetting) {
+            // The empty checkpoint: the map forgets every stripe. Each
+            // block it held is pending on the leg (checked before).
+            self.map = self.map.emptied();
+            self.lowering = Some(Lowering::Forgotten { seq: rec.seq() });
+        }
         self.map.apply(&rec)?;
         let mut applied = Applied::default();
         match &rec {
@@ -562,6 +596,103 @@ impl Tier {
         trims
     }
 
+    /// Begins the lowering of the volume to RAID-1 (`docs/erasure-coding.md`,
+    /// Lowering to RAID-1): no stripe is begun from now on (one in flight
+    /// ends as usual); the owner reads the mapped blocks back to the
+    /// performance leg ([`Tier::to_rehydrate`]), then has the map
+    /// forgotten ([`Tier::forget_map`]).
+    pub fn lower(&mut self) {
+        if self.lowering.is_none() {
+            self.lowering = Some(Lowering::Rehydrating { cursor: 0 });
+        }
+    }
+
+    /// Whether the volume is being lowered to RAID-1.
+    pub fn lowering(&self) -> bool {
+        self.lowering.is_some()
+    }
+
+    /// Whether the map is forgotten and nothing is left to record: every
+    /// block is on the leg alone, and the owner may trim the map log.
+    pub fn map_forgotten(&self) -> bool {
+        self.forgotten_at().is_some()
+    }
+
+    /// Once the map is forgotten and nothing is left to record: where the
+    /// empty checkpoint is on the performance leg, the one record of the
+    /// log still needed. The owner trims the rest of the log first, then
+    /// it: a crash in between leaves that checkpoint, the newest record.
+    pub fn forgotten_at(&self) -> Option<u64> {
+        match self.lowering {
+            Some(Lowering::Forgotten { seq })
+                if self.unmaps.is_empty() && self.in_flight.is_none() =>
+            {
+                Some(self.log_offset(seq))
+            }
+            _ => None,
+        }
+    }
+
+    /// The map log's place on the performance leg: (offset, bytes).
+    pub fn log_range(&self) -> (u64, u64) {
+        (self.volume_bytes, self.log_records * BLOCK_BYTES as u64)
+    }
+
+    /// Up to `max` mapped blocks whose newest data is in a stripe only
+    /// (not pending, not in `skip`: reads in flight), with where each is,
+    /// in block order from where the last batch stopped, wrapping once.
+    /// The owner reads each and stages it on the leg as a write, if the
+    /// block still maps there when the data comes back
+    /// (`Tier::source` unchanged).
+    pub fn to_rehydrate(
+        &mut self,
+        max: usize,
+        skip: &std::collections::BTreeSet<u64>,
+    ) -> Vec<(u64, Loc)> {
+        let Some(Lowering::Rehydrating { cursor }) = self.lowering else {
+            return Vec::new();
+        };
+        let wanted = |&(b, _): &(u64, Loc)| !self.pending.contains_key(&b) && !skip.contains(&b);
+        let found: Vec<(u64, Loc)> = self
+            .map
+            .from_block(cursor)
+            .filter(wanted)
+            .chain(
+                self.map
+                    .from_block(0)
+                    .take_while(|&(b, _)| b < cursor)
+                    .filter(wanted),
+            )
+            .take(max)
+            .collect();
+        let next = found.last().map_or(0, |&(b, _)| b + 1);
+        self.lowering = Some(Lowering::Rehydrating { cursor: next });
+        found
+    }
+
+    /// Queues the empty checkpoint that forgets the map, if every mapped
+    /// block is pending with data on the leg (read back, or written
+    /// since), no unmap waits and no stripe or record is in flight:
+    /// from that record on, the map log says what an empty one says.
+    /// Answers whether it is queued (or already done).
+    pub fn forget_map(&mut self) -> bool {
+        match self.lowering {
+            Some(Lowering::Rehydrating { .. }) => {}
+            Some(_) => return true,
+            None => return false,
+        }
+        let on_leg = |b: &u64| self.pending.get(b).is_some_and(|p| !p.zero);
+        let quiet = self.destage.is_none()
+            && self.unmaps.is_empty()
+            && self.in_flight.is_none()
+            && self.checkpoint_left.is_empty();
+        if !quiet || !self.map.from_block(0).all(|(b, _)| on_leg(&b)) {
+            return false;
+        }
+        self.lowering = Some(Lowering::Forgetting);
+        true
+    }
+
     /// Invariants: a block zeroed over the capacity leg waits for an
     /// unmap that covers it; the stripe being destaged takes blocks that
     /// were pending when it began, in order, at most a stripe of them, in
@@ -582,6 +713,9 @@ impl Tier {
             assert_eq!(self.map.live(d.slot), 0, "destaging into a used slot");
         }
         assert!(self.since_checkpoint <= self.log_records, "the log wrapped");
+        if matches!(self.lowering, Some(Lowering::Forgotten { .. })) {
+            assert!(self.map.is_empty(), "a map kept after it was forgotten");
+        }
     }
 }
 

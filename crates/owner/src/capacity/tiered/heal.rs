@@ -122,6 +122,11 @@ impl Healing {
         }
     }
 
+    /// The loop's way to the directory.
+    pub(super) fn control(&self) -> Arc<dyn ColumnControl> {
+        self.control.clone()
+    }
+
     /// The column being rebuilt, which must not be brought back.
     pub(super) fn replacing(&self) -> Option<usize> {
         match &self.phase {

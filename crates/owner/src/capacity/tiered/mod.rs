@@ -12,6 +12,7 @@
 //! back until its whole blocks are written.
 
 mod heal;
+mod lower;
 
 use super::{ColumnError, ColumnSet, ColumnTarget};
 use crate::status::TierStatus;
@@ -100,6 +101,15 @@ enum Ev {
         commit: bool,
         result: Result<(), crate::ControlError>,
     },
+    /// Lowering to RAID-1: blocks read back from the stripes, and the
+    /// columns that failed meanwhile.
+    ReadBack(Vec<lower::ReadBack>, Vec<usize>),
+    /// A staging of blocks read back ended.
+    ReadBackStaged(Result<(), OwnerError>),
+    /// The map log was trimmed (or not).
+    LogTrimmed(Result<(), OwnerError>),
+    /// The directory answered the lowering's commit.
+    Lowered(Result<(), crate::ControlError>),
     Tick,
     Stop,
 }
@@ -191,6 +201,7 @@ impl TieredOwner {
             copied_peer: None,
             locks: Vec::new(),
             blocked: Default::default(),
+            lowering: None,
         };
         // A column change in progress (an earlier owner's) is carried
         // out again from the start.
@@ -448,6 +459,8 @@ struct Loop {
     locks: Vec<(u64, u64)>,
     /// Writes and zeroings waiting for those locks, in order.
     blocked: std::collections::VecDeque<(Op, Reply)>,
+    /// The lowering to RAID-1 in progress.
+    lowering: Option<lower::Lowering>,
 }
 
 /// The blocks (first, end) an operation changes, if it changes any.
@@ -508,9 +521,17 @@ impl Loop {
                     true
                 }
                 Ev::View(view) => {
+                    let go_on = self.lower_view(&view);
                     self.heal_view(*view);
+                    go_on
+                }
+                Ev::ReadBack(back, failed) => {
+                    self.read_back_done(back, failed);
                     true
                 }
+                Ev::ReadBackStaged(r) => self.read_back_staged(r),
+                Ev::LogTrimmed(r) => self.log_trimmed(r),
+                Ev::Lowered(r) => self.lowered(r),
                 Ev::RebuildAsked(r) => {
                     self.rebuild_asked(r);
                     true
@@ -914,6 +935,7 @@ impl Loop {
 
     /// Starts what may start: the next record, the next destage.
     fn pump(&mut self) {
+        self.lower_pump();
         if !self.recording {
             if let Some(rec) = self.tier.next_record() {
                 self.write_record(rec);
