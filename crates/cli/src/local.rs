@@ -183,18 +183,38 @@ fn pid_file(n: &LocalNode) -> PathBuf {
 
 /// The pid of the node's process, if it runs.
 pub fn running(n: &LocalNode) -> Option<i32> {
-    let pid: i32 = std::fs::read_to_string(pid_file(n))
-        .ok()?
+    liveness(n).ok()
+}
+
+/// The pid of node `n`'s process if it runs, or what shows it does not:
+/// no pid file, no such process, a zombie, or a process that is not a
+/// node (its pid reused).
+fn liveness(n: &LocalNode) -> Result<i32, String> {
+    let file = pid_file(n);
+    let text = std::fs::read_to_string(&file)
+        .map_err(|e| format!("no pid file {}: {e}", file.display()))?;
+    let pid: i32 = text
         .trim()
         .parse()
-        .ok()?;
+        .map_err(|_| format!("pid file {} holds {text:?}", file.display()))?;
     // SAFETY: signal 0 only checks that the process exists.
-    let alive = unsafe { libc::kill(pid, 0) } == 0;
+    if unsafe { libc::kill(pid, 0) } != 0 {
+        return Err(format!("no process {pid}"));
+    }
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let zombie = stat.split_whitespace().nth(2) == Some("Z");
+    // The state follows the command name, which is in parentheses.
+    let state = stat.rsplit_once(')').map(|(_, rest)| rest.trim_start());
+    if state.is_some_and(|s| s.starts_with('Z')) {
+        return Err(format!("process {pid} is a zombie"));
+    }
     let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-    let ours = String::from_utf8_lossy(&cmd).contains("node");
-    (alive && !zombie && ours).then_some(pid)
+    if !String::from_utf8_lossy(&cmd).contains("node") {
+        return Err(format!(
+            "process {pid} is not a node: {:?}",
+            String::from_utf8_lossy(&cmd).replace('\0', " ")
+        ));
+    }
+    Ok(pid)
 }
 
 /// Runtime threads of each node of a local cluster of `nodes` nodes: the
@@ -227,6 +247,8 @@ pub struct StoppedNode {
     pub id: u64,
     /// What its exit record says, if it ever ran.
     pub last_exit: Option<String>,
+    /// What showed it is not running.
+    pub evidence: String,
     pub log: PathBuf,
     pub log_tail: Vec<String>,
 }
@@ -235,10 +257,11 @@ pub struct StoppedNode {
 pub fn stopped_nodes(c: &LocalCluster) -> Vec<StoppedNode> {
     c.nodes
         .iter()
-        .filter(|n| running(n).is_none())
-        .map(|n| StoppedNode {
+        .filter_map(|n| liveness(n).err().map(|e| (n, e)))
+        .map(|(n, evidence)| StoppedNode {
             id: n.id,
             last_exit: crate::daemon::last_exit(&n.dir),
+            evidence,
             log: n.dir.join("node.log"),
             log_tail: log_tail(n, LOG_TAIL_LINES),
         })
@@ -252,7 +275,7 @@ pub fn print_stopped(s: &StoppedNode, verb: &str) {
         .last_exit
         .as_deref()
         .unwrap_or("it has not run with this build (no exit record)");
-    println!("node {} {verb}: {why}", s.id);
+    println!("node {} {verb}: {why} ({})", s.id, s.evidence);
     if !s.log_tail.is_empty() {
         println!("  last lines of {}:", s.log.display());
         for l in &s.log_tail {
@@ -482,6 +505,7 @@ pub async fn up(a: UpArgs) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(a.timeout);
     let want = cluster.nodes.len();
     let want_devices: usize = cluster.nodes.iter().map(|n| 1 + n.more_devices.len()).sum();
+    let mut suspects: Vec<u64> = Vec::new();
     let status = loop {
         // Every node answers (so it serves NBD too) and sees a leader, and
         // the directory has every node up with its devices.
@@ -507,10 +531,14 @@ pub async fn up(a: UpArgs) -> Result<()> {
                 last = format!("{up} of {want} nodes up");
             }
         }
-        if let Some(s) = stopped_nodes(&cluster).first() {
+        // Seen stopped twice in a row, 300 ms apart: a node that died
+        // stays so, and one look at /proc is not taken for a death.
+        let stopped = stopped_nodes(&cluster);
+        if let Some(s) = stopped.iter().find(|s| suspects.contains(&s.id)) {
             print_stopped(s, "stopped while the cluster was starting");
             bail!("node {} is not running; see {}", s.id, s.log.display());
         }
+        suspects = stopped.iter().map(|s| s.id).collect();
         if Instant::now() > deadline {
             bail!(
                 "cluster not healthy after {}s: {last}; see {}/node*/node.log",

@@ -218,6 +218,42 @@ fn raid5_survives_the_kill_of_a_column_node_under_fio_verify() {
     c.wait_healthy("e", HEAL);
     wait_destaged(&c, 1, "e");
     fio_verify_only(&c.uri(victim, "e"), "128M");
+    lowering_survives_the_kill_of_its_owner(&c, "e", 1);
+}
+
+/// `vol` (raid5, owned by node `owner`, its data in stripes) lowered to
+/// raid1 ftt=1, its owner killed -9 while it reads the stripes back: the
+/// next owner carries the change out, and the data fio wrote verifies.
+fn lowering_survives_the_kill_of_its_owner(c: &Cluster, vol: &str, owner: u32) {
+    let out = c.shoal(&["volume", "set-policy", vol, "--policy", "raid1 ftt=1"]);
+    assert!(
+        out.contains("reads every block the stripes hold back"),
+        "{out}"
+    );
+    c.wait_log(
+        owner,
+        &["lowering to RAID-1: reading the stripes back"],
+        HEAL,
+    );
+    c.signal(owner, "KILL");
+    c.up();
+    wait_for(&format!("{vol} lowered to raid1"), LOAD, || {
+        let v = c.try_json(&["volume", "show", vol])?;
+        match (&v["volume"]["stripe"], &v["volume"]["reconfig"]) {
+            (serde_json::Value::Null, serde_json::Value::Null) => Ok(()),
+            _ => Err(components_of(&v)),
+        }
+    });
+    let v = c.json(&["volume", "show", vol]);
+    assert_eq!(v["volume"]["policy"]["layout"], "Raid1", "{v}");
+    // The killed owner had not ended it: a second owner read back too.
+    let logs = whole_logs(c);
+    let begun = logs
+        .matches("lowering to RAID-1: reading the stripes back")
+        .count();
+    assert_eq!(begun, 2, "the killed owner and the next began the lowering");
+    fio_verify_only(&c.uri(owner, vol), "128M");
+    c.verify_copies(vol);
 }
 
 /// Every node killed -9 at once while a client writes a raid5 volume and
@@ -578,6 +614,16 @@ fn raid1_becomes_raid5_under_fio_verify() {
     eprintln!("raid5 2+1 after the change: {overhead:.3}x");
 }
 
+/// Every node's whole log, without colour codes.
+fn whole_logs(c: &Cluster) -> String {
+    (1..=6)
+        .map(|n| c.node_dir(n).join("node.log"))
+        .map(|p| std::fs::read_to_string(p).unwrap_or_default())
+        .map(|t| strip_ansi(&t))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// `text` without its terminal colour codes (the nodes' logs have them).
 fn strip_ansi(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
@@ -674,7 +720,7 @@ fn raid1_to_raid5_to_raid6_and_back_to_raid1_under_fio_verify() {
     assert_eq!(nodes_of(&c, "p", "Data").len(), 2, "{v}");
     // The columns leave their nodes too.
     wait_for("stripe components deleted from their nodes", HEAL, || {
-        let logs = strip_ansi(&c.logs());
+        let logs = whole_logs(&c);
         let deleted = |id: &u64| {
             let field = format!("component={id} ");
             logs.lines().any(|l| {
