@@ -2517,7 +2517,11 @@ fn cleaner_races_overwrites_and_trims(prepare: bool) {
             "{} segments prepared amid writers, {} cleaned in the background",
             st.prepared_segments, st.cleaned_segments_background
         );
-        assert!(st.prepared_segments > 20, "{st:?}");
+        // It kept preparing amid the writers: more than twice the 4
+        // segments kept ahead. (How many more depends on the CPU time
+        // the preparer gets beside two writers and the cleaner: 17 on a
+        // loaded 2-core CI run, above 20 alone.)
+        assert!(st.prepared_segments > 8, "{st:?}");
     }
     s.check().unwrap();
     let verify = |s: &LogStore| {
