@@ -817,6 +817,39 @@ impl Replicas {
                     d.store.write_zeroes(component, offset, len)
                 })
             }
+            Request::TrimRanges {
+                component,
+                generation,
+                ranges,
+                seq,
+            } => {
+                let (first, end) = shoal_rpc::trim_span(&ranges).ok_or_else(|| {
+                    RemoteError::BadRequest(format!(
+                        "a trim of {} ranges: 1 to {}, none empty, in order and apart",
+                        ranges.len(),
+                        shoal_rpc::MAX_TRIM_RANGES
+                    ))
+                })?;
+                let d = self.device_of(component)?;
+                self.fence(&d, component, generation)?;
+                // All of it or none: a range past the end refuses the whole.
+                let size = d.store.component(component).map_or(0, |c| c.size);
+                if end > size {
+                    return Err(RemoteError::OutOfRange);
+                }
+                for &(offset, len) in &ranges {
+                    self.mark_dirty(&d, component, offset, len, generation, seq)?;
+                }
+                d.count_copy(seq, ranges.iter().map(|r| r.1).sum());
+                // Ordered with the writes to the span they cover.
+                let (deps, guard) = self.seq.enter(component, first, end, true);
+                self.apply_then_commit(d, deps, guard, false, move |d| {
+                    for &(offset, len) in &ranges {
+                        d.store.write_zeroes(component, offset, len)?;
+                    }
+                    Ok(())
+                })
+            }
             Request::Read {
                 component,
                 generation,
@@ -1060,6 +1093,18 @@ mod tests {
         assert!(matches!(resp, Response::Ok), "{resp:?}");
     }
 
+    async fn read_bytes(r: &Replicas, offset: u64, len: u32) -> Bytes {
+        let req = Request::Read {
+            component: 1,
+            generation: 1,
+            offset,
+            len,
+        };
+        let (resp, data) = r.handle(req, Bytes::new()).await;
+        assert!(matches!(resp, Response::Data), "{resp:?}");
+        data
+    }
+
     async fn barrier(r: &Replicas, generation: Generation, seq: u64) {
         tracking_barrier(r, generation, seq, false).await;
     }
@@ -1203,6 +1248,75 @@ mod tests {
             call(&r, track(1), Bytes::new()).await,
             Response::Err(RemoteError::StaleGeneration { have: 2, got: 1 })
         ));
+    }
+
+    /// Many trims in one request: each range reads back as zeros, the
+    /// blocks between keep their data, and the regions are marked like a
+    /// zeroing's. Ranges out of order, overlapping, empty or too many, a
+    /// range past the end and an old generation are refused, and change
+    /// nothing.
+    #[tokio::test]
+    async fn trims_of_many_ranges_zero_each_and_bad_ones_change_nothing() {
+        let (_dir, r) = one_component();
+        for b in 0..8u64 {
+            write(&r, 1, b * 4096, b + 1).await;
+        }
+        let trim = |ranges: Vec<(u64, u64)>, generation| Request::TrimRanges {
+            component: 1,
+            generation,
+            ranges,
+            seq: 20,
+        };
+        let before = read_bytes(&r, 0, 8 * 4096).await;
+        let many = vec![(0u64, 1u64); shoal_rpc::MAX_TRIM_RANGES + 1]
+            .iter()
+            .enumerate()
+            .map(|(i, _)| (i as u64 * 8192, 4096))
+            .collect();
+        for bad in [
+            trim(vec![], 1),
+            trim(vec![(4096, 4096), (0, 4096)], 1),
+            trim(vec![(0, 8192), (4096, 4096)], 1),
+            trim(vec![(0, 4096), (8192, 0)], 1),
+            trim(vec![(u64::MAX - 10, 4096)], 1),
+            trim(many, 1),
+        ] {
+            let resp = call(&r, bad, Bytes::new()).await;
+            assert!(
+                matches!(resp, Response::Err(RemoteError::BadRequest(_))),
+                "{resp:?}"
+            );
+        }
+        let past_end = call(&r, trim(vec![(0, 4096), (64 * MIB, 4096)], 1), Bytes::new()).await;
+        assert!(matches!(past_end, Response::Err(_)), "{past_end:?}");
+        let stale = call(&r, trim(vec![(0, 4096)], 0), Bytes::new()).await;
+        assert!(
+            matches!(stale, Response::Err(RemoteError::StaleGeneration { .. })),
+            "{stale:?}"
+        );
+        assert!(
+            read_bytes(&r, 0, 8 * 4096).await == before,
+            "a refused trim changed data"
+        );
+        let ok = call(
+            &r,
+            trim(vec![(0, 4096), (8192, 8192), (28672, 4096)], 1),
+            Bytes::new(),
+        )
+        .await;
+        assert!(matches!(ok, Response::Ok), "{ok:?}");
+        let after = read_bytes(&r, 0, 8 * 4096).await;
+        for b in 0..8usize {
+            let block = &after[b * 4096..(b + 1) * 4096];
+            let zeroed = [0, 2, 3, 7].contains(&b);
+            assert_eq!(block.iter().all(|&x| x == 0), zeroed, "block {b}");
+            if !zeroed {
+                assert!(
+                    block == &before[b * 4096..(b + 1) * 4096],
+                    "block {b} changed"
+                );
+            }
+        }
     }
 
     fn marks(r: &Replicas) -> Vec<(u64, Vec<u32>)> {

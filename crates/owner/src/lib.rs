@@ -227,6 +227,10 @@ pub enum OwnerError {
     NoSpace,
     #[error("I/O error: {0}")]
     Io(String),
+    /// A request no owner carries out as asked (an internal caller's
+    /// mistake, never a client's: clients' requests are checked first).
+    #[error("invalid request: {0}")]
+    Invalid(String),
 }
 
 /// A client operation.
@@ -245,6 +249,13 @@ pub enum Op {
     Zero {
         offset: u64,
         len: u64,
+    },
+    /// Zero (trim) each of `ranges`, (offset, len) in bytes, in order and
+    /// apart (`shoal_rpc::trim_span`): one request to each copy. Not a
+    /// client's: an erasure-coded volume's owner trims what a stripe took
+    /// off its performance leg with it.
+    Trim {
+        ranges: Vec<(u64, u64)>,
     },
     /// Block `offset` of `component` failed its checksum (found by a
     /// scrubber): rewrite it from a healthy copy. Answers with one byte, 1
@@ -524,7 +535,7 @@ impl Owner {
             Op::Read { len, .. } => throttle::units(u64::from(*len)),
             Op::Write { data, .. } => throttle::units(data.len() as u64),
             // A trim or zeroing of any size is one request to the copies.
-            Op::Zero { .. } => 1,
+            Op::Zero { .. } | Op::Trim { .. } => 1,
             Op::Flush | Op::Repair { .. } => 0,
         };
         if let Some(at) = self.throttle.admit(units, Instant::now()) {
@@ -544,8 +555,11 @@ impl Owner {
 
     /// `submit` for an operation the IOPS limit has let through.
     fn submit_admitted(&self, op: Op) -> Submitted {
-        let timed = matches!(op, Op::Read { .. } | Op::Write { .. } | Op::Zero { .. })
-            .then(|| (Instant::now(), self.latency.clone()));
+        let timed = matches!(
+            op,
+            Op::Read { .. } | Op::Write { .. } | Op::Zero { .. } | Op::Trim { .. }
+        )
+        .then(|| (Instant::now(), self.latency.clone()));
         if let Some(t) = &self.tier {
             let state = match t.send(op) {
                 Some(rx) => SubmitState::Loop(rx),

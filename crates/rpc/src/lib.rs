@@ -21,8 +21,8 @@ mod server;
 pub use frame::{FrameError, Header, HEADER_LEN, MAGIC, MAX_BODY, MAX_PAYLOAD, VERSION};
 pub use limits::{AddressSlot, PerAddress};
 pub use message::{
-    RegionSet, RemoteError, Request, Response, VolumeOp, MAX_LEASE_MS, MAX_REGION_RUNS,
-    REGION_BYTES,
+    trim_span, RegionSet, RemoteError, Request, Response, VolumeOp, MAX_LEASE_MS, MAX_REGION_RUNS,
+    MAX_TRIM_RANGES, REGION_BYTES,
 };
 pub use peer::{register_local, Peer, PendingReply};
 pub use server::{serve, Handler, Reply};

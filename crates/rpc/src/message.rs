@@ -131,6 +131,38 @@ pub enum Request {
     /// capacity reports. Answered with [`Response::Usage`]. Reads a
     /// counter only: no ordering with the component's writes.
     Usage { component: ComponentId },
+    /// Zero (trim) each of `ranges`, (offset, len) in bytes, in order and
+    /// apart, at most [`MAX_TRIM_RANGES`]: many small trims in one
+    /// request, as an erasure-coded volume's owner sends for the blocks a
+    /// stripe took off its performance leg. `seq` as for `Write`.
+    TrimRanges {
+        component: ComponentId,
+        generation: Generation,
+        ranges: Vec<(u64, u64)>,
+        seq: u64,
+    },
+}
+
+/// Ranges one [`Request::TrimRanges`] may carry: a stripe's blocks
+/// (at most 124 for 4+1) in one request, with room to spare; 4 KiB of
+/// body.
+pub const MAX_TRIM_RANGES: usize = 256;
+
+/// Whether `ranges` may be one [`Request::TrimRanges`]: at most
+/// [`MAX_TRIM_RANGES`], none empty, in order and apart, none past
+/// `u64::MAX`. Answers the span they cover, (first byte, end).
+pub fn trim_span(ranges: &[(u64, u64)]) -> Option<(u64, u64)> {
+    if ranges.is_empty() || ranges.len() > MAX_TRIM_RANGES {
+        return None;
+    }
+    let mut end = 0u64;
+    for (i, &(off, len)) in ranges.iter().enumerate() {
+        if len == 0 || (i > 0 && off < end) {
+            return None;
+        }
+        end = off.checked_add(len)?;
+    }
+    Some((ranges[0].0, end))
 }
 
 /// A set of a component's regions ([`REGION_BYTES`] each).
@@ -355,7 +387,47 @@ mod tests {
                 generation: g,
                 lease_ms: l,
             }),
+            (
+                any::<u64>(),
+                prop::collection::vec((any::<u64>(), any::<u64>()), 0..8)
+            )
+                .prop_map(|(c, ranges)| Request::TrimRanges {
+                    component: c,
+                    generation: 2,
+                    ranges,
+                    seq: 9,
+                }),
         ]
+    }
+
+    proptest! {
+        /// `trim_span` accepts exactly 1 to `MAX_TRIM_RANGES` ranges, none
+        /// empty, each after the end of the one before, none past
+        /// `u64::MAX`; and answers their first byte and end.
+        #[test]
+        fn trim_spans_accept_only_ordered_apart_ranges(
+            ranges in prop::collection::vec((0u64..1 << 20, 0u64..64), 0..300),
+        ) {
+            let ok = !ranges.is_empty()
+                && ranges.len() <= MAX_TRIM_RANGES
+                && ranges.iter().all(|r| r.1 > 0)
+                && ranges.windows(2).all(|w| w[1].0 >= w[0].0 + w[0].1);
+            let span = trim_span(&ranges);
+            prop_assert_eq!(span.is_some(), ok);
+            if let Some((first, end)) = span {
+                let last = ranges[ranges.len() - 1];
+                prop_assert_eq!((first, end), (ranges[0].0, last.0 + last.1));
+            }
+        }
+    }
+
+    #[test]
+    fn a_trim_span_past_the_last_byte_is_refused() {
+        assert_eq!(trim_span(&[(u64::MAX - 1, 2)]), None);
+        assert_eq!(
+            trim_span(&[(u64::MAX - 1, 1)]),
+            Some((u64::MAX - 1, u64::MAX))
+        );
     }
 
     #[test]

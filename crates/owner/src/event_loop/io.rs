@@ -17,8 +17,18 @@ use std::time::Duration;
 
 /// A client operation that changes data, as fanned out to the copies.
 pub(super) enum WriteOp {
-    Data { offset: u64, data: Bytes },
-    Zeroes { offset: u64, len: u64 },
+    Data {
+        offset: u64,
+        data: Bytes,
+    },
+    Zeroes {
+        offset: u64,
+        len: u64,
+    },
+    /// Ranges (offset, len) in order and apart, checked by `trim_span`.
+    Trims {
+        ranges: Vec<(u64, u64)>,
+    },
 }
 
 impl WriteOp {
@@ -27,6 +37,8 @@ impl WriteOp {
         match self {
             WriteOp::Data { offset, data } => (*offset, offset + data.len() as u64),
             WriteOp::Zeroes { offset, len } => (*offset, offset + len),
+            // The span the ranges cover: a lock over any of it holds them.
+            WriteOp::Trims { ranges } => shoal_rpc::trim_span(ranges).unwrap_or((0, 0)),
         }
     }
 }
@@ -57,6 +69,9 @@ fn extent(op: &Op) -> Option<(u64, u64)> {
         Op::Write { offset, data } => Some((*offset, data.len() as u64)),
         Op::Zero { offset, len } => Some((*offset, *len)),
         Op::Repair { offset, .. } => Some((*offset, 1)),
+        Op::Trim { ranges } => {
+            shoal_rpc::trim_span(ranges).map(|(first, end)| (first, end - first))
+        }
         Op::Flush => None,
     }
 }
@@ -107,6 +122,15 @@ fn write_request(
             };
             (req, data.clone())
         }
+        WriteOp::Trims { ranges } => (
+            Request::TrimRanges {
+                component,
+                generation,
+                ranges: ranges.clone(),
+                seq,
+            },
+            Bytes::new(),
+        ),
         WriteOp::Zeroes { offset, len } => (
             Request::WriteZeroes {
                 component,
@@ -177,6 +201,16 @@ impl<C: Control> Loop<C> {
             Op::Repair { component, offset } => self.repair_op(component, offset, reply),
             Op::Write { offset, data } => self.submit_write(WriteOp::Data { offset, data }, reply),
             Op::Zero { offset, len } => self.submit_write(WriteOp::Zeroes { offset, len }, reply),
+            Op::Trim { ranges } if shoal_rpc::trim_span(&ranges).is_some() => {
+                self.submit_write(WriteOp::Trims { ranges }, reply)
+            }
+            Op::Trim { ranges } => {
+                let _ = reply.send(Err(OwnerError::Invalid(format!(
+                    "a trim of {} ranges: 1 to {}, none empty, in order and apart",
+                    ranges.len(),
+                    shoal_rpc::MAX_TRIM_RANGES
+                ))));
+            }
         }
     }
 

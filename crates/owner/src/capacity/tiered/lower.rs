@@ -145,7 +145,7 @@ impl Loop {
         }
         l.reading.extend(batch.iter().map(|&(b, _)| b));
         for &(_, loc) in &batch {
-            *self.reading.entry(loc.slot).or_default() += 1;
+            self.reading.begin(loc.slot);
         }
         let (set, tx) = (self.set.clone(), self.tx.clone());
         tokio::spawn(async move {
@@ -179,7 +179,7 @@ impl Loop {
         let mut run: Option<(u64, BytesMut)> = None;
         let mut failures = 0;
         for (b, loc, r) in back {
-            self.slot_done(loc.slot);
+            self.reading.end(loc.slot);
             if let Some(l) = &mut self.lowering {
                 l.reading.remove(&b);
             }
@@ -216,16 +216,6 @@ impl Loop {
             );
             if let Some(l) = &mut self.lowering {
                 l.quiet_until = Some(Instant::now() + Duration::from_millis(REHYDRATE_RETRY_MS));
-            }
-        }
-    }
-
-    /// One slot read ended (the count that keeps new stripes out of it).
-    fn slot_done(&mut self, slot: u64) {
-        if let Some(n) = self.reading.get_mut(&slot) {
-            *n -= 1;
-            if *n == 0 {
-                self.reading.remove(&slot);
             }
         }
     }

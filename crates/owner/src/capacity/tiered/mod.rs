@@ -82,11 +82,8 @@ enum Ev {
     },
     /// A read-modify-write's blocks (first, end) are written: unlock.
     Unlock((u64, u64)),
-    /// Reads of stripe slot `slot` ended; columns that failed meanwhile.
-    SlotRead {
-        slot: u64,
-        failed: Vec<usize>,
-    },
+    /// Columns that failed a read: out of service.
+    ColumnsFailed(Vec<usize>),
     /// Column `.0`, out of service, answered its activation (or not).
     Revived(usize, Result<(), ColumnError>),
     /// The directory's view of the volume changed.
@@ -183,7 +180,7 @@ impl TieredOwner {
             set: Arc::new(set),
             tier,
             tx: tx.clone(),
-            reading: BTreeMap::new(),
+            reading: Arc::new(SlotReads::default()),
             destaging: false,
             recording: false,
             zeroings: BTreeMap::new(),
@@ -426,7 +423,7 @@ struct Loop {
     tier: Tier,
     tx: mpsc::UnboundedSender<Ev>,
     /// Stripe slots with reads in flight: not written until they end.
-    reading: BTreeMap<u64, u32>,
+    reading: Arc<SlotReads>,
     destaging: bool,
     recording: bool,
     /// Zeroings waiting for their ticket.
@@ -512,8 +509,10 @@ impl Loop {
                     self.acknowledge(tickets);
                     true
                 }
-                Ev::SlotRead { slot, failed } => {
-                    self.slot_read(slot, failed);
+                Ev::ColumnsFailed(failed) => {
+                    for p in failed {
+                        self.set.set_out(p);
+                    }
                     true
                 }
                 Ev::Revived(position, r) => {
@@ -597,6 +596,13 @@ impl Loop {
                 });
             }
             Op::Repair { component, offset } => self.repair(component, offset, reply),
+            // The volume's trims are zeroings (above); this one is the
+            // owner's own, to its performance leg.
+            Op::Trim { .. } => {
+                let _ = reply.send(Err(OwnerError::Invalid(
+                    "a trim of ranges is an owner's request to its performance leg".into(),
+                )));
+            }
         }
     }
 
@@ -820,7 +826,7 @@ impl Loop {
                 (Source::Performance, _) => parts.push(Part::Leg(b, 1)),
                 (Source::Zeros, _) => parts.push(Part::Zeros),
                 (Source::Stripe(loc), _) => {
-                    *self.reading.entry(loc.slot).or_default() += 1;
+                    self.reading.begin(loc.slot);
                     parts.push(Part::Stripe(loc.slot, usize::from(loc.index)));
                 }
             }
@@ -836,11 +842,20 @@ impl Loop {
                 Part::Stripe(slot, index) => Sent::Stripe(slot, index),
             })
             .collect();
-        let (set, tx) = (self.set.clone(), self.tx.clone());
+        let (set, tx, reading) = (self.set.clone(), self.tx.clone(), self.reading.clone());
         tokio::spawn(async move {
+            let ends = (&*set, &tx, &*reading);
+            if let [_] = &sent[..] {
+                // One part (a small read): its data as it comes.
+                let part = sent.into_iter().next().map(|s| read_part(s, ends));
+                if let Some(part) = part {
+                    let _ = reply.send(part.await);
+                }
+                return;
+            }
             // Every part at once: a read over many destaged blocks waits
             // for one round trip to the columns, not one per block.
-            let parts = sent.into_iter().map(|s| read_part(s, &set, &tx));
+            let parts = sent.into_iter().map(|s| read_part(s, ends));
             let mut out = BytesMut::with_capacity(len as usize);
             let mut result = Ok(());
             for r in futures::future::join_all(parts).await {
@@ -925,6 +940,22 @@ impl Loop {
         waits
     }
 
+    /// Trims runs of blocks (first, count), in order and apart, from the
+    /// performance leg: one request to each copy per
+    /// `shoal_rpc::MAX_TRIM_RANGES` runs (a stripe's random blocks would
+    /// otherwise cost each copy one request per block).
+    fn trim_runs(&self, runs: &[(u64, u64)]) -> Vec<crate::Submitted> {
+        let block = BLOCK_BYTES as u64;
+        runs.chunks(shoal_rpc::MAX_TRIM_RANGES)
+            .map(|chunk| match chunk {
+                [(first, count)] => self.trim(*first, *count),
+                _ => self.leg.submit(Op::Trim {
+                    ranges: chunk.iter().map(|&(f, n)| (f * block, n * block)).collect(),
+                }),
+            })
+            .collect()
+    }
+
     fn trim(&self, first: u64, count: u64) -> crate::Submitted {
         let block = BLOCK_BYTES as u64;
         self.leg.submit(Op::Zero {
@@ -951,7 +982,7 @@ impl Loop {
             return;
         }
         self.idle = false;
-        let busy: BTreeSet<u64> = self.reading.keys().copied().collect();
+        let busy: BTreeSet<u64> = self.reading.busy();
         let Some(d) = self.tier.begin_stripe(&busy).cloned() else {
             return;
         };
@@ -1084,7 +1115,7 @@ impl Loop {
                 return false;
             }
         };
-        let sent: Vec<crate::Submitted> = trims.iter().map(|&(f, n)| self.trim(f, n)).collect();
+        let sent = self.trim_runs(&trims);
         let tx = self.tx.clone();
         tokio::spawn(async move {
             for s in sent {
@@ -1164,16 +1195,37 @@ impl Loop {
         *st = s;
     }
 
-    fn slot_read(&mut self, slot: u64, failed: Vec<usize>) {
-        if let Some(n) = self.reading.get_mut(&slot) {
+}
+
+/// Stripe slots with reads in flight, shared by the loop, which counts a
+/// read in when it routes one to a slot, and the reads' tasks, which
+/// count it out once its data came back: a slot with reads in flight is
+/// never chosen for a new stripe (`Tier::begin_stripe`'s `busy`), so a
+/// read never finds a newer stripe's data. Shared rather than reported
+/// back as events: one loop event less per block read.
+#[derive(Default)]
+struct SlotReads(Mutex<BTreeMap<u64, u32>>);
+
+impl SlotReads {
+    fn begin(&self, slot: u64) {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        *m.entry(slot).or_default() += 1;
+    }
+
+    fn end(&self, slot: u64) {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&slot) {
+            debug_assert!(*n > 0, "slot {slot} read ended more than begun");
             *n -= 1;
             if *n == 0 {
-                self.reading.remove(&slot);
+                m.remove(&slot);
             }
         }
-        for p in failed {
-            self.set.set_out(p);
-        }
+    }
+
+    fn busy(&self) -> BTreeSet<u64> {
+        let m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        m.keys().copied().collect()
     }
 }
 
@@ -1243,19 +1295,22 @@ enum Sent {
 }
 
 /// One part of a read: from the leg, zeros, or a stripe block (its
-/// slot's read then reported to the loop, with the columns that failed).
+/// slot's read then counted out, and the columns that failed reported to
+/// the loop).
 async fn read_part(
     s: Sent,
-    set: &ColumnSet,
-    tx: &mpsc::UnboundedSender<Ev>,
+    (set, tx, reading): (&ColumnSet, &mpsc::UnboundedSender<Ev>, &SlotReads),
 ) -> Result<Bytes, OwnerError> {
     match s {
         Sent::Leg(w) => w.wait().await,
         Sent::Zeros => Ok(Bytes::from_static(&[0u8; BLOCK_BYTES])),
         Sent::Stripe(slot, index) => {
             let r = set.read_block(slot, index).await;
+            reading.end(slot);
             let failed = r.as_ref().map(|r| r.failed.clone()).unwrap_or_default();
-            let _ = tx.send(Ev::SlotRead { slot, failed });
+            if !failed.is_empty() {
+                let _ = tx.send(Ev::ColumnsFailed(failed));
+            }
             r.map(|r| r.data).map_err(column_failure)
         }
     }

@@ -500,6 +500,36 @@ async fn io_past_the_end_is_refused_without_touching_a_copy() {
     assert!(rig.fakes.iter().all(|f| f.requests().is_empty()));
 }
 
+/// A trim of many ranges is one request to each copy, carrying them all
+/// under the write numbering; ranges out of order or past the end are
+/// refused without touching a copy.
+#[tokio::test]
+async fn a_trim_of_many_ranges_is_one_request_to_each_copy() {
+    let mut rig = rig(&standard()).await;
+    let ranges = vec![(0, 4096), (12288, 8192), (65536, 4096)];
+    let bad = rig.submit(Op::Trim {
+        ranges: vec![(8192, 4096), (0, 4096)],
+    });
+    assert!(matches!(answer(bad).await, Err(OwnerError::Invalid(_))));
+    let past = rig.submit(Op::Trim {
+        ranges: vec![(0, 4096), (SIZE, 4096)],
+    });
+    assert_eq!(answer(past).await, Err(OwnerError::OutOfRange));
+    assert!(rig.fakes.iter().all(|f| f.requests().is_empty()));
+    let done = rig.submit(Op::Trim {
+        ranges: ranges.clone(),
+    });
+    assert_eq!(rig.finish_write().await, Flow::Continue);
+    assert_eq!(answer(done).await, Ok(Bytes::new()));
+    for i in 0..2 {
+        let sent: Vec<Request> = rig.requests(i);
+        assert!(
+            matches!(&sent[..], [Request::TrimRanges { ranges: r, seq, .. }] if *r == ranges && *seq > 0),
+            "{sent:?}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn the_last_in_sync_copy_is_never_marked_absent() {
     let mut rig = rig(&returning()).await;
