@@ -189,6 +189,19 @@ impl Mem {
                 d[offset as usize..(offset + len) as usize].fill(0);
                 (Response::Ok, Bytes::new())
             }
+            Request::TrimRanges {
+                component,
+                generation,
+                ranges,
+                ..
+            } => {
+                fenced(component, generation)?;
+                let d = &mut m.get_mut(&component).unwrap().1;
+                for (offset, len) in ranges {
+                    d[offset as usize..(offset + len) as usize].fill(0);
+                }
+                (Response::Ok, Bytes::new())
+            }
             Request::Read {
                 component,
                 generation,
@@ -224,6 +237,7 @@ fn generation_of(req: &Request) -> Option<Generation> {
         | Request::Write { generation, .. }
         | Request::WriteChecked { generation, .. }
         | Request::WriteZeroes { generation, .. }
+        | Request::TrimRanges { generation, .. }
         | Request::Read { generation, .. }
         | Request::Flush { generation, .. }
         | Request::Barrier { generation, .. }
@@ -663,7 +677,7 @@ async fn stripes_are_written_whole_and_read_back_degraded() {
     let g = shoal_model::StripeGeometry::RAID5_NARROW;
     let auth = shoal_rpc::PeerAuth::Unauthenticated;
     let wait = Duration::from_millis(500);
-    let set = ColumnSet::activate(g, (7, 4096), targets.clone(), 1, wait, &auth)
+    let set = ColumnSet::activate(g, (7, 4096), targets.clone(), (1, true), wait, &auth)
         .await
         .unwrap();
     let cols = *set.columns();
@@ -735,18 +749,36 @@ async fn stripes_are_written_whole_and_read_back_degraded() {
     // Two columns failing: 2+1 cannot take over.
     let other = (lost + 1) % 3;
     mems[other].broken.store(true, Ordering::SeqCst);
-    let e = ColumnSet::activate(g, (7, 4096), targets.clone(), 2, wait, &auth)
+    let e = ColumnSet::activate(g, (7, 4096), targets.clone(), (2, true), wait, &auth)
         .await
         .err();
     assert_eq!(e, Some(ColumnError::TooFewColumns { have: 1, need: 2 }));
     // A newer owner: the old set is deposed on its next read.
     mems[lost].broken.store(false, Ordering::SeqCst);
     mems[other].broken.store(false, Ordering::SeqCst);
-    ColumnSet::activate(g, (7, 4096), targets, 3, wait, &auth)
+    ColumnSet::activate(g, (7, 4096), targets.clone(), (3, true), wait, &auth)
         .await
         .unwrap();
     let e = set.read_block(slot, 0).await.err();
     assert!(matches!(e, Some(ColumnError::Deposed { .. })), "{e:?}");
+    // A node that lost a column once stripes exist: an owner that does
+    // not create columns leaves it out of service (degraded reads, then a
+    // rebuild) instead of bringing it back empty.
+    mems[lost].comps.lock().unwrap().remove(&(10 + lost as u64));
+    let set = ColumnSet::activate(g, (7, 4096), targets, (4, false), wait, &auth)
+        .await
+        .unwrap();
+    assert_eq!(set.in_service().len(), 2);
+    assert!(!set.in_service().contains(&lost));
+    assert!(!mems[lost]
+        .comps
+        .lock()
+        .unwrap()
+        .contains_key(&(10 + lost as u64)));
+    for (i, b) in blocks.iter().enumerate() {
+        let r = set.read_block(slot, i).await.unwrap();
+        assert_eq!(&r.data[..], &b[..], "block {i} read around the lost column");
+    }
 }
 
 /// A RAID-5 volume on the three in-memory nodes: copies 1 and 2 and

@@ -70,16 +70,17 @@ pub struct ColumnSet {
 
 impl ColumnSet {
     /// Connects to every column (by position) of volume `volume` of
-    /// `volume_bytes`, makes sure it exists ([`Columns::column_bytes`]
-    /// long) and activates it under `generation`, all at once. A column
-    /// that cannot be reached is out of service; fewer than `k` in service
-    /// is refused, and a column that already has a newer owner deposes
-    /// this one.
+    /// `volume_bytes`, with `create` makes sure it exists
+    /// ([`Columns::column_bytes`] long), and activates it under
+    /// `generation`, all at once. A column that cannot be reached, or
+    /// that its node does not have and is not to be created, is out of
+    /// service; fewer than `k` in service is refused, and a column that
+    /// already has a newer owner deposes this one.
     pub async fn activate(
         geometry: StripeGeometry,
         (volume, volume_bytes): (VolumeId, u64),
         targets: Vec<ColumnTarget>,
-        generation: Generation,
+        (generation, create): (Generation, bool),
         timeout: Duration,
         auth: &PeerAuth,
     ) -> Result<ColumnSet, ColumnError> {
@@ -95,7 +96,7 @@ impl ColumnSet {
         let size = columns.column_bytes(volume_bytes);
         let tries = targets
             .iter()
-            .map(|t| activate_one(t, (volume, size), generation, timeout, auth));
+            .map(|t| activate_one(t, (volume, size, create), generation, timeout, auth));
         let mut peers = Vec::with_capacity(targets.len());
         for (position, r) in join_all(tries).await.into_iter().enumerate() {
             match r {
@@ -367,7 +368,7 @@ impl ColumnSet {
         let size = self.columns.column_bytes(volume_bytes);
         let peer = activate_one(
             new,
-            (volume, size),
+            (volume, size, true),
             self.generation,
             self.timeout,
             &self.auth,
@@ -478,19 +479,21 @@ fn column_error(position: usize, error: RpcError) -> ColumnError {
 
 async fn activate_one(
     t: &ColumnTarget,
-    (volume, size): (VolumeId, u64),
+    (volume, size, create): (VolumeId, u64, bool),
     generation: Generation,
     timeout: Duration,
     auth: &PeerAuth,
 ) -> Result<Peer, RpcError> {
     let peer = Peer::connect(&t.addr, timeout, auth).await?;
-    let create = Request::CreateComponent {
-        component: t.component,
-        volume,
-        device: t.device,
-        size,
-    };
-    peer.call(&create, Bytes::new(), timeout).await?;
+    if create {
+        let req = Request::CreateComponent {
+            component: t.component,
+            volume,
+            device: t.device,
+            size,
+        };
+        peer.call(&req, Bytes::new(), timeout).await?;
+    }
     let req = Request::Activate {
         component: t.component,
         generation,

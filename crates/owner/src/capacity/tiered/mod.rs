@@ -134,20 +134,25 @@ impl TieredOwner {
         });
         let first_view = view.clone();
         let leg = Owner::start_mirror(cfg, view, generation, control).await?;
-        let set = ColumnSet::activate(
-            geometry,
-            (v.id, v.size),
-            columns,
-            generation,
-            timeout,
-            &auth,
-        )
-        .await
-        .map_err(column_failure);
-        let taken = match set {
-            Ok(set) => recover(&leg, set, (v.id, v.size), &copies, (timeout, &auth)).await,
-            Err(e) => Err(e),
-        };
+        let taken = async {
+            let map = read_map(&leg, (v.id, v.size), timeout).await?;
+            // A column is created only while no stripe is mapped (a new
+            // capacity leg): one its node lost once stripes were written
+            // stays out, to be rebuilt, rather than come back empty and
+            // read as zeros.
+            let set = ColumnSet::activate(
+                geometry,
+                (v.id, v.size),
+                columns,
+                (generation, map.is_empty()),
+                timeout,
+                &auth,
+            )
+            .await
+            .map_err(column_failure)?;
+            recover(&leg, set, map, (v.id, v.size), &copies, (timeout, &auth)).await
+        }
+        .await;
         match taken {
             Ok((set, tier)) => {
                 let heal = heal::Healing::new(directory, &first_view);
@@ -299,19 +304,29 @@ fn in_sync_copies(view: &View) -> Vec<(String, u64)> {
         .collect()
 }
 
+/// The map a new owner starts from, read from the log once the leg's
+/// copies agree (`docs/erasure-coding.md`, A new owner).
+async fn read_map(
+    leg: &Owner,
+    (volume, size): (u64, u64),
+    timeout: Duration,
+) -> Result<crate::stripes::StripeMap, OwnerError> {
+    reconciled(leg, timeout * RECONCILE_WAIT_TIMEOUTS).await?;
+    let records = read_log(leg, volume, size, log_records_for(size)).await?;
+    Tier::recover_map(&records).map_err(|e| OwnerError::Unavailable(e.to_string()))
+}
+
 /// What a new owner serves from: the map from the log, and the pending
 /// blocks from the leg (`docs/erasure-coding.md`, A new owner).
 async fn recover(
     leg: &Owner,
     set: ColumnSet,
+    map: crate::stripes::StripeMap,
     (volume, size): (u64, u64),
     copies: &[(String, u64)],
     (timeout, auth): (Duration, &shoal_rpc::PeerAuth),
 ) -> Result<(ColumnSet, Tier), OwnerError> {
-    reconciled(leg, timeout * RECONCILE_WAIT_TIMEOUTS).await?;
     let log_records = log_records_for(size);
-    let records = read_log(leg, volume, size, log_records).await?;
-    let map = Tier::recover_map(&records).map_err(|e| OwnerError::Unavailable(e.to_string()))?;
     let allocated = allocated_blocks(copies, size, timeout, auth).await?;
     let mut mapped_zeros = BTreeSet::new();
     for &b in allocated.iter().filter(|&&b| map.get(b).is_some()) {
@@ -1194,7 +1209,6 @@ impl Loop {
         let mut st = self.status.lock().unwrap_or_else(|e| e.into_inner());
         *st = s;
     }
-
 }
 
 /// Stripe slots with reads in flight, shared by the loop, which counts a
