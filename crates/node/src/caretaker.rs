@@ -219,18 +219,23 @@ mod tests {
         assert_eq!(to_claim(&s, 2), vec![v], "kept running by its caretaker");
     }
 
-    #[test]
-    fn an_aborted_policy_change_is_left_to_the_caretaker_to_begin_again() {
-        let (mut s, v) = cluster();
-        let ftt0: Policy = "raid1 ftt=0".parse().unwrap();
+    /// Volume `v`'s caretaker, generation and witness.
+    fn keeper_generation_witness(s: &ClusterState, v: VolumeId) -> (NodeId, u64, u64) {
         let vol = &s.volumes[&v];
-        let (keeper, generation) = (caretaker(&s, vol).unwrap(), vol.generation);
         let witness = vol
             .components
             .iter()
             .find(|c| c.role == ComponentRole::Witness)
             .map(|c| c.id)
             .unwrap();
+        (caretaker(s, vol).unwrap(), vol.generation, witness)
+    }
+
+    #[test]
+    fn an_aborted_policy_change_is_left_to_the_caretaker_to_begin_again() {
+        let (mut s, v) = cluster();
+        let ftt0: Policy = "raid1 ftt=0".parse().unwrap();
+        let (keeper, generation, witness) = keeper_generation_witness(&s, v);
         s.apply(&Command::BeginReconfig {
             volume: v,
             generation,
@@ -273,14 +278,7 @@ mod tests {
             "raid1 ftt=0".parse().unwrap(),
             "raid1 ftt=0 iops=500".parse().unwrap(),
         );
-        let vol = &s.volumes[&v];
-        let (keeper, generation) = (caretaker(&s, vol).unwrap(), vol.generation);
-        let witness = vol
-            .components
-            .iter()
-            .find(|c| c.role == ComponentRole::Witness)
-            .map(|c| c.id)
-            .unwrap();
+        let (keeper, generation, witness) = keeper_generation_witness(&s, v);
         let mut steps = HashMap::new();
         note_steps(&s, &mut steps);
         assert!(steps.is_empty());

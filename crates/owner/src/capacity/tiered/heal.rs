@@ -122,11 +122,6 @@ impl Healing {
         }
     }
 
-    /// The loop's way to the directory.
-    pub(super) fn control(&self) -> Arc<dyn ColumnControl> {
-        self.control.clone()
-    }
-
     /// The column being rebuilt, which must not be brought back.
     pub(super) fn replacing(&self) -> Option<usize> {
         match &self.phase {
@@ -288,6 +283,18 @@ impl Loop {
             remove: vec![change.removed],
             commit,
         };
+        self.end_change(end, move |result| Ev::ColumnChangeEnded { commit, result });
+    }
+
+    /// Proposes `end` of the change in progress under the owner's
+    /// current generation, again every [`END_RETRY_MS`] while the
+    /// directory cannot decide, and hands the answer to the loop as
+    /// `answered` makes it.
+    pub(super) fn end_change(
+        &self,
+        end: ChangeEnd,
+        answered: impl FnOnce(Result<(), ControlError>) -> Ev + Send + 'static,
+    ) {
         let (control, tx, leg) = (self.heal.control.clone(), self.tx.clone(), self.leg.clone());
         tokio::spawn(async move {
             let r = loop {
@@ -298,7 +305,7 @@ impl Loop {
                     other => break other,
                 }
             };
-            let _ = tx.send(Ev::ColumnChangeEnded { commit, result: r });
+            let _ = tx.send(answered(r));
         });
     }
 

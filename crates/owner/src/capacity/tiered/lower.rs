@@ -32,9 +32,6 @@ const REHYDRATE_BLOCKS_IN_FLIGHT: usize = 256;
 /// How long after a read back failed (too few columns answer) the loop
 /// tries again, in milliseconds.
 const REHYDRATE_RETRY_MS: u64 = 1000;
-/// Interval of retries of the commit while the directory cannot decide,
-/// in milliseconds.
-const COMMIT_RETRY_MS: u64 = 500;
 
 /// A block read back from the stripes: where it was read from, and what.
 pub(super) type ReadBack = (u64, Loc, Result<Bytes, OwnerError>);
@@ -298,18 +295,7 @@ impl Loop {
             remove: l.remove.clone(),
             commit: true,
         };
-        let (control, tx, leg) = (self.heal.control(), self.tx.clone(), self.leg.clone());
-        tokio::spawn(async move {
-            let r = loop {
-                match control.end_reconfig(leg.generation(), end.clone()).await {
-                    Err(ControlError::Unavailable(_)) if !tx.is_closed() => {
-                        tokio::time::sleep(Duration::from_millis(COMMIT_RETRY_MS)).await;
-                    }
-                    other => break other,
-                }
-            };
-            let _ = tx.send(Ev::Lowered(r));
-        });
+        self.end_change(end, Ev::Lowered);
         true
     }
 
