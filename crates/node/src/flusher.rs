@@ -381,6 +381,17 @@ mod tests {
     ) {
         let p = dir.path().join("dev.img");
         drop(f);
+        // The flusher's threads end on their own once told to (its drop
+        // does not join them), each dropping its handle on the store: the
+        // store (and its lock on the device file) goes with the last.
+        let start = std::time::Instant::now();
+        while Arc::strong_count(&store) > 1 {
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(10),
+                "flusher threads linger"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         let image = std::fs::read(&p).unwrap();
         drop(store);
         std::fs::write(&p, &image).unwrap();
