@@ -402,12 +402,7 @@ mod tests;
 /// there, step by step). A change of the policy's other words moves
 /// nothing.
 fn check_lowering(v: &Volume, b: &Begin<'_>, p: &Policy) -> Result<(), StateError> {
-    let mut columns: Vec<ComponentId> = v
-        .components
-        .iter()
-        .filter(|c| matches!(c.role, ComponentRole::Stripe { .. }))
-        .map(|c| c.id)
-        .collect();
+    let mut columns: Vec<ComponentId> = v.stripe_components().map(|c| c.id).collect();
     let mut remove = b.remove.to_vec();
     remove.sort_unstable();
     columns.sort_unstable();

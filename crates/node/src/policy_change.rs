@@ -237,11 +237,7 @@ pub fn next_step(from: &Policy, to: &Policy) -> Policy {
 fn erasure_step(v: &Volume, step: &Policy, wanted: Option<Policy>) -> Command {
     let lowering = !step.layout.is_erasure();
     let remove = if lowering {
-        v.components
-            .iter()
-            .filter(|c| matches!(c.role, shoal_model::ComponentRole::Stripe { .. }))
-            .map(|c| c.id)
-            .collect()
+        v.stripe_components().map(|c| c.id).collect()
     } else {
         Vec::new()
     };
