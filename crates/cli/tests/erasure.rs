@@ -9,7 +9,7 @@ mod common;
 
 use common::bitrot::{device_paths, find_blocks, flip_bit, wait_scrub_passes};
 use common::fio::{finish, fio_verify_only, fio_write_verify};
-use common::ledger::{connect, Writer};
+use common::ledger::{connect, Runs, Writer};
 use common::{components_of, require, sh, wait_for, Cluster};
 use shoal_nbd::codec::{Command as Nbd, Request, SimpleReply, SIMPLE_REPLY_LEN};
 use std::io::{Read, Write};
@@ -256,27 +256,64 @@ fn lowering_survives_the_kill_of_its_owner(c: &Cluster, vol: &str, owner: u32) {
     c.verify_copies(vol);
 }
 
-/// Every node killed -9 at once while a client writes a raid5 volume and
-/// its owner destages stripes: after `shoal up` every acknowledged write
-/// reads back (no block older, none torn), through two nodes, before and
-/// after the new owner destaged what the leg held.
+/// A client writes a raid5 volume with 4 KiB writes and, every eighth,
+/// 512 KiB ones (two 2+1 stripes straight to the columns, four blocks
+/// staged). The node of a stripe column is killed -9 (direct stripes in
+/// flight fail and are staged instead, and large writes are staged while
+/// it is out) and comes back; then every node is killed -9 at once while
+/// stripes of both kinds are being written: after `shoal up` every
+/// acknowledged write reads back (no block older, none torn), through two
+/// nodes, before and after the new owner destaged what the leg held.
 #[test]
 fn raid5_whole_cluster_kill_during_destage_loses_no_acknowledged_write() {
     let c = Cluster::start(4);
     c.create_volume("e", "64M", "raid5");
     let versions = vec![0u32; (64 << 20) / 4096];
-    let w = Writer::start(&c.nbd_addr(1), "e", versions, 16);
-    wait_for("stripes destaged under writes", LOAD, || {
-        let (acks, stripes) = (
-            w.ledger().acks(),
-            c.try_metric(&[1], "shoal_volume_stripes_written_total")?,
-        );
-        let staged = c.try_metric(&[1], "shoal_volume_staged_blocks")?;
-        match acks >= 20_000 && stripes >= 50 && staged > 0 {
-            true => Ok(()),
-            false => Err(format!("{acks} acks, {stripes} stripes, {staged} staged")),
+    let runs = Runs {
+        every: 8,
+        blocks: 128,
+    };
+    let w = Writer::start_with_runs(&c.nbd_addr(1), "e", versions, 16, runs);
+    let stripes_under_writes = |acks_at_least: u64| {
+        wait_for("stripes of both kinds under writes", LOAD, || {
+            let acks = w.ledger().acks();
+            let stripes = c.try_metric(&[1], "shoal_volume_stripes_written_total")?;
+            let direct = c.try_metric(&[1], "shoal_volume_direct_stripes_total")?;
+            let staged = c.try_metric(&[1], "shoal_volume_staged_blocks")?;
+            let enough = acks >= acks_at_least && stripes >= direct + 50 && direct >= 50;
+            match enough && staged > 0 {
+                true => Ok(()),
+                false => Err(format!(
+                    "{acks} acks, {stripes} stripes ({direct} direct), {staged} staged"
+                )),
+            }
+        })
+    };
+    stripes_under_writes(8_000);
+    let owner = c.json(&["volume", "show", "e"])["volume"]["owner"].clone();
+    assert_eq!(owner, 1, "the client's node owns the volume");
+    let victim = *nodes_of(&c, "e", "stripe")
+        .iter()
+        .find(|&&n| n != 1)
+        .expect("a column off the owner's node");
+    c.signal(victim, "KILL");
+    c.wait_metric(&[1], "shoal_volume_stripe_columns_out", 1, LOAD);
+    w.wait_more("writes with a column out", 2_000, LOAD);
+    c.up();
+    wait_for("the column back in service", HEAL, || {
+        match c.try_metric(&[1], "shoal_volume_stripe_columns_out")? {
+            0 => Ok(()),
+            n => Err(format!("{n} out")),
         }
     });
+    let direct_before = c.metric(&[1], "shoal_volume_direct_stripes_total");
+    wait_for("direct stripes again", LOAD, || {
+        match c.try_metric(&[1], "shoal_volume_direct_stripes_total")? {
+            n if n >= direct_before + 20 => Ok(()),
+            n => Err(format!("{n} direct stripes")),
+        }
+    });
+    assert_eq!(w.ledger().errors(), 0, "writes failed with a column out");
     let pids: Vec<String> = (1..=4).map(|n| c.pid(n).to_string()).collect();
     sh(&format!("kill -KILL {}", pids.join(" ")));
     let ledger = w.wait_cut();

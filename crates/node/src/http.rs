@@ -1293,6 +1293,13 @@ fn tier_metrics(h: &Http, node: &str, out: &mut String) {
         "Full stripes an erasure-coded volume's owner here wrote (since it became owner)",
         &each(&|t| t.stripes_written),
     );
+    family(
+        out,
+        "shoal_volume_direct_stripes_total",
+        "counter",
+        "Of those, stripes of client writes that went straight to the capacity leg (since it became owner)",
+        &each(&|t| t.direct_stripes),
+    );
 }
 
 #[cfg(test)]

@@ -87,8 +87,11 @@ pub struct TierStatus {
     /// Stripe columns out of service (no stripe is written while one
     /// is: destage waits, reads of their blocks are rebuilt).
     pub columns_out: u64,
-    /// Stripes written by this owner (destages and cleans).
+    /// Stripes written by this owner (destages, cleans and client writes
+    /// straight to the capacity leg).
     pub stripes_written: u64,
+    /// Of those, stripes of client writes straight to the capacity leg.
+    pub direct_stripes: u64,
     /// Bytes of the volume holding data (as of the last tick).
     pub written_bytes: u64,
     /// Columns out of service whose rebuild waits for the repair delay,

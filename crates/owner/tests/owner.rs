@@ -33,6 +33,8 @@ struct Mem {
     deaf_to: AtomicU64,
     /// The read leases granted, as a node's replicas keep them.
     grants: Option<Grants>,
+    /// Every write applied: (component, offset, bytes).
+    writes: Mutex<Vec<(u64, u64, u64)>>,
 }
 
 impl Mem {
@@ -42,6 +44,20 @@ impl Mem {
 
     fn data(&self, c: u64) -> Vec<u8> {
         self.comps.lock().unwrap()[&c].1.clone()
+    }
+
+    fn wrote(&self, component: u64, offset: u64, len: usize) {
+        let mut w = self.writes.lock().unwrap();
+        w.push((component, offset, len as u64));
+    }
+
+    /// Bytes written to component `c` below offset `end`.
+    fn written_below(&self, c: u64, end: u64) -> u64 {
+        let w = self.writes.lock().unwrap();
+        w.iter()
+            .filter(|&&(comp, off, _)| comp == c && off < end)
+            .map(|&(_, off, len)| len.min(end - off))
+            .sum()
     }
 
     fn run(&self, req: Request, payload: Bytes) -> Result<(Response, Bytes), RemoteError> {
@@ -137,6 +153,7 @@ impl Mem {
                 fenced(component, generation)?;
                 let d = &mut m.get_mut(&component).unwrap().1;
                 d[offset as usize..offset as usize + payload.len()].copy_from_slice(&payload);
+                self.wrote(component, offset, payload.len());
                 (Response::Ok, Bytes::new())
             }
             Request::WriteChecked {
@@ -161,6 +178,7 @@ impl Mem {
                 }
                 let d = &mut m.get_mut(&component).unwrap().1;
                 d[offset as usize..offset as usize + payload.len()].copy_from_slice(&payload);
+                self.wrote(component, offset, payload.len());
                 (Response::Ok, Bytes::new())
             }
             Request::Repair {
@@ -1071,7 +1089,15 @@ async fn erasure_coded_owners_stopped_mid_destage_lose_no_acknowledged_write() {
         for i in 0..(200 + next() % 400) {
             let b = next() % BLOCKS;
             let v = round << 5 | (i % 31) as u8 | 1;
-            let len = if next() % 4 == 0 { 3 } else { 1 };
+            // Mostly single blocks; some of three; some of a whole 2+1
+            // stripe, or a stripe and more, which go straight to the
+            // columns.
+            let len = match next() % 16 {
+                0..=3 => 3,
+                4 => 62,
+                5 => 70,
+                _ => 1,
+            };
             let len = len.min(BLOCKS - b);
             // Writes in flight together touch distinct blocks: which of
             // two overlapping ones lands last is anyone's.
@@ -1127,6 +1153,74 @@ async fn erasure_coded_owners_stopped_mid_destage_lose_no_acknowledged_write() {
             peek.stop();
         }
     }
+}
+
+/// Writes of whole stripes go straight to the columns: the performance
+/// leg's copies get none of their data (only map records past the
+/// volume's end), the rest of a write is staged, and everything reads
+/// back, also through a new owner. With a column's node failing, such a
+/// write is staged instead and still acknowledged, and reads back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_stripe_writes_go_straight_to_the_columns() {
+    use shoal_owner::capacity::TieredOwner;
+    let (mems, addrs, dir) = setup().await;
+    let size = ec_view(&addrs, 1).volume.size;
+    let o = TieredOwner::start(cfg(), ec_view(&addrs, 1), 1, dir.clone())
+        .await
+        .unwrap();
+    // Four 2+1 stripes of 62 blocks, then 10 blocks more: 258 blocks.
+    const N: usize = 4 * 62 + 10;
+    let data: Vec<u8> = (0..N * 4096).map(|i| (i / 4096 % 251) as u8 | 1).collect();
+    let writes = (0..4).map(|k| {
+        let o = o.clone();
+        let part = Bytes::from(data[k * 62 * 4096..(k + 1) * 62 * 4096].to_vec());
+        tokio::spawn(async move {
+            let w = Op::Write {
+                offset: (k * 62 * 4096) as u64,
+                data: part,
+            };
+            o.execute(w).await
+        })
+    });
+    for h in writes.collect::<Vec<_>>() {
+        h.await.unwrap().unwrap();
+    }
+    let tail = Op::Write {
+        offset: (4 * 62 * 4096) as u64,
+        data: Bytes::from(data[4 * 62 * 4096..].to_vec()),
+    };
+    o.execute(tail).await.unwrap();
+    // The leg's copies: the ten staged blocks only.
+    let leg = mems[0].written_below(1, size) + mems[1].written_below(2, size);
+    assert_eq!(leg, 2 * 10 * 4096, "bytes of client data on the leg");
+    let read_all = |o: TieredOwner| async move {
+        o.execute(Op::Read {
+            offset: 0,
+            len: (N * 4096) as u32,
+        })
+        .await
+        .unwrap()
+    };
+    assert_eq!(first_difference(&read_all(o.clone()).await, &data), None);
+    o.stop();
+    dir.generation.store(2, Ordering::SeqCst);
+    let o = TieredOwner::start(cfg(), ec_view(&addrs, 2), 2, dir.clone())
+        .await
+        .unwrap();
+    assert_eq!(first_difference(&read_all(o.clone()).await, &data), None);
+    // A column's node fails: whole stripes are staged, and acknowledged.
+    mems[2].broken.store(true, Ordering::SeqCst);
+    let again: Vec<u8> = data.iter().map(|&b| b ^ 0x80).collect();
+    let w = Op::Write {
+        offset: 0,
+        data: Bytes::from(again[..2 * 62 * 4096].to_vec()),
+    };
+    o.execute(w).await.unwrap();
+    let mut want = data.clone();
+    want[..2 * 62 * 4096].copy_from_slice(&again[..2 * 62 * 4096]);
+    assert_eq!(first_difference(&read_all(o.clone()).await, &want), None);
+    let staged = mems[0].written_below(1, size);
+    assert!(staged >= (10 + 2 * 62) * 4096, "{staged} bytes staged");
 }
 
 /// A 64-block volume, whose columns have 20 stripe slots, written whole

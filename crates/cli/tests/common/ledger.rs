@@ -1,7 +1,8 @@
 //! A client that remembers what the cluster acknowledged, for crash tests.
 //!
 //! [`Writer`] writes 4 KiB blocks over one NBD connection, several in
-//! flight, never two on the same block at once. Each block's contents name
+//! flight, never two on the same block at once; with [`Runs`], some of
+//! its writes are runs of many consecutive blocks in one request. Each block's contents name
 //! the block and a version (1, 2, ... per block) and are otherwise a
 //! pattern derived from both, so a block read back tells which write put
 //! it there, and a torn or misplaced block shows. The [`Ledger`] keeps, per
@@ -70,8 +71,9 @@ struct State {
     sent: Vec<u32>,
     /// Blocks with a write in flight.
     busy: Vec<bool>,
-    /// handle → (block, version) of the writes in flight.
-    inflight: HashMap<u64, (u64, u32)>,
+    /// handle → (first block, each block's version) of the writes in
+    /// flight.
+    inflight: HashMap<u64, (u64, Vec<u32>)>,
     acks: u64,
     /// Writes answered with an error (an unacknowledged write: it may or
     /// may not have landed, as one in flight at the cut).
@@ -179,6 +181,14 @@ impl Ledger {
     }
 }
 
+/// Which of a [`Writer`]'s writes are runs of blocks: every `every`th
+/// write (0: none) is `blocks` consecutive blocks in one request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Runs {
+    pub every: u64,
+    pub blocks: u64,
+}
+
 /// Writes random blocks until the connection goes.
 pub struct Writer {
     ledger: Arc<Ledger>,
@@ -192,7 +202,19 @@ impl Writer {
     /// holds now (all 0 on a new volume; what [`Ledger::check`] found,
     /// to go on after a crash).
     pub fn start(addr: &str, export: &str, versions: Vec<u32>, depth: usize) -> Writer {
+        Writer::start_with_runs(addr, export, versions, depth, Runs::default())
+    }
+
+    /// [`Writer::start`], some writes being runs of blocks.
+    pub fn start_with_runs(
+        addr: &str,
+        export: &str,
+        versions: Vec<u32>,
+        depth: usize,
+        runs: Runs,
+    ) -> Writer {
         let blocks = versions.len();
+        assert!(runs.blocks <= blocks as u64, "runs longer than the volume");
         let ledger = Arc::new(Ledger {
             state: Mutex::new(State {
                 acked: versions.clone(),
@@ -206,7 +228,7 @@ impl Writer {
         let r = s.try_clone().expect("clone stream");
         let stream = s.try_clone().expect("clone stream");
         let l = ledger.clone();
-        let writer = std::thread::spawn(move || write_loop(s, &l, depth));
+        let writer = std::thread::spawn(move || write_loop(s, &l, depth, runs));
         let l = ledger.clone();
         let reader = std::thread::spawn(move || read_loop(r, &l));
         Writer {
@@ -271,11 +293,35 @@ impl Writer {
     }
 }
 
-fn write_loop(mut s: TcpStream, l: &Ledger, depth: usize) {
+/// The next write: its first block and count, none of them busy (a run
+/// that finds a busy block is a single block this time).
+fn pick(st: &State, x: &mut u64, run: u64) -> (u64, u64) {
+    let blocks = st.acked.len() as u64;
+    let mut next = || {
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        *x
+    };
+    if run > 1 {
+        let first = next() % (blocks - run + 1);
+        if (first..first + run).all(|b| !st.busy[b as usize]) {
+            return (first, run);
+        }
+    }
+    loop {
+        let b = next() % blocks;
+        if !st.busy[b as usize] {
+            return (b, 1);
+        }
+    }
+}
+
+fn write_loop(mut s: TcpStream, l: &Ledger, depth: usize, runs: Runs) {
     let mut x: u64 = 0x2545_F491_4F6C_DD1D;
     let mut handle = 0u64;
     loop {
-        let (block, version) = {
+        let (first, versions) = {
             let mut st = l.lock();
             while st.inflight.len() >= depth && !st.closed && !st.stopping {
                 st = l.room.wait(st).unwrap_or_else(|e| e.into_inner());
@@ -283,32 +329,34 @@ fn write_loop(mut s: TcpStream, l: &Ledger, depth: usize) {
             if st.closed || st.stopping {
                 break;
             }
-            let blocks = st.acked.len() as u64;
-            let block = loop {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                let b = x % blocks;
-                if !st.busy[b as usize] {
-                    break b;
-                }
-            };
-            let v = st.sent[block as usize] + 1;
-            st.sent[block as usize] = v;
-            st.busy[block as usize] = true;
             handle += 1;
-            st.inflight.insert(handle, (block, v));
-            (block, v)
+            let run = match runs.every {
+                0 => 1,
+                every if handle.is_multiple_of(every) => runs.blocks,
+                _ => 1,
+            };
+            let (first, count) = pick(&st, &mut x, run);
+            let mut versions = Vec::with_capacity(count as usize);
+            for b in first..first + count {
+                let v = st.sent[b as usize] + 1;
+                st.sent[b as usize] = v;
+                st.busy[b as usize] = true;
+                versions.push(v);
+            }
+            st.inflight.insert(handle, (first, versions.clone()));
+            (first, versions)
         };
         let req = Request {
             flags: 0,
             command: Nbd::Write,
             handle,
-            offset: block * BLOCK as u64,
-            len: BLOCK as u32,
+            offset: first * BLOCK as u64,
+            len: (versions.len() * BLOCK) as u32,
         };
         let mut frame = req.encode().to_vec();
-        frame.extend_from_slice(&block_image(block, version));
+        for (b, &v) in (first..).zip(&versions) {
+            frame.extend_from_slice(&block_image(b, v));
+        }
         if s.write_all(&frame).is_err() {
             break;
         }
@@ -323,20 +371,20 @@ fn read_loop(mut s: TcpStream, l: &Ledger) {
             break;
         };
         let mut st = l.lock();
-        let Some((block, v)) = st.inflight.remove(&r.handle) else {
+        let Some((first, versions)) = st.inflight.remove(&r.handle) else {
             st.refused = Some(format!("a reply for unknown handle {}", r.handle));
             break;
         };
-        st.busy[block as usize] = false;
-        if r.error != 0 {
-            st.errors += 1;
-        } else {
-            assert!(
-                v > st.acked[block as usize],
-                "versions acknowledged out of order"
-            );
-            st.acked[block as usize] = v;
-            st.acks += 1;
+        for (b, &v) in (first as usize..).zip(&versions) {
+            st.busy[b] = false;
+            if r.error == 0 {
+                assert!(v > st.acked[b], "versions acknowledged out of order");
+                st.acked[b] = v;
+            }
+        }
+        match r.error {
+            0 => st.acks += 1,
+            _ => st.errors += 1,
         }
         drop(st);
         l.room.notify_all();

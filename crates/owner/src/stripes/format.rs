@@ -4,10 +4,15 @@
 //! - [`Summary`]: the first block of every data unit of a stripe, naming
 //!   the volume block of each data block of the stripe.
 //! - [`MapRecord`]: one record of the map log (a stripe destaged or
-//!   cleaned, blocks unmapped, or a part of a checkpoint of the whole map).
+//!   cleaned, several stripes at once, blocks unmapped, or a part of a
+//!   checkpoint of the whole map).
 //!
 //! Every field is little-endian. Decoding never panics on any input: a
-//! block that is not a valid record of this version is an error.
+//! block that is not a valid record of a version this binary reads is an
+//! error. Records are of version 2 since the kind that names several
+//! stripes; version 1 records (the other kinds) still read. A binary that
+//! reads version 1 only does not read a version 2 log: no downgrade past
+//! it.
 
 use super::Loc;
 use std::collections::BTreeMap;
@@ -25,11 +30,26 @@ pub const PAD_BLOCK: u64 = u64::MAX;
 
 const SUMMARY_MAGIC: &[u8; 8] = b"SHOALSTR";
 const RECORD_MAGIC: &[u8; 8] = b"SHOALMAP";
-const VERSION: u16 = 1;
+/// Version of the summary blocks written and read.
+const SUMMARY_VERSION: u16 = 1;
+/// Version of the map records written; versions 1 and 2 are read.
+const RECORD_VERSION: u16 = 2;
+/// The oldest map record version read.
+const OLDEST_RECORD_VERSION: u16 = 1;
 
 const KIND_STRIPE: u8 = 1;
 const KIND_UNMAP: u8 = 2;
 const KIND_CHECKPOINT: u8 = 3;
+/// Several stripes in one record (version 2 on).
+const KIND_STRIPES: u8 = 4;
+
+/// Bytes of a run of a stripes record: first block u64, len u16.
+const STRIPE_RUN_BYTES: usize = 10;
+/// Bytes of a stripe's entry in a stripes record before its runs: stripe
+/// seq, slot, block count, run count.
+const STRIPE_ENTRY_BYTES: usize = 8 + 8 + 4 + 2;
+/// Payload bytes a stripes record has for its entries (after the count).
+pub const STRIPES_PAYLOAD_BYTES: usize = RECORD_BYTES - RECORD_HEADER - 4 - 2;
 
 /// Bytes of a checkpoint run: block u64, len u32, slot u64, index u16.
 const RUN_BYTES: usize = 22;
@@ -48,7 +68,7 @@ pub(super) const RUNS_PER_CHECKPOINT_PART: usize =
 pub enum RecordError {
     #[error("not a {0} (magic)")]
     Magic(&'static str),
-    #[error("{what} of version {version}, this binary reads version {VERSION}")]
+    #[error("{what} of version {version}, which this binary does not read")]
     Version { what: &'static str, version: u16 },
     #[error("checksum mismatch")]
     Checksum,
@@ -110,7 +130,7 @@ impl Summary {
         }
         let mut b = Vec::with_capacity(RECORD_BYTES);
         b.extend_from_slice(SUMMARY_MAGIC);
-        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.extend_from_slice(&SUMMARY_VERSION.to_le_bytes());
         b.push(self.data_shards);
         b.push(self.parity_shards);
         b.extend_from_slice(&self.volume.to_le_bytes());
@@ -124,7 +144,12 @@ impl Summary {
     }
 
     pub fn decode(block: &[u8]) -> Result<Summary, RecordError> {
-        let mut r = Reader::open(block, SUMMARY_MAGIC, "stripe summary")?;
+        let (mut r, _) = Reader::open(
+            block,
+            SUMMARY_MAGIC,
+            "stripe summary",
+            SUMMARY_VERSION..=SUMMARY_VERSION,
+        )?;
         let data_shards = r.u8()?;
         let parity_shards = r.u8()?;
         let volume = r.u64()?;
@@ -159,6 +184,14 @@ pub enum MapRecord {
         slot: u64,
         blocks: Vec<u64>,
     },
+    /// Several stripes became durable, in this order: what a
+    /// [`MapRecord::Stripe`] says of each (one record for the stripes a
+    /// writer had ready at once).
+    Stripes {
+        volume: u64,
+        seq: u64,
+        stripes: Vec<StripeEntry>,
+    },
     /// Blocks `first..first + count` were trimmed: they read as zeros.
     Unmap {
         volume: u64,
@@ -178,10 +211,49 @@ pub enum MapRecord {
     },
 }
 
+/// One stripe of a [`MapRecord::Stripes`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StripeEntry {
+    pub stripe_seq: u64,
+    pub slot: u64,
+    /// Its data blocks, in order ([`PAD_BLOCK`] where none).
+    pub blocks: Vec<u64>,
+}
+
+impl StripeEntry {
+    /// Bytes this entry takes in a stripes record: its blocks go as runs
+    /// of consecutive numbers (a stripe written straight from one large
+    /// write is one run).
+    pub fn encoded_bytes(blocks: &[u64]) -> usize {
+        STRIPE_ENTRY_BYTES + STRIPE_RUN_BYTES * block_runs(blocks).len()
+    }
+}
+
+/// `blocks` as runs (first, len) of consecutive numbers, padding as runs
+/// of [`PAD_BLOCK`].
+fn block_runs(blocks: &[u64]) -> Vec<(u64, u16)> {
+    let mut runs: Vec<(u64, u16)> = Vec::new();
+    for &b in blocks {
+        if let Some((first, len)) = runs.last_mut() {
+            let next = match *first {
+                PAD_BLOCK => b == PAD_BLOCK,
+                f => f.checked_add(u64::from(*len)) == Some(b),
+            };
+            if next && *len < u16::MAX {
+                *len += 1;
+                continue;
+            }
+        }
+        runs.push((b, 1));
+    }
+    runs
+}
+
 impl MapRecord {
     pub fn seq(&self) -> u64 {
         match self {
             MapRecord::Stripe { seq, .. }
+            | MapRecord::Stripes { seq, .. }
             | MapRecord::Unmap { seq, .. }
             | MapRecord::Checkpoint { seq, .. } => *seq,
         }
@@ -190,6 +262,7 @@ impl MapRecord {
     pub fn volume(&self) -> u64 {
         match self {
             MapRecord::Stripe { volume, .. }
+            | MapRecord::Stripes { volume, .. }
             | MapRecord::Unmap { volume, .. }
             | MapRecord::Checkpoint { volume, .. } => *volume,
         }
@@ -214,6 +287,10 @@ impl MapRecord {
                     p.extend_from_slice(&b.to_le_bytes());
                 }
                 KIND_STRIPE
+            }
+            MapRecord::Stripes { stripes, .. } => {
+                encode_stripes(&mut p, stripes)?;
+                KIND_STRIPES
             }
             MapRecord::Unmap { first, count, .. } => {
                 p.extend_from_slice(&first.to_le_bytes());
@@ -245,7 +322,7 @@ impl MapRecord {
         };
         let mut b = Vec::with_capacity(RECORD_BYTES);
         b.extend_from_slice(RECORD_MAGIC);
-        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.extend_from_slice(&RECORD_VERSION.to_le_bytes());
         b.push(kind);
         b.push(0);
         b.extend_from_slice(&self.volume().to_le_bytes());
@@ -256,7 +333,12 @@ impl MapRecord {
     }
 
     pub fn decode(block: &[u8]) -> Result<MapRecord, RecordError> {
-        let mut r = Reader::open(block, RECORD_MAGIC, "map record")?;
+        let (mut r, version) = Reader::open(
+            block,
+            RECORD_MAGIC,
+            "map record",
+            OLDEST_RECORD_VERSION..=RECORD_VERSION,
+        )?;
         let kind = r.u8()?;
         let _pad = r.u8()?;
         let volume = r.u64()?;
@@ -287,6 +369,11 @@ impl MapRecord {
                 count: r.u64()?,
             },
             KIND_CHECKPOINT => decode_checkpoint(&mut r, volume, seq)?,
+            KIND_STRIPES if version >= 2 => MapRecord::Stripes {
+                volume,
+                seq,
+                stripes: decode_stripes(&mut r)?,
+            },
             _ => return Err(RecordError::Malformed("record kind")),
         };
         if r.at - start != len {
@@ -295,6 +382,68 @@ impl MapRecord {
         r.close()?;
         Ok(rec)
     }
+}
+
+fn encode_stripes(p: &mut Vec<u8>, stripes: &[StripeEntry]) -> Result<(), RecordError> {
+    let count = u16::try_from(stripes.len()).map_err(|_| RecordError::TooLarge("stripes"))?;
+    p.extend_from_slice(&count.to_le_bytes());
+    for s in stripes {
+        if s.blocks.len() > MAX_SUMMARY_BLOCKS {
+            return Err(RecordError::TooLarge("stripe of a stripes record"));
+        }
+        let runs = block_runs(&s.blocks);
+        p.extend_from_slice(&s.stripe_seq.to_le_bytes());
+        p.extend_from_slice(&s.slot.to_le_bytes());
+        p.extend_from_slice(&(s.blocks.len() as u32).to_le_bytes());
+        p.extend_from_slice(&(runs.len() as u16).to_le_bytes());
+        for (first, len) in runs {
+            p.extend_from_slice(&first.to_le_bytes());
+            p.extend_from_slice(&len.to_le_bytes());
+        }
+    }
+    Ok(())
+}
+
+fn decode_stripes(r: &mut Reader<'_>) -> Result<Vec<StripeEntry>, RecordError> {
+    let count = r.u16()?;
+    // Each entry takes at least its header: a count past what fits is
+    // refused before anything is allocated for it.
+    if usize::from(count) * STRIPE_ENTRY_BYTES > STRIPES_PAYLOAD_BYTES {
+        return Err(RecordError::Malformed("stripe count"));
+    }
+    let mut stripes = Vec::with_capacity(usize::from(count));
+    for _ in 0..count {
+        let stripe_seq = r.u64()?;
+        let slot = r.u64()?;
+        let n = r.u32()? as usize;
+        let runs = r.u16()?;
+        if n > MAX_SUMMARY_BLOCKS || usize::from(runs) > n {
+            return Err(RecordError::Malformed("stripe of a stripes record"));
+        }
+        let mut blocks = Vec::with_capacity(n);
+        for _ in 0..runs {
+            let first = r.u64()?;
+            let len = u64::from(r.u16()?);
+            let past = blocks.len() as u64 + len > n as u64;
+            let overflows = first != PAD_BLOCK && first.checked_add(len).is_none();
+            if len == 0 || past || overflows {
+                return Err(RecordError::Malformed("run of a stripes record"));
+            }
+            match first {
+                PAD_BLOCK => blocks.extend(std::iter::repeat_n(PAD_BLOCK, len as usize)),
+                f => blocks.extend(f..f + len),
+            }
+        }
+        if blocks.len() != n {
+            return Err(RecordError::Malformed("stripe's runs short of its blocks"));
+        }
+        stripes.push(StripeEntry {
+            stripe_seq,
+            slot,
+            blocks,
+        });
+    }
+    Ok(stripes)
 }
 
 fn decode_checkpoint(r: &mut Reader<'_>, volume: u64, seq: u64) -> Result<MapRecord, RecordError> {
@@ -347,8 +496,14 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    /// Checks the block's size, magic and version.
-    fn open(b: &'a [u8], magic: &[u8; 8], what: &'static str) -> Result<Reader<'a>, RecordError> {
+    /// Checks the block's size, magic and version (one of `versions`):
+    /// the reader past them, and the version.
+    fn open(
+        b: &'a [u8],
+        magic: &[u8; 8],
+        what: &'static str,
+        versions: std::ops::RangeInclusive<u16>,
+    ) -> Result<(Reader<'a>, u16), RecordError> {
         if b.len() != RECORD_BYTES {
             return Err(RecordError::Malformed("block size"));
         }
@@ -357,10 +512,10 @@ impl<'a> Reader<'a> {
         }
         let mut r = Reader { b, at: 8 };
         let version = r.u16()?;
-        if version != VERSION {
+        if !versions.contains(&version) {
             return Err(RecordError::Version { what, version });
         }
-        Ok(r)
+        Ok((r, version))
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8], RecordError> {

@@ -30,13 +30,13 @@ mod tier;
 
 pub use columns::{summary_of, Columns, StripeError, Unit, BLOCK_BYTES, UNIT_BYTES};
 pub use tier::{
-    classify, log_records_for, Applied, Destage, Source, Ticket, Tier, TierError, Zeroing,
-    CLEAN_RESERVE_SLOTS,
+    classify, log_records_for, Applied, Destage, DirectFailed, Source, Ticket, Tier, TierError,
+    Zeroing, CLEAN_RESERVE_SLOTS, MAX_DIRECT_STRIPES,
 };
 
 pub use format::{
-    MapRecord, RecordError, Run, Summary, BLOCKS_PER_UNIT, MAX_SUMMARY_BLOCKS, PAD_BLOCK,
-    RECORD_BYTES,
+    MapRecord, RecordError, Run, StripeEntry, Summary, BLOCKS_PER_UNIT, MAX_SUMMARY_BLOCKS,
+    PAD_BLOCK, RECORD_BYTES, STRIPES_PAYLOAD_BYTES,
 };
 
 use std::collections::BTreeMap;
@@ -196,6 +196,11 @@ impl StripeMap {
                 blocks,
                 ..
             } => self.apply_stripe(*stripe_seq, *slot, blocks)?,
+            MapRecord::Stripes { stripes, .. } => {
+                for s in stripes {
+                    self.apply_stripe(s.stripe_seq, s.slot, &s.blocks)?;
+                }
+            }
             MapRecord::Unmap { first, count, .. } => {
                 // Only the mapped blocks of the range: a whole-volume trim
                 // is one record, not a walk over every block number.
@@ -330,6 +335,7 @@ impl StripeMap {
         // takes the later seq).
         let stripes = records.iter().filter_map(|r| match r {
             MapRecord::Stripe { stripe_seq, .. } => Some(*stripe_seq),
+            MapRecord::Stripes { stripes, .. } => stripes.iter().map(|s| s.stripe_seq).max(),
             MapRecord::Checkpoint {
                 last_stripe_seq, ..
             } => Some(*last_stripe_seq),

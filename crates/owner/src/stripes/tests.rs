@@ -198,6 +198,7 @@ impl Writer {
                         seq, part, parts, ..
                     } => format!("{seq}c{part}/{parts}"),
                     MapRecord::Stripe { seq, .. } => format!("{seq}s"),
+                    MapRecord::Stripes { seq, .. } => format!("{seq}S"),
                     MapRecord::Unmap { seq, .. } => format!("{seq}u"),
                 })
                 .collect();
@@ -417,4 +418,128 @@ fn a_record_numbered_zero_is_ignored_and_a_wide_unmap_walks_only_what_is_mapped(
     .unwrap();
     assert!(m.is_empty());
     assert_eq!(m.free_slot(), 0);
+}
+
+/// A stripes record as a writer packs it: entries while they fit.
+fn stripes_record(seq: u64, stripes: Vec<(u64, Vec<u64>)>) -> MapRecord {
+    MapRecord::Stripes {
+        volume: VOLUME,
+        seq,
+        stripes: stripes
+            .into_iter()
+            .enumerate()
+            .map(|(i, (slot, blocks))| StripeEntry {
+                stripe_seq: seq * 100 + i as u64,
+                slot,
+                blocks,
+            })
+            .collect(),
+    }
+}
+
+proptest! {
+    /// Several stripes in one record: runs of consecutive blocks, padding
+    /// and scattered blocks all come back as they were, and a record that
+    /// does not fit is refused, never cut.
+    #[test]
+    fn stripes_records_round_trip(
+        stripes in prop::collection::vec(
+            (0u64..1000, prop::collection::vec(
+                prop_oneof![
+                    3 => (0u64..1 << 40, 1u64..200).prop_map(|(f, n)| (f..f + n).collect::<Vec<_>>()),
+                    1 => (1usize..40).prop_map(|n| vec![PAD_BLOCK; n]),
+                    1 => prop::collection::vec(any::<u64>(), 1..20),
+                ],
+                1..4,
+            )),
+            1..8,
+        )
+    ) {
+        let stripes: Vec<(u64, Vec<u64>)> = stripes
+            .into_iter()
+            .map(|(slot, parts)| {
+                let mut blocks: Vec<u64> = parts.concat();
+                blocks.truncate(MAX_SUMMARY_BLOCKS);
+                (slot, blocks)
+            })
+            .collect();
+        let rec = stripes_record(7, stripes);
+        let MapRecord::Stripes { stripes: entries, .. } = &rec else { unreachable!() };
+        let need: usize = entries.iter().map(|e| StripeEntry::encoded_bytes(&e.blocks)).sum();
+        match rec.encode() {
+            Ok(b) => {
+                prop_assert!(need <= STRIPES_PAYLOAD_BYTES);
+                prop_assert_eq!(MapRecord::decode(&b), Ok(rec));
+            }
+            Err(e) => {
+                prop_assert!(need > STRIPES_PAYLOAD_BYTES, "{e}");
+                prop_assert!(matches!(e, RecordError::TooLarge(_)));
+            }
+        }
+    }
+}
+
+#[test]
+fn a_stripes_record_applies_each_stripe_and_a_bad_one_is_refused() {
+    let mut m = StripeMap::default();
+    let rec = stripes_record(1, vec![(0, (10..72).collect()), (1, (72..134).collect())]);
+    let bytes = rec.encode().unwrap();
+    m.apply(&MapRecord::decode(&bytes).unwrap()).unwrap();
+    assert_eq!(m.get(10), Some(Loc { slot: 0, index: 0 }));
+    assert_eq!(m.get(133), Some(Loc { slot: 1, index: 61 }));
+    assert_eq!(m.used_slots(), 2);
+    // Recovery numbers stripes past the highest a stripes record names.
+    let recovered = StripeMap::recover(std::slice::from_ref(&rec));
+    assert!(recovered.is_err(), "no checkpoint: refused");
+    let mut parts = m.checkpoint(VOLUME, 2);
+    parts.push(rec);
+    assert_eq!(StripeMap::recover(&parts).unwrap().next_stripe_seq(), 102);
+
+    // Hostile forms: a run past its stripe's block count, a zero-length
+    // run, a count no record holds, and the kind in a version 1 record.
+    let mut hostile = bytes.clone();
+    let at = 8 + 2 + 1 + 1 + 8 + 8 + 4 + 2 + 8 + 8; // the first stripe's count
+    hostile[at..at + 4].copy_from_slice(&61u32.to_le_bytes());
+    assert!(MapRecord::decode(&reseal(hostile)).is_err());
+    let mut zero_run = bytes.clone();
+    let run_len = at + 4 + 2 + 8;
+    zero_run[run_len..run_len + 2].copy_from_slice(&0u16.to_le_bytes());
+    assert!(MapRecord::decode(&reseal(zero_run)).is_err());
+    let mut count = bytes.clone();
+    let count_at = 8 + 2 + 1 + 1 + 8 + 8 + 4;
+    count[count_at..count_at + 2].copy_from_slice(&u16::MAX.to_le_bytes());
+    assert!(MapRecord::decode(&reseal(count)).is_err());
+    let mut v1 = bytes;
+    v1[8..10].copy_from_slice(&1u16.to_le_bytes());
+    assert_eq!(
+        MapRecord::decode(&reseal(v1)),
+        Err(RecordError::Malformed("record kind"))
+    );
+}
+
+/// A record written by a version 1 binary still reads.
+#[test]
+fn version_1_records_still_read() {
+    let rec = stripe_record(3, 2, vec![5, 6, PAD_BLOCK]);
+    let mut b = rec.encode().unwrap();
+    assert_eq!(u16::from_le_bytes([b[8], b[9]]), 2);
+    b[8..10].copy_from_slice(&1u16.to_le_bytes());
+    assert_eq!(MapRecord::decode(&reseal(b)), Ok(rec));
+    let mut future = stripe_record(3, 2, vec![5]).encode().unwrap();
+    future[8..10].copy_from_slice(&3u16.to_le_bytes());
+    assert!(matches!(
+        MapRecord::decode(&reseal(future)),
+        Err(RecordError::Version { version: 3, .. })
+    ));
+}
+
+/// The block with its CRC-32C made good again for what it now holds (a
+/// record's payload ends where its length says; the CRC follows it).
+fn reseal(mut b: Vec<u8>) -> Vec<u8> {
+    let header = 8 + 2 + 1 + 1 + 8 + 8;
+    let len = u32::from_le_bytes([b[header], b[header + 1], b[header + 2], b[header + 3]]) as usize;
+    let end = header + 4 + len;
+    let crc = crc32c::crc32c(&b[..end]);
+    b[end..end + 4].copy_from_slice(&crc.to_le_bytes());
+    b
 }

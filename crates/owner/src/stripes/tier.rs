@@ -11,6 +11,10 @@
 //! - one record at a time: [`Tier::next_record`], written durably to the
 //!   performance leg at [`Tier::log_offset`], then
 //!   [`Tier::record_durable`]; the trims it answers are sent after that;
+//! - a write straight to the capacity leg ([`Tier::begin_direct`]) is
+//!   acknowledged only with its ticket: its record is durable and the
+//!   trims of the older data it answered are done (until then a new owner
+//!   would find that older data on the leg and take it for pending);
 //! - a write of zeros over a block the capacity leg holds is acknowledged
 //!   only once its unmap is durable and the trims answered with it are
 //!   done, and trimmed only then ([`Tier::zero`] answers a ticket);
@@ -18,12 +22,20 @@
 //! - trims are sent as soon as they are answered, before any later write:
 //!   a block written again after its trim was sent is written after it.
 
-use super::{Columns, Loc, MapRecord, StripeMap, BLOCK_BYTES};
-use std::collections::{BTreeMap, VecDeque};
+use super::{Columns, Loc, MapRecord, StripeEntry, StripeMap, BLOCK_BYTES};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// Free stripe slots below which the cleaner runs: room for a destage
-/// and a clean in flight, and a few to spare.
+/// and a clean in flight, and a few to spare. Writes straight to the
+/// capacity leg never take these.
 pub const CLEAN_RESERVE_SLOTS: u64 = 4;
+
+/// Stripes of client writes straight to the capacity leg in flight at
+/// once, per volume: each holds its data in memory until its record is
+/// durable (64 stripes of at most 16 units of 124 KiB: under 128 MiB,
+/// and under 32 MiB for the 4+1 and 4+2 layouts), and enough for eight
+/// 1 MiB writes of 2+1 stripes at once. Past it, writes are staged.
+pub const MAX_DIRECT_STRIPES: usize = 64;
 
 /// Records the map log keeps beyond two whole checkpoints, so that small
 /// volumes write a checkpoint only every few dozen records.
@@ -52,10 +64,18 @@ struct Pending {
     /// The write is done on the leg: a destage may read it. (A read sent
     /// before a write is done may find the leg's older data.)
     done: bool,
+    /// Of a zeroing: the write whose data the leg still holds under it
+    /// (trimmed with the unmap), if any. A stripe newer than that write,
+    /// recorded before the unmap, has the leg's block trimmed at once: a
+    /// new owner would otherwise take that older data for pending.
+    under: Option<u64>,
 }
 
-/// The stripe being destaged: its blocks, each with the write whose data
-/// was read for it, and where it goes.
+/// A stripe being written: its blocks, each with the write whose data
+/// it holds, and where it goes. A destage's data is read from the
+/// performance leg, a clean's from the capacity leg ([`Destage::from`]),
+/// and a write straight to the capacity leg comes with its data
+/// ([`Destage::ticket`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Destage {
     pub blocks: Vec<(u64, u64)>,
@@ -64,7 +84,22 @@ pub struct Destage {
     /// Of a stripe the cleaner makes: where each block is read from in
     /// the capacity leg (empty: from the performance leg).
     pub from: Vec<Loc>,
+    /// Of a client's write straight to the capacity leg: the ticket its
+    /// acknowledgement waits for.
+    pub ticket: Option<Ticket>,
     written: bool,
+}
+
+/// A write straight to the capacity leg whose stripe could not be
+/// written ([`Tier::stripe_failed`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirectFailed {
+    /// The write's ticket: answered by the staging below instead.
+    pub ticket: Ticket,
+    /// Runs of its blocks (first, count): the owner stages them on the
+    /// performance leg, with the write's data, at once (before any other
+    /// request), and acknowledges the write once they are staged.
+    pub restage: Vec<(u64, u64)>,
 }
 
 /// A new stripe's blocks, each with its write number, and for a clean
@@ -95,7 +130,8 @@ pub struct Applied {
     /// Runs of blocks, (first, count), to trim from the performance leg:
     /// their data is in a durable stripe and no newer write came since.
     pub trims: Vec<(u64, u64)>,
-    /// Zero writes whose unmaps are durable: to acknowledge once
+    /// Zero writes whose unmaps are durable, and writes straight to the
+    /// capacity leg whose stripes' records are: to acknowledge once
     /// `trims` are done (until then a new owner would find the blocks'
     /// old data on the leg, unmapped, and take it for pending), and in
     /// ticket order: a later zeroing of a block may find its trim already
@@ -121,7 +157,20 @@ pub struct Tier {
     map: StripeMap,
     pending: BTreeMap<u64, Pending>,
     last_write: u64,
-    destage: Option<Destage>,
+    /// The stripes begun and not yet recorded, in the order they began:
+    /// their records are written in that order. At most one destage or
+    /// clean among them, and [`MAX_DIRECT_STRIPES`] of client writes.
+    stripes: VecDeque<Destage>,
+    /// The stripes the record in flight names: the first ones of
+    /// `stripes`.
+    recording: usize,
+    /// Blocks of writes straight to the capacity leg in flight, with the
+    /// newest such write's number: a destage never takes an older write
+    /// of them (the direct stripe's record may come first), and a
+    /// read-modify-write of them waits.
+    direct: BTreeMap<u64, u64>,
+    /// The stripe seq the last stripe begun took.
+    last_stripe_seq: u64,
     /// Where the next destage starts looking, so that every pending block
     /// gets its turn (an elevator over block numbers).
     cursor: u64,
@@ -188,6 +237,7 @@ impl Tier {
                         seq: 0,
                         zero: false,
                         done: true,
+                        under: None,
                     },
                 )
             })
@@ -199,7 +249,10 @@ impl Tier {
             map,
             pending,
             last_write: 0,
-            destage: None,
+            stripes: VecDeque::new(),
+            recording: 0,
+            direct: BTreeMap::new(),
+            last_stripe_seq: 0,
             cursor: 0,
             unmaps: VecDeque::new(),
             last_ticket: 0,
@@ -238,10 +291,11 @@ impl Tier {
         self.pending.len()
     }
 
-    /// Whether a write of block `block` is on its way to the leg and not
-    /// done yet.
+    /// Whether a write of block `block` is on its way (to the leg, or
+    /// straight to the capacity leg) and not done yet.
     pub fn write_in_flight(&self, block: u64) -> bool {
         self.pending.get(&block).is_some_and(|p| !p.zero && !p.done)
+            || self.direct.contains_key(&block)
     }
 
     /// Blocks of the volume holding data: mapped and not being zeroed,
@@ -289,6 +343,7 @@ impl Tier {
                 seq: self.last_write,
                 zero: false,
                 done: false,
+                under: None,
             };
             self.pending.insert(b, p);
         }
@@ -316,11 +371,19 @@ impl Tier {
     pub fn zero(&mut self, first: u64, count: u64) -> Zeroing {
         let end = first.saturating_add(count);
         let pending: Vec<u64> = self.pending.range(first..end).map(|(&b, _)| b).collect();
+        // What the leg holds under each block: a write's data, or what
+        // an earlier zeroing left there.
+        let mut under: BTreeMap<u64, u64> = BTreeMap::new();
         for b in pending {
-            self.pending.remove(&b);
+            if let Some(p) = self.pending.remove(&b) {
+                match p.zero {
+                    false => under.insert(b, p.seq),
+                    true => p.under.and_then(|u| under.insert(b, u)),
+                };
+            }
         }
         let mut held = self.map.mapped_in(first, end);
-        if let Some(d) = &self.destage {
+        for d in &self.stripes {
             held.extend(
                 d.blocks
                     .iter()
@@ -344,6 +407,7 @@ impl Tier {
                 seq: self.last_write,
                 zero: true,
                 done: true,
+                under: under.get(&b).copied(),
             };
             self.pending.insert(b, p);
         }
@@ -368,31 +432,87 @@ impl Tier {
     ///
     /// The stripe goes to the lowest free slot not in `busy`: a slot freed
     /// while reads routed to it may still be in flight is not written.
-    pub fn begin_stripe(&mut self, busy: &std::collections::BTreeSet<u64>) -> Option<&Destage> {
-        if self.destage.is_some() || !self.unmaps.is_empty() || self.lowering.is_some() {
+    pub fn begin_stripe(&mut self, busy: &BTreeSet<u64>) -> Option<&Destage> {
+        let background = self.stripes.iter().any(|d| d.ticket.is_none());
+        if background || !self.unmaps.is_empty() || self.lowering.is_some() {
             return None;
         }
-        let slot = self.map.free_slot_avoiding(busy);
-        if slot >= self.slots {
-            return None;
-        }
+        let slot = self.free_slot(busy)?;
         // A clean that cannot free a slot leaves the free slots to
-        // destages.
-        let stripe = if self.cleaning_due() {
+        // destages. It begins only with no other stripe in flight: one
+        // begun before may name a block it moves, and be recorded
+        // first, and the clean would then map the block back to the
+        // older copy it read.
+        let stripe = if self.cleaning_due() && self.stripes.is_empty() {
             self.clean().or_else(|| self.destage_pending())
         } else {
             self.destage_pending()
         };
         let (blocks, from) = stripe?;
-        self.destage = Some(Destage {
+        self.push_stripe(blocks, slot, from, None)
+    }
+
+    /// Begins a stripe of a client's write straight to the capacity leg:
+    /// blocks `first..` as many as a stripe holds, all taking one write
+    /// number. None (the owner stages the write instead) while the volume
+    /// is being lowered, an unmap waits, [`MAX_DIRECT_STRIPES`] are in
+    /// flight, or no slot is free beyond the cleaner's reserve. The
+    /// owner writes the stripe with the client's data and acknowledges
+    /// the write once the ticket is ([`Applied::acknowledged`]).
+    pub fn begin_direct(&mut self, first: u64, busy: &BTreeSet<u64>) -> Option<&Destage> {
+        let per = self.columns.blocks_per_stripe() as u64;
+        let directs = self.stripes.iter().filter(|d| d.ticket.is_some()).count();
+        let room = self.map.used_slots() as u64 + self.stripes.len() as u64 + CLEAN_RESERVE_SLOTS
+            < self.slots;
+        let fits = first
+            .checked_add(per)
+            .is_some_and(|e| e <= self.volume_bytes / BLOCK_BYTES as u64);
+        if !self.unmaps.is_empty()
+            || self.lowering.is_some()
+            || directs >= MAX_DIRECT_STRIPES
+            || !room
+            || !fits
+        {
+            return None;
+        }
+        let slot = self.free_slot(busy)?;
+        self.last_write += 1;
+        self.last_ticket += 1;
+        let seq = self.last_write;
+        for b in first..first + per {
+            self.direct.insert(b, seq);
+        }
+        let blocks = (first..first + per).map(|b| (b, seq)).collect();
+        self.push_stripe(blocks, slot, Vec::new(), Some(self.last_ticket))
+    }
+
+    /// The lowest slot free in the map, not in `busy` (reads in flight)
+    /// and not taken by a stripe in flight, if the columns have it.
+    fn free_slot(&self, busy: &BTreeSet<u64>) -> Option<u64> {
+        let mut avoid = busy.clone();
+        avoid.extend(self.stripes.iter().map(|d| d.slot));
+        let slot = self.map.free_slot_avoiding(&avoid);
+        (slot < self.slots).then_some(slot)
+    }
+
+    fn push_stripe(
+        &mut self,
+        blocks: Vec<(u64, u64)>,
+        slot: u64,
+        from: Vec<Loc>,
+        ticket: Option<Ticket>,
+    ) -> Option<&Destage> {
+        self.last_stripe_seq = self.last_stripe_seq.max(self.map.next_stripe_seq() - 1) + 1;
+        self.stripes.push_back(Destage {
             blocks,
             slot,
-            stripe_seq: self.map.next_stripe_seq(),
+            stripe_seq: self.last_stripe_seq,
             from,
+            ticket,
             written: false,
         });
         self.check();
-        self.destage.as_ref()
+        self.stripes.back()
     }
 
     /// Whether so few slots are free that the cleaner must make room.
@@ -403,7 +523,12 @@ impl Tier {
     /// The pending blocks of the next destage.
     fn destage_pending(&mut self) -> Option<StripeBlocks> {
         let per = self.columns.blocks_per_stripe();
-        let wanted = |(_, p): &(&u64, &Pending)| !p.zero && p.done;
+        // Not a block a newer write straight to the capacity leg is in
+        // flight for: its stripe may be recorded first.
+        let direct = &self.direct;
+        let wanted = |(b, p): &(&u64, &Pending)| {
+            !p.zero && p.done && direct.get(b).is_none_or(|&d| d < p.seq)
+        };
         let mut blocks: Vec<(u64, u64)> = self
             .pending
             .range(self.cursor..)
@@ -444,24 +569,56 @@ impl Tier {
         Some((blocks, from))
     }
 
-    /// The stripe being destaged, if any.
-    pub fn destaging(&self) -> Option<&Destage> {
-        self.destage.as_ref()
+    /// The stripe being written into slot `slot`, if any.
+    pub fn stripe(&self, slot: u64) -> Option<&Destage> {
+        self.stripes.iter().find(|d| d.slot == slot)
     }
 
-    /// The stripe being destaged is durable on every column.
-    pub fn stripe_written(&mut self) {
-        if let Some(d) = self.destage.as_mut() {
+    /// Whether a destage or clean is in flight (begun, not recorded).
+    pub fn background_in_flight(&self) -> bool {
+        self.stripes.iter().any(|d| d.ticket.is_none())
+    }
+
+    /// Stripes begun and not yet recorded.
+    pub fn stripes_in_flight(&self) -> usize {
+        self.stripes.len()
+    }
+
+    /// The stripe in slot `slot` is durable on every column.
+    pub fn stripe_written(&mut self, slot: u64) {
+        if let Some(d) = self.stripes.iter_mut().find(|d| d.slot == slot) {
             d.written = true;
         }
     }
 
-    /// The stripe could not be written: its blocks stay pending, to be
-    /// destaged again.
-    pub fn destage_failed(&mut self) {
-        if self.destage.as_ref().is_some_and(|d| !d.written) {
-            self.destage = None;
+    /// The stripe in slot `slot` could not be written (or its blocks not
+    /// read): a destage's blocks stay pending, to be destaged again; a
+    /// write straight to the capacity leg is staged instead
+    /// ([`DirectFailed`]).
+    pub fn stripe_failed(&mut self, slot: u64) -> Option<DirectFailed> {
+        let i = self
+            .stripes
+            .iter()
+            .position(|d| d.slot == slot && !d.written)?;
+        assert!(
+            i >= self.recording,
+            "a stripe in the record in flight failed"
+        );
+        let d = self.stripes.remove(i)?;
+        let ticket = d.ticket?;
+        // Every block, also those a client wrote or zeroed since: the
+        // write is not acknowledged yet, so it may take effect now,
+        // after them (its staging does); leaving a block out would
+        // acknowledge the write with its data nowhere.
+        let mut restage = Vec::new();
+        for (b, seq) in d.blocks {
+            push_run(&mut restage, b);
+            if self.direct.get(&b) == Some(&seq) {
+                self.direct.remove(&b);
+            }
         }
+        self.check();
+        Some(DirectFailed { ticket, restage })
     }
 
     /// The next record to write, if none is in flight: a checkpoint's
@@ -496,18 +653,12 @@ impl Tier {
             let first = parts.pop_front()?;
             self.checkpoint_left = parts;
             first
-        } else if let Some(d) = self.destage.as_ref().filter(|d| d.written) {
-            MapRecord::Stripe {
-                volume: self.volume,
-                seq,
-                stripe_seq: d.stripe_seq,
-                slot: d.slot,
-                blocks: d.blocks.iter().map(|&(b, _)| b).collect(),
-            }
+        } else if self.stripes.front().is_some_and(|d| d.written) {
+            self.stripes_record(seq)
         } else if let Some(&(first, count, _)) =
-            self.unmaps.front().filter(|_| self.destage.is_none())
+            self.unmaps.front().filter(|_| self.stripes.is_empty())
         {
-            // (Behind a stripe being destaged: it may name the blocks
+            // (Behind the stripes in flight: they may name the blocks
             // this unmap zeroes, and must be recorded first.)
             MapRecord::Unmap {
                 volume: self.volume,
@@ -520,6 +671,45 @@ impl Tier {
         };
         self.in_flight = Some(rec.clone());
         Some(rec)
+    }
+
+    /// The record of the written stripes at the front, as many as one
+    /// record holds: they are recorded in the order they began.
+    fn stripes_record(&mut self, seq: u64) -> MapRecord {
+        let mut entries: Vec<StripeEntry> = Vec::new();
+        let mut bytes = 0;
+        for d in self.stripes.iter().take_while(|d| d.written) {
+            let blocks: Vec<u64> = d.blocks.iter().map(|&(b, _)| b).collect();
+            let need = StripeEntry::encoded_bytes(&blocks);
+            if !entries.is_empty() && bytes + need > super::STRIPES_PAYLOAD_BYTES {
+                break;
+            }
+            bytes += need;
+            entries.push(StripeEntry {
+                stripe_seq: d.stripe_seq,
+                slot: d.slot,
+                blocks,
+            });
+        }
+        self.recording = entries.len();
+        assert!(self.recording > 0, "a stripes record of no stripe");
+        match entries.len() {
+            1 => {
+                let e = entries.remove(0);
+                MapRecord::Stripe {
+                    volume: self.volume,
+                    seq,
+                    stripe_seq: e.stripe_seq,
+                    slot: e.slot,
+                    blocks: e.blocks,
+                }
+            }
+            _ => MapRecord::Stripes {
+                volume: self.volume,
+                seq,
+                stripes: entries,
+            },
+        }
     }
 
     /// Where record `seq` goes on the performance leg: past the volume's
@@ -549,7 +739,9 @@ impl Tier {
                 self.check();
                 return Ok(applied);
             }
-            MapRecord::Stripe { .. } => applied.trims = self.destaged(),
+            MapRecord::Stripe { .. } | MapRecord::Stripes { .. } => {
+                applied = self.destaged();
+            }
             MapRecord::Unmap { .. } => {
                 if let Some((first, count, ticket)) = self.unmaps.pop_front() {
                     applied.trims = self.unmapped(first, count);
@@ -562,20 +754,49 @@ impl Tier {
         Ok(applied)
     }
 
-    /// The destaged stripe's record is durable: its blocks not written
-    /// since leave the pending set, to be trimmed.
-    fn destaged(&mut self) -> Vec<(u64, u64)> {
-        let Some(d) = self.destage.take() else {
-            return Vec::new();
-        };
-        let mut trims: Vec<(u64, u64)> = Vec::new();
-        for (b, seq) in d.blocks {
-            if self.pending.get(&b).is_some_and(|p| p.seq == seq) {
-                self.pending.remove(&b);
-                push_run(&mut trims, b);
+    /// The record of the first stripes is durable: their blocks not
+    /// written since leave the pending set, to be trimmed (for a write
+    /// straight to the capacity leg, the older writes it replaced), and
+    /// their writes straight to the capacity leg are acknowledged with
+    /// those trims.
+    fn destaged(&mut self) -> Applied {
+        let mut trimmed: BTreeSet<u64> = BTreeSet::new();
+        let mut acknowledged = Vec::new();
+        for _ in 0..std::mem::take(&mut self.recording) {
+            let Some(d) = self.stripes.pop_front() else {
+                break;
+            };
+            for (b, seq) in d.blocks {
+                // A clean's blocks replace no write; a destage's, the one
+                // it read; a direct write's, every older one.
+                let replaced = |p: &Pending| seq != CLEANED && !p.zero && p.seq <= seq;
+                if self.pending.get(&b).is_some_and(replaced) {
+                    self.pending.remove(&b);
+                    trimmed.insert(b);
+                }
+                // Zeroed since, over data older than this stripe's: that
+                // data goes now (the unmap trims nothing more).
+                if let Some(p) = self.pending.get_mut(&b) {
+                    let older = p.under.is_some_and(|u| u <= seq);
+                    if seq != CLEANED && p.zero && older {
+                        p.under = None;
+                        trimmed.insert(b);
+                    }
+                }
+                if self.direct.get(&b) == Some(&seq) {
+                    self.direct.remove(&b);
+                }
             }
+            acknowledged.extend(d.ticket);
         }
-        trims
+        let mut trims: Vec<(u64, u64)> = Vec::new();
+        for b in trimmed {
+            push_run(&mut trims, b);
+        }
+        Applied {
+            trims,
+            acknowledged,
+        }
     }
 
     /// An unmap is durable: its zeroed blocks are nowhere now, and are
@@ -652,7 +873,12 @@ impl Tier {
         let Some(Lowering::Rehydrating { cursor }) = self.lowering else {
             return Vec::new();
         };
-        let wanted = |&(b, _): &(u64, Loc)| !self.pending.contains_key(&b) && !skip.contains(&b);
+        // Not a block a write straight to the capacity leg is in flight
+        // for: its stripe's record may come after the read-back, which
+        // would then stage the older data over it.
+        let wanted = |&(b, _): &(u64, Loc)| {
+            !self.pending.contains_key(&b) && !skip.contains(&b) && !self.direct.contains_key(&b)
+        };
         let found: Vec<(u64, Loc)> = self
             .map
             .from_block(cursor)
@@ -682,7 +908,7 @@ impl Tier {
             None => return false,
         }
         let on_leg = |b: &u64| self.pending.get(b).is_some_and(|p| !p.zero);
-        let quiet = self.destage.is_none()
+        let quiet = self.stripes.is_empty()
             && self.unmaps.is_empty()
             && self.in_flight.is_none()
             && self.checkpoint_left.is_empty();
@@ -707,10 +933,30 @@ impl Tier {
                 assert!(covered, "block {b} zeroed with no unmap to come");
             }
         }
-        if let Some(d) = &self.destage {
+        let mut slots = BTreeSet::new();
+        for d in &self.stripes {
             assert!(d.blocks.len() <= self.columns.blocks_per_stripe());
             assert!(d.blocks.windows(2).all(|w| w[0].0 < w[1].0));
             assert_eq!(self.map.live(d.slot), 0, "destaging into a used slot");
+            assert!(
+                slots.insert(d.slot),
+                "two stripes in flight in slot {}",
+                d.slot
+            );
+        }
+        assert!(self.stripes.iter().filter(|d| d.ticket.is_none()).count() <= 1);
+        assert!(self.recording <= self.stripes.len());
+        let named: std::collections::HashSet<(u64, u64)> = self
+            .stripes
+            .iter()
+            .filter(|d| d.ticket.is_some())
+            .flat_map(|d| d.blocks.iter().copied())
+            .collect();
+        for (&b, &seq) in &self.direct {
+            assert!(
+                named.contains(&(b, seq)),
+                "block {b}: direct write {seq} in no stripe in flight"
+            );
         }
         assert!(self.since_checkpoint <= self.log_records, "the log wrapped");
         if matches!(self.lowering, Some(Lowering::Forgotten { .. })) {

@@ -112,7 +112,11 @@ impl Loop {
         if l.step != Step::ReadingBack {
             return;
         }
-        if l.exhausted && l.reading.is_empty() && l.writing == 0 && !self.destaging {
+        if l.exhausted
+            && l.reading.is_empty()
+            && l.writing == 0
+            && self.tier.stripes_in_flight() == 0
+        {
             // Queues the empty checkpoint once every block is on the leg.
             self.tier.forget_map();
         }

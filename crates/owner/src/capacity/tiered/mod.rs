@@ -66,10 +66,10 @@ enum Ev {
     Io(Op, Reply),
     /// A staging write (first, count, seq) is done on the leg.
     Staged((u64, u64, u64)),
-    /// The stripe being destaged was written (or not).
-    StripeWritten(Result<(), ColumnError>),
-    /// Reading the stripe's blocks from the performance leg failed.
-    StripeUnread(OwnerError),
+    /// The stripe being written into slot `.0` was written (or not).
+    StripeWritten(u64, Result<(), ColumnError>),
+    /// Reading the blocks of the stripe for slot `.0` failed.
+    StripeUnread(u64, OwnerError),
     /// The record in flight was written (or not).
     RecordWritten(Result<(), OwnerError>),
     /// The trims a record allowed are done: acknowledge these zeroings.
@@ -186,9 +186,10 @@ impl TieredOwner {
             tier,
             tx: tx.clone(),
             reading: Arc::new(SlotReads::default()),
-            destaging: false,
             recording: false,
-            zeroings: BTreeMap::new(),
+            tickets: BTreeMap::new(),
+            direct_data: std::collections::HashMap::new(),
+            trims_done: None,
             ready: BTreeSet::new(),
             acked_upto: 0,
             idle: false,
@@ -197,6 +198,7 @@ impl TieredOwner {
             revived_at: None,
             status: status.clone(),
             stripes_written: 0,
+            direct_stripes: 0,
             written_blocks: 0,
             heal,
             cache: WriteCache::default(),
@@ -439,10 +441,17 @@ struct Loop {
     tx: mpsc::UnboundedSender<Ev>,
     /// Stripe slots with reads in flight: not written until they end.
     reading: Arc<SlotReads>,
-    destaging: bool,
     recording: bool,
-    /// Zeroings waiting for their ticket.
-    zeroings: BTreeMap<Ticket, Reply>,
+    /// Zeroings and writes straight to the capacity leg waiting for
+    /// their ticket.
+    tickets: BTreeMap<Ticket, Reply>,
+    /// The data of each write straight to the capacity leg in flight, by
+    /// ticket, with its first block: staged instead if its stripe fails
+    /// (at most [`crate::stripes::MAX_DIRECT_STRIPES`] stripes of it).
+    direct_data: std::collections::HashMap<Ticket, (u64, Bytes)>,
+    /// Done once the trims of the last record applied (and of every
+    /// record before it) are: its tickets wait for that.
+    trims_done: Option<oneshot::Receiver<()>>,
     /// Tickets whose unmap and trims are done, waiting for earlier ones.
     ready: BTreeSet<Ticket>,
     acked_upto: Ticket,
@@ -457,6 +466,8 @@ struct Loop {
     revived_at: Option<Instant>,
     status: Arc<Mutex<TierStatus>>,
     stripes_written: u64,
+    /// Of those, stripes of client writes straight to the capacity leg.
+    direct_stripes: u64,
     /// `Tier::written_blocks` as of the last tick.
     written_blocks: u64,
     /// Staged blocks' data by block, with the write that put it there
@@ -500,11 +511,10 @@ impl Loop {
                     self.replay_blocked();
                     true
                 }
-                Ev::StripeWritten(r) => self.stripe_written(r),
-                Ev::StripeUnread(e) => {
+                Ev::StripeWritten(slot, r) => self.stripe_written(slot, r),
+                Ev::StripeUnread(slot, e) => {
                     tracing::warn!(error = %e, "destage read failed; retried");
-                    self.tier.destage_failed();
-                    self.destaging = false;
+                    self.tier.stripe_failed(slot);
                     true
                 }
                 Ev::RecordWritten(r) => self.record_written(r),
@@ -570,7 +580,7 @@ impl Loop {
             self.publish();
         }
         self.leg.stop();
-        for (_, r) in std::mem::take(&mut self.zeroings) {
+        for (_, r) in std::mem::take(&mut self.tickets) {
             let _ = r.send(Err(OwnerError::Deposed));
         }
         for (_, r) in std::mem::take(&mut self.blocked) {
@@ -883,10 +893,54 @@ impl Loop {
         });
     }
 
-    /// Blocks of data are staged on the performance leg; blocks of zeros
-    /// are zeroed. Answered once every part is.
+    /// Whole stripes of blocks go straight to the capacity leg (as many
+    /// as the write holds and [`Tier::begin_direct`] allows); the other
+    /// blocks of data are staged on the performance leg, blocks of zeros
+    /// zeroed. Answered once every part is.
     fn write(&mut self, offset: u64, data: Bytes, reply: Reply) {
-        self.write_unlocking(offset, data, reply, None)
+        let (mut waits, direct) = self.write_direct(offset, &data);
+        if direct < data.len() {
+            let rest = data.slice(direct..);
+            waits.extend(self.stage_waits(offset + direct as u64, rest));
+        }
+        tokio::spawn(answer(waits, reply, self.tx.clone(), None));
+    }
+
+    /// Begins a stripe of the client's data for each whole stripe of
+    /// blocks at the start of the write, while the tier allows: the
+    /// tickets to wait for, and the bytes so taken. With a column out of
+    /// service nothing is (a stripe is written whole).
+    fn write_direct(&mut self, offset: u64, data: &Bytes) -> (Vec<Wait>, usize) {
+        let per = self.set.columns().blocks_per_stripe();
+        let stripe_bytes = per * BLOCK_BYTES;
+        let mut waits = Vec::new();
+        let mut done = 0;
+        if !self.set.whole() {
+            return (waits, 0);
+        }
+        while done + stripe_bytes <= data.len() {
+            let first = (offset + done as u64) / BLOCK_BYTES as u64;
+            let busy = self.reading.busy();
+            let Some(d) = self.tier.begin_direct(first, &busy).cloned() else {
+                break;
+            };
+            let Some(ticket) = d.ticket else {
+                unreachable!("a direct stripe without its ticket");
+            };
+            // Older staged data of these blocks is never destaged now.
+            self.cache.forget(first, per as u64);
+            let bytes = data.slice(done..done + stripe_bytes);
+            let (tx, rx) = oneshot::channel();
+            self.tickets.insert(ticket, tx);
+            self.direct_data.insert(ticket, (first, bytes.clone()));
+            let blocks = (0..per)
+                .map(|i| bytes.slice(i * BLOCK_BYTES..(i + 1) * BLOCK_BYTES))
+                .collect();
+            self.encode_and_write(d, blocks);
+            waits.push(Wait::Ticket(rx));
+            done += stripe_bytes;
+        }
+        (waits, done)
     }
 
     /// [`Loop::write`], releasing the lock on blocks `unlock` once done:
@@ -899,6 +953,13 @@ impl Loop {
         reply: Reply,
         unlock: Option<(u64, u64)>,
     ) {
+        let waits = self.stage_waits(offset, data);
+        tokio::spawn(answer(waits, reply, self.tx.clone(), unlock));
+    }
+
+    /// Stages blocks of data on the performance leg and zeroes blocks of
+    /// zeros: what to wait for.
+    fn stage_waits(&mut self, offset: u64, data: Bytes) -> Vec<Wait> {
         let block = BLOCK_BYTES as u64;
         let first = offset / block;
         let mut waits: Vec<Wait> = Vec::new();
@@ -929,7 +990,7 @@ impl Loop {
             }
             i = j;
         }
-        tokio::spawn(answer(waits, reply, self.tx.clone(), unlock));
+        waits
     }
 
     fn zero(&mut self, first: u64, count: u64, reply: Reply) {
@@ -949,7 +1010,7 @@ impl Loop {
             .collect();
         if let Some(t) = z.ticket {
             let (tx, rx) = oneshot::channel();
-            self.zeroings.insert(t, tx);
+            self.tickets.insert(t, tx);
             waits.push(Wait::Ticket(rx));
         }
         waits
@@ -989,7 +1050,7 @@ impl Loop {
         }
         // A stripe is written whole: with a column out, blocks stay on
         // the performance leg until it is back (or rebuilt).
-        if self.destaging || !self.set.whole() {
+        if self.tier.background_in_flight() || !self.set.whole() {
             return;
         }
         let full = self.tier.destageable_blocks() >= self.set.columns().blocks_per_stripe();
@@ -1001,7 +1062,6 @@ impl Loop {
         let Some(d) = self.tier.begin_stripe(&busy).cloned() else {
             return;
         };
-        self.destaging = true;
         self.write_stripe(d);
     }
 
@@ -1035,7 +1095,7 @@ impl Loop {
                 match r {
                     Ok(b) => data.push(b),
                     Err(e) => {
-                        let _ = tx.send(Ev::StripeUnread(e));
+                        let _ = tx.send(Ev::StripeUnread(d.slot, e));
                         return;
                     }
                 }
@@ -1048,19 +1108,23 @@ impl Loop {
                 match r {
                     Ok(r) => data.push(r.data),
                     Err(e) => {
-                        let _ = tx.send(Ev::StripeUnread(column_failure(e)));
+                        let _ = tx.send(Ev::StripeUnread(d.slot, column_failure(e)));
                         return;
                     }
                 }
             }
-            let numbers: Vec<u64> = d.blocks.iter().map(|&(b, _)| b).collect();
-            let summary = summary_of(set.columns(), volume, (d.stripe_seq, d.slot), &numbers);
-            let refs: Vec<&[u8]> = data.iter().map(|d| &d[..]).collect();
-            let written = match set.columns().encode(set.codec(), &summary, &refs) {
-                Ok(units) => set.write_stripe(d.slot, units).await,
-                Err(e) => Err(ColumnError::Stripe(e)),
-            };
-            let _ = tx.send(Ev::StripeWritten(written));
+            let written = encode_and_write(&set, volume, &d, &data).await;
+            let _ = tx.send(Ev::StripeWritten(d.slot, written));
+        });
+    }
+
+    /// Writes a stripe whose data is in hand (a client's write straight
+    /// to the capacity leg).
+    fn encode_and_write(&self, d: crate::stripes::Destage, data: Vec<Bytes>) {
+        let (set, tx, volume) = (self.set.clone(), self.tx.clone(), self.tier_volume());
+        tokio::spawn(async move {
+            let written = encode_and_write(&set, volume, &d, &data).await;
+            let _ = tx.send(Ev::StripeWritten(d.slot, written));
         });
     }
 
@@ -1068,29 +1132,58 @@ impl Loop {
         self.tier.volume()
     }
 
-    fn stripe_written(&mut self, r: Result<(), ColumnError>) -> bool {
-        self.destaging = false;
+    fn stripe_written(&mut self, slot: u64, r: Result<(), ColumnError>) -> bool {
         match r {
             Ok(()) => {
-                if let Some(d) = self.tier.destaging() {
+                if let Some(d) = self.tier.stripe(slot) {
                     for &(b, seq) in &d.blocks {
                         self.cache.destaged(b, seq);
                     }
+                    self.direct_stripes += u64::from(d.ticket.is_some());
                 }
-                self.tier.stripe_written();
+                self.tier.stripe_written(slot);
                 self.stripes_written += 1;
                 true
             }
             Err(ColumnError::Deposed { .. }) => false,
             Err(e) => {
-                tracing::warn!(error = %e, "stripe not written; its blocks stay on the performance leg");
+                tracing::warn!(error = %e, "stripe not written; its blocks stay on (or go to) the performance leg");
                 if let ColumnError::Column { position, .. } = e {
                     self.set.set_out(position);
                 }
-                self.tier.destage_failed();
+                self.stripe_failed(slot);
                 true
             }
         }
+    }
+
+    /// The stripe in slot `slot` was not written: a destage's blocks
+    /// stay pending; a client's write straight to the capacity leg is
+    /// staged instead, those of its blocks no client wrote or zeroed
+    /// since, and answered once they are.
+    fn stripe_failed(&mut self, slot: u64) {
+        let Some(failed) = self.tier.stripe_failed(slot) else {
+            return;
+        };
+        let ticket = failed.ticket;
+        let Some((first, data)) = self.direct_data.remove(&ticket) else {
+            return;
+        };
+        let reply = self.tickets.remove(&ticket);
+        // Its place in the tickets' order; its answer comes from the
+        // staging.
+        self.acknowledge(vec![ticket]);
+        let block = BLOCK_BYTES as u64;
+        let mut waits = Vec::new();
+        for (b, n) in failed.restage {
+            let at = ((b - first) * block) as usize;
+            let part = data.slice(at..at + (n * block) as usize);
+            waits.extend(self.stage_waits(b * block, part));
+        }
+        if let Some(reply) = reply {
+            tokio::spawn(answer(waits, reply, self.tx.clone(), None));
+        }
+        self.replay_blocked();
     }
 
     fn write_record(&mut self, rec: MapRecord) {
@@ -1130,16 +1223,33 @@ impl Loop {
                 return false;
             }
         };
+        for t in &acknowledged {
+            self.direct_data.remove(t);
+        }
+        // A read-modify-write may wait for a direct write just recorded.
+        self.replay_blocked();
         let sent = self.trim_runs(&trims);
         let tx = self.tx.clone();
+        // Acknowledged once the trims of earlier records are done too: a
+        // direct write's older copy on the leg may be in one of those.
+        let earlier = self.trims_done.take();
+        let (done, done_rx) = oneshot::channel::<()>();
+        self.trims_done = Some(done_rx);
         tokio::spawn(async move {
             for s in sent {
-                // A trim that fails leaves old data on the leg: the
-                // zeroings wait (and fail with the owner, never early).
+                // A trim that fails leaves old data on the leg: what
+                // waits for it waits on (and fails with the owner, never
+                // early), and so does every later record's.
                 if s.wait().await.is_err() {
                     return;
                 }
             }
+            if let Some(e) = earlier {
+                if e.await.is_err() {
+                    return;
+                }
+            }
+            let _ = done.send(());
             let _ = tx.send(Ev::Trimmed(acknowledged));
         });
         true
@@ -1150,7 +1260,7 @@ impl Loop {
         self.ready.extend(tickets);
         while self.ready.remove(&(self.acked_upto + 1)) {
             self.acked_upto += 1;
-            if let Some(r) = self.zeroings.remove(&self.acked_upto) {
+            if let Some(r) = self.tickets.remove(&self.acked_upto) {
                 let _ = r.send(Ok(Bytes::new()));
             }
         }
@@ -1201,6 +1311,7 @@ impl Loop {
             staged_blocks: self.tier.pending_blocks() as u64,
             columns_out: (width - self.set.in_service().len()) as u64,
             stripes_written: self.stripes_written,
+            direct_stripes: self.direct_stripes,
             written_bytes: self.written_blocks * BLOCK_BYTES as u64,
             waiting: self.heal.waiting(&targets),
             copy: self.heal.copy(),
@@ -1208,6 +1319,23 @@ impl Loop {
         };
         let mut st = self.status.lock().unwrap_or_else(|e| e.into_inner());
         *st = s;
+    }
+}
+
+/// Encodes a stripe of `data` (its blocks' data, in the order of
+/// `d.blocks`) and writes it whole into its slot.
+async fn encode_and_write(
+    set: &ColumnSet,
+    volume: u64,
+    d: &crate::stripes::Destage,
+    data: &[Bytes],
+) -> Result<(), ColumnError> {
+    let numbers: Vec<u64> = d.blocks.iter().map(|&(b, _)| b).collect();
+    let summary = summary_of(set.columns(), volume, (d.stripe_seq, d.slot), &numbers);
+    let refs: Vec<&[u8]> = data.iter().map(|d| &d[..]).collect();
+    match set.columns().encode(set.codec(), &summary, &refs) {
+        Ok(units) => set.write_stripe(d.slot, units).await,
+        Err(e) => Err(ColumnError::Stripe(e)),
     }
 }
 
