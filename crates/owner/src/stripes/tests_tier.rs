@@ -322,18 +322,24 @@ impl Sim {
         self.in_flight.insert(d.slot, vec![v; PER as usize]);
     }
 
-    /// Ticket `t`'s unmap or stripe, and trims, are done: it is
-    /// acknowledged once every earlier one is.
+    /// Ticket `t`'s unmap or stripe, and trims (and every earlier
+    /// record's), are done: a direct write is acknowledged now, as the
+    /// owner does, a zeroing once every earlier ticket is.
     fn acknowledge(&mut self, t: Ticket) {
+        if self.direct.remove(&t).is_some() {
+            self.acknowledge_now(t);
+        }
         self.ready.insert(t);
         while self.ready.remove(&(self.acked_upto + 1)) {
             self.acked_upto += 1;
-            let t = self.acked_upto;
-            self.direct.remove(&t);
-            for (b, i) in self.waiting.remove(&t).unwrap_or_default() {
-                if let Some(h) = self.history.get_mut(&b) {
-                    h[i].1 = true;
-                }
+            self.acknowledge_now(self.acked_upto);
+        }
+    }
+
+    fn acknowledge_now(&mut self, t: Ticket) {
+        for (b, i) in self.waiting.remove(&t).unwrap_or_default() {
+            if let Some(h) = self.history.get_mut(&b) {
+                h[i].1 = true;
             }
         }
     }

@@ -31,11 +31,12 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 pub const CLEAN_RESERVE_SLOTS: u64 = 4;
 
 /// Stripes of client writes straight to the capacity leg in flight at
-/// once, per volume: each holds its data in memory until its record is
-/// durable (64 stripes of at most 16 units of 124 KiB: under 128 MiB,
-/// and under 32 MiB for the 4+1 and 4+2 layouts), and enough for eight
-/// 1 MiB writes of 2+1 stripes at once. Past it, writes are staged.
-pub const MAX_DIRECT_STRIPES: usize = 64;
+/// once, per volume: each holds its client data (already in memory, and
+/// bounded by the NBD server's bytes in flight) until its record is
+/// durable, and its encoded units while they are written (256 stripes of
+/// 4+1: 186 MiB at most). Enough for 64 1 MiB writes of 2+1 stripes at
+/// once, more than a client's queue holds. Past it, writes are staged.
+pub const MAX_DIRECT_STRIPES: usize = 256;
 
 /// Records the map log keeps beyond two whole checkpoints, so that small
 /// volumes write a checkpoint only every few dozen records.
@@ -157,13 +158,13 @@ pub struct Tier {
     map: StripeMap,
     pending: BTreeMap<u64, Pending>,
     last_write: u64,
-    /// The stripes begun and not yet recorded, in the order they began:
-    /// their records are written in that order. At most one destage or
+    /// The stripes begun and not yet recorded, in the order they began: a
+    /// stripe is recorded after every one begun before it that names a
+    /// block it names ([`Tier::recordable`]). At most one destage or
     /// clean among them, and [`MAX_DIRECT_STRIPES`] of client writes.
     stripes: VecDeque<Destage>,
-    /// The stripes the record in flight names: the first ones of
-    /// `stripes`.
-    recording: usize,
+    /// The slots of the stripes the record in flight names.
+    recording: Vec<u64>,
     /// Blocks of writes straight to the capacity leg in flight, with the
     /// newest such write's number: a destage never takes an older write
     /// of them (the direct stripe's record may come first), and a
@@ -250,7 +251,7 @@ impl Tier {
             pending,
             last_write: 0,
             stripes: VecDeque::new(),
-            recording: 0,
+            recording: Vec::new(),
             direct: BTreeMap::new(),
             last_stripe_seq: 0,
             cursor: 0,
@@ -584,6 +585,17 @@ impl Tier {
         self.stripes.len()
     }
 
+    /// The slots a rebuilt column must hold: every slot with live blocks,
+    /// and those of stripes written whole and not yet recorded (their
+    /// records come, and map blocks there, while the column is filled).
+    pub fn slots_to_rebuild(&self) -> Vec<u64> {
+        let mut slots = self.map.live_slots();
+        slots.extend(self.stripes.iter().filter(|d| d.written).map(|d| d.slot));
+        slots.sort_unstable();
+        slots.dedup();
+        slots
+    }
+
     /// The stripe in slot `slot` is durable on every column.
     pub fn stripe_written(&mut self, slot: u64) {
         if let Some(d) = self.stripes.iter_mut().find(|d| d.slot == slot) {
@@ -601,7 +613,7 @@ impl Tier {
             .iter()
             .position(|d| d.slot == slot && !d.written)?;
         assert!(
-            i >= self.recording,
+            !self.recording.contains(&slot),
             "a stripe in the record in flight failed"
         );
         let d = self.stripes.remove(i)?;
@@ -653,8 +665,8 @@ impl Tier {
             let first = parts.pop_front()?;
             self.checkpoint_left = parts;
             first
-        } else if self.stripes.front().is_some_and(|d| d.written) {
-            self.stripes_record(seq)
+        } else if let Some(slots) = self.recordable() {
+            self.stripes_record(seq, slots)
         } else if let Some(&(first, count, _)) =
             self.unmaps.front().filter(|_| self.stripes.is_empty())
         {
@@ -673,26 +685,44 @@ impl Tier {
         Some(rec)
     }
 
-    /// The record of the written stripes at the front, as many as one
-    /// record holds: they are recorded in the order they began.
-    fn stripes_record(&mut self, seq: u64) -> MapRecord {
-        let mut entries: Vec<StripeEntry> = Vec::new();
+    /// The written stripes that may be recorded now, in the order they
+    /// began, as many as one record holds: each written stripe no stripe
+    /// begun before it and still unrecorded (written or not, but not in
+    /// this record) names a block of. Stripes of distinct blocks commit in
+    /// any order, so one slow column write holds back only the stripes of
+    /// the same blocks begun after it; a stripe of the same blocks begun
+    /// later must map them later.
+    fn recordable(&self) -> Option<Vec<u64>> {
+        let mut held: std::collections::HashSet<u64> = std::collections::HashSet::new();
+        let mut slots = Vec::new();
         let mut bytes = 0;
-        for d in self.stripes.iter().take_while(|d| d.written) {
-            let blocks: Vec<u64> = d.blocks.iter().map(|&(b, _)| b).collect();
-            let need = StripeEntry::encoded_bytes(&blocks);
-            if !entries.is_empty() && bytes + need > super::STRIPES_PAYLOAD_BYTES {
-                break;
+        for d in &self.stripes {
+            let free = d.blocks.iter().all(|(b, _)| !held.contains(b));
+            let need = StripeEntry::encoded_bytes(&block_numbers(d));
+            let fits = slots.is_empty() || bytes + need <= super::STRIPES_PAYLOAD_BYTES;
+            if d.written && free && fits {
+                bytes += need;
+                slots.push(d.slot);
+            } else {
+                held.extend(d.blocks.iter().map(|&(b, _)| b));
             }
-            bytes += need;
+        }
+        (!slots.is_empty()).then_some(slots)
+    }
+
+    /// The record of the stripes in `slots` (written, in the order they
+    /// began).
+    fn stripes_record(&mut self, seq: u64, slots: Vec<u64>) -> MapRecord {
+        let mut entries: Vec<StripeEntry> = Vec::new();
+        for d in self.stripes.iter().filter(|d| slots.contains(&d.slot)) {
             entries.push(StripeEntry {
                 stripe_seq: d.stripe_seq,
                 slot: d.slot,
-                blocks,
+                blocks: block_numbers(d),
             });
         }
-        self.recording = entries.len();
-        assert!(self.recording > 0, "a stripes record of no stripe");
+        assert!(!entries.is_empty(), "a stripes record of no stripe");
+        self.recording = slots;
         match entries.len() {
             1 => {
                 let e = entries.remove(0);
@@ -762,9 +792,12 @@ impl Tier {
     fn destaged(&mut self) -> Applied {
         let mut trimmed: BTreeSet<u64> = BTreeSet::new();
         let mut acknowledged = Vec::new();
-        for _ in 0..std::mem::take(&mut self.recording) {
-            let Some(d) = self.stripes.pop_front() else {
-                break;
+        for slot in std::mem::take(&mut self.recording) {
+            let Some(i) = self.stripes.iter().position(|d| d.slot == slot) else {
+                continue;
+            };
+            let Some(d) = self.stripes.remove(i) else {
+                continue;
             };
             for (b, seq) in d.blocks {
                 // A clean's blocks replace no write; a destage's, the one
@@ -945,7 +978,10 @@ impl Tier {
             );
         }
         assert!(self.stripes.iter().filter(|d| d.ticket.is_none()).count() <= 1);
-        assert!(self.recording <= self.stripes.len());
+        assert!(self
+            .recording
+            .iter()
+            .all(|s| self.stripes.iter().any(|d| d.slot == *s && d.written)));
         let named: std::collections::HashSet<(u64, u64)> = self
             .stripes
             .iter()
@@ -963,6 +999,11 @@ impl Tier {
             assert!(self.map.is_empty(), "a map kept after it was forgotten");
         }
     }
+}
+
+/// The block numbers of a stripe, in its order.
+fn block_numbers(d: &Destage) -> Vec<u64> {
+    d.blocks.iter().map(|&(b, _)| b).collect()
 }
 
 /// Adds block `b` (above every block in `runs`) to `runs`.

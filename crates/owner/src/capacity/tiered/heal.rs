@@ -233,7 +233,7 @@ impl Loop {
             self.end_column_change(position, change, false);
             return;
         }
-        let slots = self.tier.map().live_slots();
+        let slots = self.tier.slots_to_rebuild();
         tracing::info!(position, slots = slots.len(), "rebuilding a stripe column");
         self.heal.copied.store(0, Ordering::Relaxed);
         let total = slots.len() as u64 * crate::stripes::UNIT_BYTES;

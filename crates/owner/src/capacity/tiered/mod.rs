@@ -898,11 +898,14 @@ impl Loop {
     /// blocks of data are staged on the performance leg, blocks of zeros
     /// zeroed. Answered once every part is.
     fn write(&mut self, offset: u64, data: Bytes, reply: Reply) {
-        let (mut waits, direct) = self.write_direct(offset, &data);
-        if direct < data.len() {
-            let rest = data.slice(direct..);
-            waits.extend(self.stage_waits(offset + direct as u64, rest));
-        }
+        let (tickets, direct) = self.write_direct(offset, &data);
+        // The staged part first: `answer` reports each staging done as
+        // it comes, not after the stripes' tickets.
+        let mut waits = match direct < data.len() {
+            true => self.stage_waits(offset + direct as u64, data.slice(direct..)),
+            false => Vec::new(),
+        };
+        waits.extend(tickets);
         tokio::spawn(answer(waits, reply, self.tx.clone(), None));
     }
 
@@ -1223,9 +1226,6 @@ impl Loop {
                 return false;
             }
         };
-        for t in &acknowledged {
-            self.direct_data.remove(t);
-        }
         // A read-modify-write may wait for a direct write just recorded.
         self.replay_blocked();
         let sent = self.trim_runs(&trims);
@@ -1255,8 +1255,18 @@ impl Loop {
         true
     }
 
-    /// Zeroings are acknowledged in ticket order.
+    /// Zeroings are acknowledged in ticket order; a write straight to the
+    /// capacity leg at once (its trims and every earlier record's are
+    /// done, which is all a later zeroing's order guards against), so
+    /// that one slow stripe does not hold back the writes after it.
     fn acknowledge(&mut self, tickets: Vec<Ticket>) {
+        for t in &tickets {
+            if self.direct_data.remove(t).is_some() {
+                if let Some(r) = self.tickets.remove(t) {
+                    let _ = r.send(Ok(Bytes::new()));
+                }
+            }
+        }
         self.ready.extend(tickets);
         while self.ready.remove(&(self.acked_upto + 1)) {
             self.acked_upto += 1;
