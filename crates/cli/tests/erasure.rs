@@ -533,6 +533,59 @@ fn a_lost_column_is_rebuilt_on_another_host() {
     fio_verify_only(&c.uri(1, "e"), "64M");
 }
 
+/// A raid5 volume on six hosts is 4+1. One host dies for good: after the
+/// repair delay the cluster has five usable fault domains, and the
+/// volume's caretaker restripes it to 2+1 (lowered to raid1 ftt=1, then
+/// raised back to raid5 on the hosts left), while fio's data reads back
+/// throughout and after. The volume ends raid5 2+1 with no column on the
+/// dead host and nothing more wanted.
+#[test]
+fn raid5_restripes_from_4_plus_1_to_2_plus_1_when_a_host_is_gone() {
+    require("fio");
+    let c = Cluster::start_with(6, &["--repair-delay", "3s"]);
+    c.create_volume("e", "64M", "raid5");
+    let text = c.shoal(&["volume", "show", "e"]);
+    assert!(
+        text.contains("4+1 stripes over 5 stripe components"),
+        "{text}"
+    );
+    own_from_node1(&c, "e");
+    finish(fio_write_verify(&c.uri(1, "e"), "32M"));
+    wait_destaged(&c, 1, "e");
+    let data = nodes_of(&c, "e", "Data");
+    let victim = *nodes_of(&c, "e", "stripe")
+        .iter()
+        .find(|n| **n != 1 && !data.contains(n))
+        .expect("a column's host holding no copy");
+    c.signal(victim, "KILL");
+    let narrow = wait_for("restriped to 2+1", LOAD, || {
+        let v = c.try_json(&["volume", "show", "e"])?;
+        let vol = &v["volume"];
+        let done = vol["policy"]["layout"] == "Raid5"
+            && vol["stripe"]["data"] == 2
+            && vol["reconfig"].is_null()
+            && vol["wanted_policy"].is_null();
+        match done {
+            true => Ok(v),
+            false => Err(components_of(&v)),
+        }
+    });
+    let columns = nodes_of(&c, "e", "stripe");
+    assert_eq!(columns.len(), 3, "{narrow}");
+    assert!(!columns.contains(&victim), "{narrow}");
+    assert!(
+        whole_logs(&c).contains("restripe of volume e to 2+1 begun"),
+        "no restripe in the logs"
+    );
+    // The raised volume's owner starts with the next I/O (as after any
+    // change of kind): read through node 1, which then owns it and
+    // destages every block into 2+1 stripes.
+    fio_verify_only(&c.uri(1, "e"), "32M");
+    wait_destaged(&c, 1, "e");
+    let reader = (2..=6).find(|n| *n != victim).expect("a node");
+    fio_verify_only(&c.uri(reader, "e"), "32M");
+}
+
 /// `capacity` of `vol` from `volume show --json`: (size, written, used).
 fn capacity(c: &Cluster, vol: &str) -> (u64, u64, u64) {
     let v = c.json(&["volume", "show", vol]);

@@ -167,8 +167,12 @@ impl ClusterState {
         }
         if let Some(p) = b.wanted.or(b.policy) {
             // What the change is for, kept should it end aborted (and
-            // after it, when it is one step of several).
-            after.wanted_policy = (p != before.policy).then_some(p);
+            // after it, when it is one step of several). A step towards
+            // the policy the volume has (a restripe: lowered to RAID-1,
+            // then raised again to the geometry the cluster now gives)
+            // keeps it too.
+            let beyond = b.wanted.is_some_and(|w| Some(w) != b.policy);
+            after.wanted_policy = (p != before.policy || beyond).then_some(p);
         }
         after.reconfig = Some(Reconfig {
             reason: b.reason.to_string(),
@@ -362,6 +366,11 @@ impl ClusterState {
         let mut after = before.clone();
         after.components.retain(|c| !r.added.contains(&c.id));
         after.reconfig = None;
+        // An aborted restripe wants nothing: the volume has its policy,
+        // and the restripe is asked again when due.
+        if after.wanted_policy == Some(after.policy) {
+            after.wanted_policy = None;
+        }
         self.replace_volume(Some(&before), Some(after))?;
         Ok(Response::Ok)
     }

@@ -297,7 +297,8 @@ pub struct Volume {
     /// it yet: a change to it that ended aborted (an added copy's node
     /// died) is begun again by the volume's caretaker. Cleared when a
     /// change commits it, or when `set-policy` asks for the policy the
-    /// volume has. Never the volume's own policy.
+    /// volume has. The volume's own policy only during a restripe (its
+    /// first step, the lowering to RAID-1, in progress); otherwise never.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wanted_policy: Option<Policy>,
 }

@@ -14,12 +14,21 @@
 //! nodes up by then, and again every [`POLICY_RETRY_S`] while placement
 //! refuses it.
 //!
+//! An erasure-coded volume whose geometry is not the one its layout takes
+//! on the cluster as it is now (RAID-5 2+1 on 3 to 5 fault domains, 4+1 on
+//! 6 or more: vSAN ESA's adaptive RAID-5) is restriped by its caretaker
+//! once that has held for the repair delay: a host gone that long is gone
+//! for good, one there that long is there to stay
+//! (`docs/erasure-coding.md`, Restripe).
+//!
 //! Owns nothing but its timers; claims through the router like client
 //! I/O, and begins changes through `crate::policy_change` like the API.
 
 use crate::router::Router;
 use shoal_directory::ClusterState;
-use shoal_model::{ComponentRole, ComponentState, NodeId, NodeState, Policy, Volume, VolumeId};
+use shoal_model::{
+    ComponentRole, ComponentState, NodeId, NodeState, Policy, StripeGeometry, Volume, VolumeId,
+};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -131,6 +140,45 @@ async fn begin_wanted(
     }
 }
 
+/// The volumes whose caretaker is `me` and whose restripe is due:
+/// (volume, name, the geometry the cluster gives now).
+pub fn restripes_due(state: &ClusterState, me: NodeId) -> Vec<(VolumeId, String, StripeGeometry)> {
+    state
+        .volumes
+        .values()
+        .filter(|v| caretaker(state, v) == Some(me))
+        .filter_map(|v| {
+            let to = crate::policy_change::restripe_due(state, v)?;
+            Some((v.id, v.name.clone(), to))
+        })
+        .collect()
+}
+
+/// Begins the restripes this node takes care of that have been due, to
+/// the same geometry, for the repair delay as this node saw it.
+/// `waiting`: since when each has been due, and to which geometry.
+async fn begin_restripes(
+    router: &Router,
+    waiting: &mut HashMap<VolumeId, (StripeGeometry, Instant)>,
+) {
+    let state = router.dir.state();
+    let delay = Duration::from_secs(state.settings.repair_delay_s);
+    let due = restripes_due(&state, router.node);
+    waiting.retain(|v, (g, _)| due.iter().any(|(d, _, to)| d == v && to == g));
+    for (volume, name, to) in due {
+        let since = waiting.entry(volume).or_insert((to, Instant::now())).1;
+        if since.elapsed() < delay {
+            continue;
+        }
+        // Tried once per delay: a refusal waits for the next.
+        waiting.remove(&volume);
+        match crate::policy_change::restripe(&router.dir, &name, to).await {
+            Ok(o) => tracing::info!("restripe of volume {name} to {to} begun: {o:?}"),
+            Err(e) => tracing::warn!("restripe of volume {name} to {to} not begun: {e}"),
+        }
+    }
+}
+
 /// Notes the policy of each step of a change of several (a change in
 /// progress with a wanted policy beyond it) in `steps`: a volume found
 /// with that policy later committed the step.
@@ -160,9 +208,11 @@ pub async fn run(router: Arc<Router>) {
     let mut since: HashMap<VolumeId, Instant> = HashMap::new();
     let mut policies_waiting: HashMap<VolumeId, Instant> = HashMap::new();
     let mut steps: HashMap<VolumeId, Policy> = HashMap::new();
+    let mut restripes: HashMap<VolumeId, (StripeGeometry, Instant)> = HashMap::new();
     loop {
         t.tick().await;
         begin_wanted(&router, &mut policies_waiting, &mut steps).await;
+        begin_restripes(&router, &mut restripes).await;
         let state = router.dir.state();
         let due = to_claim(&state, router.node);
         since.retain(|v, _| due.contains(v));

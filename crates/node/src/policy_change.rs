@@ -11,7 +11,7 @@
 //! directory, and the change is carried through by the owner.
 
 use shoal_directory::{ClusterState, Command, DirectoryError, PlannedComponent, Response};
-use shoal_model::{ComponentId, Layout, Policy, PolicyError, Volume};
+use shoal_model::{ComponentId, Layout, Policy, PolicyError, StripeGeometry, Volume};
 use shoal_placement::PlacementError;
 use std::future::Future;
 use std::sync::Arc;
@@ -252,6 +252,75 @@ fn erasure_step(v: &Volume, step: &Policy, wanted: Option<Policy>) -> Command {
     }
 }
 
+/// The geometry `v`'s layout takes on the cluster as it is now, when it
+/// is not the one `v` has and nothing else is going on with `v`: a
+/// restripe is due (RAID-5 is 2+1 on 3 to 5 usable fault domains and 4+1
+/// on 6 or more; RAID-6 has one geometry). None while a node is in
+/// maintenance: a planned, passing change of the cluster's size.
+pub fn restripe_due(state: &ClusterState, v: &Volume) -> Option<StripeGeometry> {
+    let have = v.stripe?;
+    let busy = v.reconfig.is_some() || v.problem.is_some() || v.wanted_policy.is_some();
+    if busy || !state.maintenance.is_empty() {
+        return None;
+    }
+    let want = StripeGeometry::for_layout(v.policy.layout, usable_domains(state))?;
+    (want != have).then_some(want)
+}
+
+fn usable_domains(state: &ClusterState) -> usize {
+    let nodes: Vec<_> = state.nodes.values().cloned().collect();
+    let devices: Vec<_> = state.devices.values().cloned().collect();
+    shoal_placement::usable_fault_domains(&nodes, &devices)
+}
+
+/// Plans the first step of the restripe of volume `name` to geometry
+/// `to` (`docs/erasure-coding.md`, Restripe): its lowering to RAID-1 of
+/// its ftt, wanting its own policy back; the caretaker then raises it
+/// again, and placement gives the capacity leg the geometry of the
+/// cluster as it is by then. Unchanged if the restripe is no longer due.
+pub fn plan_restripe(
+    state: &ClusterState,
+    name: &str,
+    to: StripeGeometry,
+) -> Result<Plan, PolicyChangeError> {
+    let v = state
+        .volume_by_name(name)
+        .ok_or_else(|| PolicyChangeError::NoSuchVolume(name.to_string()))?;
+    let (Some(have), Some(due)) = (v.stripe, restripe_due(state, v)) else {
+        return Ok(Plan::Unchanged);
+    };
+    if due != to {
+        return Ok(Plan::Unchanged);
+    }
+    let step = Policy {
+        layout: Layout::Raid1,
+        ..v.policy
+    };
+    let mut cmd = erasure_step(v, &step, Some(v.policy));
+    if let Command::BeginReconfig { reason, .. } = &mut cmd {
+        let domains = usable_domains(state);
+        *reason = format!("restripe {have} to {to} ({domains} fault domains): {reason}");
+    }
+    Ok(Plan::Begin(cmd))
+}
+
+/// Begins the restripe of volume `name` to geometry `to` through `dir`.
+pub async fn restripe(
+    dir: &shoal_directory::Directory,
+    name: &str,
+    to: StripeGeometry,
+) -> Result<Outcome, PolicyChangeError> {
+    let what = format!("{to} stripes");
+    let planner = |s: &ClusterState| plan_restripe(s, name, to);
+    carry_out(
+        || dir.state(),
+        |cmd| dir.propose(cmd),
+        (name, &what),
+        planner,
+    )
+    .await
+}
+
 /// The reason a step records: "policy raid1 ftt=1 (towards raid6 ftt=2)".
 fn step_reason(step: &Policy, wanted: Option<&Policy>) -> String {
     match wanted {
@@ -299,10 +368,31 @@ where
     P: Fn(Command) -> F,
     F: Future<Output = Result<Response, DirectoryError>>,
 {
+    let what = policy.to_string();
+    let planner = |s: &ClusterState| plan(s, name, policy);
+    carry_out(state, propose, (name, &what), planner).await
+}
+
+/// Plans with `planner` from `state()` and proposes, planning and
+/// proposing once more if the volume's generation moved meanwhile (the
+/// owner's resync of a copy raises it). `what`: the volume's name and
+/// what it is changed to, for the errors.
+async fn carry_out<S, P, F, L>(
+    state: S,
+    propose: P,
+    (name, what): (&str, &str),
+    planner: L,
+) -> Result<Outcome, PolicyChangeError>
+where
+    S: Fn() -> Arc<ClusterState>,
+    P: Fn(Command) -> F,
+    F: Future<Output = Result<Response, DirectoryError>>,
+    L: Fn(&ClusterState) -> Result<Plan, PolicyChangeError>,
+{
     let mut tries = 0;
     loop {
         tries += 1;
-        let cmd = match plan(&state(), name, policy)? {
+        let cmd = match planner(&state())? {
             Plan::Unchanged => return Ok(Outcome::Unchanged),
             Plan::Keep(cmd) => {
                 return match propose(cmd).await {
@@ -328,7 +418,7 @@ where
         };
         let refused = |why: String| PolicyChangeError::Refused {
             volume: name.to_string(),
-            policy: policy.to_string(),
+            policy: what.to_string(),
             why,
         };
         match propose(cmd.clone()).await {

@@ -423,3 +423,97 @@ fn raid5_to_raid6_lowers_first_and_keeps_wanting_raid6() {
         if add.is_empty() && remove.is_empty())
     );
 }
+
+/// raid5 4+1 on six hosts with one host gone: a restripe to 2+1 is due.
+/// Its first step lowers the volume to raid1 ftt=1 wanting raid5 back,
+/// kept through the lowering's commit; the raise that follows places 2+1
+/// on the five hosts up. With six up again, 4+1 is due; not while a node
+/// is in maintenance, and nothing while a change is in progress.
+#[test]
+fn raid5_restripes_to_the_geometry_the_cluster_gives() {
+    use shoal_model::{MaintenanceMode, NodeState};
+    let (narrow, wide) = (StripeGeometry::RAID5_NARROW, StripeGeometry::RAID5_WIDE);
+    let (mut s, v) = cluster(6, "raid5 ftt=1");
+    assert_eq!(s.volumes[&v].stripe, Some(wide));
+    assert_eq!(restripe_due(&s, &s.volumes[&v]), None);
+    assert_eq!(plan_restripe(&s, "v", narrow).unwrap(), Plan::Unchanged);
+    let gone = 6;
+    s.nodes.get_mut(&gone).unwrap().state = NodeState::Down;
+    assert_eq!(restripe_due(&s, &s.volumes[&v]), Some(narrow));
+    // Asked for another geometry than the one due: nothing.
+    assert_eq!(plan_restripe(&s, "v", wide).unwrap(), Plan::Unchanged);
+    let Plan::Begin(cmd) = plan_restripe(&s, "v", narrow).unwrap() else {
+        panic!("no restripe");
+    };
+    let Command::BeginReconfig {
+        add,
+        remove,
+        policy,
+        wanted,
+        reason,
+        ..
+    } = &cmd
+    else {
+        panic!("{cmd:?}");
+    };
+    assert!(add.is_empty(), "{cmd:?}");
+    assert_eq!(remove.len(), wide.width(), "{cmd:?}");
+    assert_eq!(*policy, Some(pol("raid1 ftt=1")));
+    assert_eq!(*wanted, Some(pol("raid5 ftt=1")));
+    assert!(
+        reason.starts_with("restripe 4+1 to 2+1 (5 fault domains): policy raid1 ftt=1"),
+        "{reason}"
+    );
+    s.apply(&cmd).unwrap();
+    let vol = &s.volumes[&v];
+    assert_eq!(vol.wanted_policy, Some(pol("raid5 ftt=1")));
+    assert_eq!(restripe_due(&s, vol), None, "a change is in progress");
+    commit(&mut s, v);
+    let vol = &s.volumes[&v];
+    assert_eq!(
+        (vol.policy, vol.wanted_policy, vol.stripe),
+        (pol("raid1 ftt=1"), Some(pol("raid5 ftt=1")), None)
+    );
+    let cmd = begin(&s, "raid5 ftt=1");
+    s.apply(&cmd).unwrap();
+    commit(&mut s, v);
+    let vol = &s.volumes[&v];
+    assert_eq!((vol.stripe, vol.wanted_policy), (Some(narrow), None));
+    assert!(vol
+        .components
+        .iter()
+        .all(|c| c.node != gone || !matches!(c.role, ComponentRole::Stripe { .. })));
+    s.nodes.get_mut(&gone).unwrap().state = NodeState::Up;
+    assert_eq!(restripe_due(&s, &s.volumes[&v]), Some(wide));
+    s.maintenance.insert(1, MaintenanceMode::NoDataMigration);
+    assert_eq!(
+        restripe_due(&s, &s.volumes[&v]),
+        None,
+        "a node in maintenance"
+    );
+}
+
+/// A restripe that ends aborted leaves the volume wanting nothing: it
+/// has its policy, and the restripe is asked again when due.
+#[test]
+fn an_aborted_restripe_wants_nothing() {
+    use shoal_model::NodeState;
+    let (mut s, v) = cluster(6, "raid5 ftt=1");
+    s.nodes.get_mut(&6).unwrap().state = NodeState::Down;
+    let Plan::Begin(cmd) = plan_restripe(&s, "v", StripeGeometry::RAID5_NARROW).unwrap() else {
+        panic!("no restripe");
+    };
+    s.apply(&cmd).unwrap();
+    let vol = &s.volumes[&v];
+    let r = vol.reconfig.clone().expect("in progress");
+    s.apply(&Command::AbortReconfig {
+        volume: v,
+        generation: vol.generation,
+        added: r.added,
+        remove: r.remove,
+    })
+    .unwrap();
+    let vol = &s.volumes[&v];
+    assert_eq!((vol.policy, vol.wanted_policy), (pol("raid5 ftt=1"), None));
+    assert_eq!(restripe_due(&s, vol), Some(StripeGeometry::RAID5_NARROW));
+}
