@@ -898,14 +898,7 @@ async fn an_erasure_coded_volume_destages_and_reads_back_through_owners_and_a_fa
         .iter()
         .enumerate()
         .all(|(i, m)| m.data(10 + i as u64).iter().any(|&b| b != 0)));
-    let read_all = |o: TieredOwner| async move {
-        o.execute(Op::Read {
-            offset: 0,
-            len: (N * 4096) as u32,
-        })
-        .await
-        .unwrap()
-    };
+    let read_all = |o: TieredOwner| read_blocks(o, N);
     assert_eq!(
         first_difference(&read_all(o.clone()).await, &want.concat()),
         None
@@ -1046,6 +1039,16 @@ async fn an_erasure_coded_volume_destages_and_reads_back_through_owners_and_a_fa
         first_difference(&read_all(o.clone()).await, &want.concat()),
         None
     );
+}
+
+/// The first `n` blocks of a volume, read in one request through `o`.
+async fn read_blocks(o: shoal_owner::capacity::TieredOwner, n: usize) -> Bytes {
+    o.execute(Op::Read {
+        offset: 0,
+        len: (n * 4096) as u32,
+    })
+    .await
+    .unwrap()
 }
 
 /// Owners of an erasure-coded volume stopped at any moment under a
@@ -1193,14 +1196,7 @@ async fn whole_stripe_writes_go_straight_to_the_columns() {
     // The leg's copies: the ten staged blocks only.
     let leg = mems[0].written_below(1, size) + mems[1].written_below(2, size);
     assert_eq!(leg, 2 * 10 * 4096, "bytes of client data on the leg");
-    let read_all = |o: TieredOwner| async move {
-        o.execute(Op::Read {
-            offset: 0,
-            len: (N * 4096) as u32,
-        })
-        .await
-        .unwrap()
-    };
+    let read_all = |o: TieredOwner| read_blocks(o, N);
     assert_eq!(first_difference(&read_all(o.clone()).await, &data), None);
     o.stop();
     dir.generation.store(2, Ordering::SeqCst);

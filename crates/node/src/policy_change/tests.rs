@@ -48,15 +48,29 @@ fn begin(s: &ClusterState, policy: &str) -> Command {
 
 /// Commits the change in progress on `v`, as its owner would.
 fn commit(s: &mut ClusterState, v: VolumeId) {
+    end(s, v, true);
+}
+
+/// Commits or aborts the change in progress on `v`.
+fn end(s: &mut ClusterState, v: VolumeId, commit: bool) {
     let vol = &s.volumes[&v];
     let r = vol.reconfig.clone().expect("a change in progress");
-    s.apply(&Command::CommitReconfig {
-        volume: v,
-        generation: vol.generation,
-        added: r.added,
-        remove: r.remove,
-    })
-    .unwrap();
+    let (volume, generation, added, remove) = (v, vol.generation, r.added, r.remove);
+    let cmd = match commit {
+        true => Command::CommitReconfig {
+            volume,
+            generation,
+            added,
+            remove,
+        },
+        false => Command::AbortReconfig {
+            volume,
+            generation,
+            added,
+            remove,
+        },
+    };
+    s.apply(&cmd).unwrap();
 }
 
 fn counts(s: &ClusterState, v: VolumeId) -> (usize, usize) {
@@ -504,15 +518,7 @@ fn an_aborted_restripe_wants_nothing() {
         panic!("no restripe");
     };
     s.apply(&cmd).unwrap();
-    let vol = &s.volumes[&v];
-    let r = vol.reconfig.clone().expect("in progress");
-    s.apply(&Command::AbortReconfig {
-        volume: v,
-        generation: vol.generation,
-        added: r.added,
-        remove: r.remove,
-    })
-    .unwrap();
+    end(&mut s, v, false);
     let vol = &s.volumes[&v];
     assert_eq!((vol.policy, vol.wanted_policy), (pol("raid5 ftt=1"), None));
     assert_eq!(restripe_due(&s, vol), Some(StripeGeometry::RAID5_NARROW));
