@@ -921,6 +921,7 @@ impl Loop {
         if !self.set.whole() {
             return (waits, 0);
         }
+        let mut begun: Vec<(crate::stripes::Destage, Vec<Bytes>)> = Vec::new();
         while done + stripe_bytes <= data.len() {
             let first = (offset + done as u64) / BLOCK_BYTES as u64;
             let busy = self.reading.busy();
@@ -939,9 +940,21 @@ impl Loop {
             let blocks = (0..per)
                 .map(|i| bytes.slice(i * BLOCK_BYTES..(i + 1) * BLOCK_BYTES))
                 .collect();
-            self.encode_and_write(d, blocks);
+            begun.push((d, blocks));
             waits.push(Wait::Ticket(rx));
             done += stripe_bytes;
+        }
+        // Stripes in consecutive slots go as one write to each column.
+        let mut run: Vec<(crate::stripes::Destage, Vec<Bytes>)> = Vec::new();
+        for s in begun {
+            let next = run.last().is_none_or(|(d, _)| d.slot + 1 == s.0.slot);
+            if !next {
+                self.write_direct_stripes(std::mem::take(&mut run));
+            }
+            run.push(s);
+        }
+        if !run.is_empty() {
+            self.write_direct_stripes(run);
         }
         (waits, done)
     }
@@ -1121,13 +1134,24 @@ impl Loop {
         });
     }
 
-    /// Writes a stripe whose data is in hand (a client's write straight
-    /// to the capacity leg).
-    fn encode_and_write(&self, d: crate::stripes::Destage, data: Vec<Bytes>) {
+    /// Writes stripes in consecutive slots whose data is in hand (a
+    /// client's write straight to the capacity leg), one write to each
+    /// column for all of them; each is written, or not, with the others.
+    fn write_direct_stripes(&self, run: Vec<(crate::stripes::Destage, Vec<Bytes>)>) {
         let (set, tx, volume) = (self.set.clone(), self.tx.clone(), self.tier_volume());
         tokio::spawn(async move {
-            let written = encode_and_write(&set, volume, &d, &data).await;
-            let _ = tx.send(Ev::StripeWritten(d.slot, written));
+            let first = run.first().map_or(0, |(d, _)| d.slot);
+            let encoded: Result<Vec<Vec<Vec<u8>>>, ColumnError> = run
+                .iter()
+                .map(|(d, data)| encode(&set, volume, d, data))
+                .collect();
+            let written = match encoded {
+                Ok(stripes) => set.write_stripes(first, stripes).await,
+                Err(e) => Err(e),
+            };
+            for (d, _) in &run {
+                let _ = tx.send(Ev::StripeWritten(d.slot, written.clone()));
+            }
         });
     }
 
@@ -1340,13 +1364,21 @@ async fn encode_and_write(
     d: &crate::stripes::Destage,
     data: &[Bytes],
 ) -> Result<(), ColumnError> {
+    let units = encode(set, volume, d, data)?;
+    set.write_stripe(d.slot, units).await
+}
+
+/// The `k + m` units of stripe `d` of `data`, by column.
+fn encode(
+    set: &ColumnSet,
+    volume: u64,
+    d: &crate::stripes::Destage,
+    data: &[Bytes],
+) -> Result<Vec<Vec<u8>>, ColumnError> {
     let numbers: Vec<u64> = d.blocks.iter().map(|&(b, _)| b).collect();
     let summary = summary_of(set.columns(), volume, (d.stripe_seq, d.slot), &numbers);
     let refs: Vec<&[u8]> = data.iter().map(|d| &d[..]).collect();
-    match set.columns().encode(set.codec(), &summary, &refs) {
-        Ok(units) => set.write_stripe(d.slot, units).await,
-        Err(e) => Err(ColumnError::Stripe(e)),
-    }
+    Ok(set.columns().encode(set.codec(), &summary, &refs)?)
 }
 
 /// Stripe slots with reads in flight, shared by the loop, which counts a
