@@ -299,7 +299,11 @@ impl Sim {
     /// A whole stripe of blocks from `first` with data byte `v`: straight
     /// to the capacity leg if the tier begins it, else staged.
     fn direct(&mut self, first: u64, v: Data) {
-        let Some(d) = self.tier.begin_direct(first, &BTreeSet::new()).cloned() else {
+        let Some(d) = self
+            .tier
+            .begin_direct(first, &BTreeSet::new(), (None, 2))
+            .cloned()
+        else {
             for b in first..first + PER {
                 self.write(b, v);
             }

@@ -38,6 +38,11 @@ pub const CLEAN_RESERVE_SLOTS: u64 = 4;
 /// once, more than a client's queue holds. Past it, writes are staged.
 pub const MAX_DIRECT_STRIPES: usize = 256;
 
+/// Slots looked at, from the lowest free one, for a run of free slots as
+/// long as a direct write's stripes: bounds the walk per stripe (a few
+/// microseconds) on a volume of millions of slots.
+pub const DIRECT_RUN_SCAN_SLOTS: u64 = 4096;
+
 /// Records the map log keeps beyond two whole checkpoints, so that small
 /// volumes write a checkpoint only every few dozen records.
 const SPARE_LOG_RECORDS: u64 = 64;
@@ -460,7 +465,12 @@ impl Tier {
     /// flight, or no slot is free beyond the cleaner's reserve. The
     /// owner writes the stripe with the client's data and acknowledges
     /// the write once the ticket is ([`Applied::acknowledged`]).
-    pub fn begin_direct(&mut self, first: u64, busy: &BTreeSet<u64>) -> Option<&Destage> {
+    pub fn begin_direct(
+        &mut self,
+        first: u64,
+        busy: &BTreeSet<u64>,
+        (after, run): (Option<u64>, u64),
+    ) -> Option<&Destage> {
         let per = self.columns.blocks_per_stripe() as u64;
         let directs = self.stripes.iter().filter(|d| d.ticket.is_some()).count();
         let room = self.map.used_slots() as u64 + self.stripes.len() as u64 + CLEAN_RESERVE_SLOTS
@@ -476,7 +486,7 @@ impl Tier {
         {
             return None;
         }
-        let slot = self.free_slot(busy)?;
+        let slot = self.direct_slot(busy, (after, run))?;
         self.last_write += 1;
         self.last_ticket += 1;
         let seq = self.last_write;
@@ -485,6 +495,37 @@ impl Tier {
         }
         let blocks = (first..first + per).map(|b| (b, seq)).collect();
         self.push_stripe(blocks, slot, Vec::new(), Some(self.last_ticket))
+    }
+
+    /// A free slot for a stripe of a direct write of `run` stripes: the
+    /// one after `after` (the write's stripe before) if free, else the
+    /// first that begins `run` free slots in a row among the
+    /// [`DIRECT_RUN_SCAN_SLOTS`] from the lowest free one, else the lowest
+    /// free one. A write's stripes in consecutive slots go as one write to
+    /// each column.
+    fn direct_slot(&self, busy: &BTreeSet<u64>, (after, run): (Option<u64>, u64)) -> Option<u64> {
+        let flying: BTreeSet<u64> = self.stripes.iter().map(|d| d.slot).collect();
+        let taken = |s: u64| self.map.live(s) > 0 || busy.contains(&s) || flying.contains(&s);
+        let next = after.and_then(|s| s.checked_add(1));
+        if let Some(s) = next.filter(|&s| s < self.slots && !taken(s)) {
+            return Some(s);
+        }
+        let lowest = self.free_slot(busy)?;
+        if run > 1 {
+            let end = self.slots.min(lowest.saturating_add(DIRECT_RUN_SCAN_SLOTS));
+            let (mut start, mut len) = (lowest, 0);
+            for s in lowest..end {
+                if taken(s) {
+                    (start, len) = (s + 1, 0);
+                    continue;
+                }
+                len += 1;
+                if len == run {
+                    return Some(start);
+                }
+            }
+        }
+        Some(lowest)
     }
 
     /// The lowest slot free in the map, not in `busy` (reads in flight)

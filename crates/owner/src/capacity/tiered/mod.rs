@@ -922,10 +922,12 @@ impl Loop {
             return (waits, 0);
         }
         let mut begun: Vec<(crate::stripes::Destage, Vec<Bytes>)> = Vec::new();
+        let run = (data.len() / stripe_bytes) as u64;
         while done + stripe_bytes <= data.len() {
             let first = (offset + done as u64) / BLOCK_BYTES as u64;
             let busy = self.reading.busy();
-            let Some(d) = self.tier.begin_direct(first, &busy).cloned() else {
+            let after = begun.last().map(|(d, _)| d.slot);
+            let Some(d) = self.tier.begin_direct(first, &busy, (after, run)).cloned() else {
                 break;
             };
             let Some(ticket) = d.ticket else {
