@@ -88,6 +88,14 @@ proptest! {
             .collect();
         let parity = encoded(&codec, &data);
         prop_assert_eq!(&parity, &reference_parity(&data, g.parity));
+        // The engine's scalar kernel gives the same bytes.
+        let mut by_engine = vec![vec![0u8; len]; g.parity];
+        {
+            let d: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+            let mut p: Vec<&mut [u8]> = by_engine.iter_mut().map(Vec::as_mut_slice).collect();
+            codec.encode_by_engine(&d, &mut p).unwrap();
+        }
+        prop_assert_eq!(&parity, &by_engine);
         let d: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
         let p: Vec<&[u8]> = parity.iter().map(Vec::as_slice).collect();
         prop_assert!(codec.verify(&d, &p).unwrap());

@@ -309,6 +309,9 @@ enum SubmitState {
         len: u32,
     },
     Stopped,
+    /// A read of an erasure-coded volume's destaged blocks, sent to its
+    /// columns without the loop (`TieredOwner::read_stripes`).
+    Stripes(std::pin::Pin<Box<dyn std::future::Future<Output = Result<Bytes, OwnerError>> + Send>>),
     /// Over the volume's IOPS limit: sent to the owner at `at`.
     Throttled {
         owner: Owner,
@@ -333,6 +336,7 @@ impl Submitted {
         match state {
             SubmitState::Loop(rx) => rx.await.map_err(|_| OwnerError::Stopped)?,
             SubmitState::Stopped => Err(OwnerError::Stopped),
+            SubmitState::Stripes(read) => read.await,
             SubmitState::Throttled { owner, op, at } => Self::wait_throttled(owner, op, at).await,
             SubmitState::Local {
                 tx,
@@ -561,6 +565,12 @@ impl Owner {
         )
         .then(|| (Instant::now(), self.latency.clone()));
         if let Some(t) = &self.tier {
+            if let Op::Read { offset, len } = op {
+                if let Some(read) = t.read_stripes(offset, len) {
+                    let state = SubmitState::Stripes(Box::pin(read));
+                    return Submitted { state, timed };
+                }
+            }
             let state = match t.send(op) {
                 Some(rx) => SubmitState::Loop(rx),
                 None => SubmitState::Stopped,

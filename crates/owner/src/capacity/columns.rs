@@ -231,7 +231,7 @@ impl ColumnSet {
         let mut pending = Vec::with_capacity(width);
         for (position, unit) in by_column.into_iter().enumerate() {
             let req = Request::WriteChecked {
-                component: self.target(position)?.component,
+                component: self.component(position)?,
                 generation: self.generation,
                 offset: first * UNIT_BYTES,
                 seq: 0,
@@ -289,7 +289,7 @@ impl ColumnSet {
             .rebuild(slot, position, offset, &mut Vec::new())
             .await?;
         let req = Request::Repair {
-            component: self.target(position)?.component,
+            component: self.component(position)?,
             generation: self.generation,
             offset,
         };
@@ -352,7 +352,7 @@ impl ColumnSet {
     /// `len` bytes at `offset` of column `position`.
     async fn read_at(&self, position: usize, offset: u64, len: u32) -> Result<Bytes, ColumnError> {
         let req = Request::Read {
-            component: self.target(position)?.component,
+            component: self.component(position)?,
             generation: self.generation,
             offset,
             len,
@@ -376,6 +376,17 @@ impl ColumnSet {
             want: self.columns.width(),
             got: position + 1,
         })
+    }
+
+    /// The component of the column at `position` now: [`ColumnSet::target`]
+    /// without copying its address, for every request.
+    fn component(&self, position: usize) -> Result<ComponentId, ColumnError> {
+        let targets = self.targets.read().unwrap_or_else(|e| e.into_inner());
+        let t = targets.get(position).ok_or(ColumnError::Width {
+            want: self.columns.width(),
+            got: position + 1,
+        })?;
+        Ok(t.component)
     }
 
     /// Fills `new`, the column rebuilt in place of lost column

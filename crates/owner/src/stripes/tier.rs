@@ -288,6 +288,11 @@ impl Tier {
         self.volume
     }
 
+    /// The volume's size in bytes.
+    pub fn volume_bytes(&self) -> u64 {
+        self.volume_bytes
+    }
+
     pub fn map(&self) -> &StripeMap {
         &self.map
     }

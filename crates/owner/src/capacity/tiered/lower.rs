@@ -84,10 +84,10 @@ impl Loop {
         match (lowering_change(view), &self.lowering) {
             (Some(remove), None) => {
                 tracing::info!(
-                    volume = self.tier.volume(),
+                    volume = self.tier().volume(),
                     "lowering to RAID-1: reading the stripes back"
                 );
-                self.tier.lower();
+                self.tier().lower();
                 self.lowering = Some(Lowering {
                     remove,
                     step: Step::ReadingBack,
@@ -115,12 +115,13 @@ impl Loop {
         if l.exhausted
             && l.reading.is_empty()
             && l.writing == 0
-            && self.tier.stripes_in_flight() == 0
+            && self.tier().stripes_in_flight() == 0
         {
             // Queues the empty checkpoint once every block is on the leg.
-            self.tier.forget_map();
+            self.tier().forget_map();
         }
-        if let Some(at) = self.tier.forgotten_at() {
+        let forgotten = self.tier().forgotten_at();
+        if let Some(at) = forgotten {
             if !self.recording {
                 self.trim_log(at);
             }
@@ -139,7 +140,11 @@ impl Loop {
         if room < REHYDRATE_BLOCKS_IN_FLIGHT / 2 {
             return;
         }
-        let batch = self.tier.to_rehydrate(room, &l.reading);
+        let batch = self
+            .tier
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .to_rehydrate(room, &l.reading);
         l.exhausted = batch.is_empty() && l.reading.is_empty();
         if batch.is_empty() {
             return;
@@ -192,7 +197,7 @@ impl Loop {
                     continue;
                 }
             };
-            if self.tier.source(b) != Source::Stripe(loc) {
+            if self.tier().source(b) != Source::Stripe(loc) {
                 continue; // written or zeroed since: that is newer
             }
             match &mut run {
@@ -255,7 +260,7 @@ impl Loop {
     fn trim_log(&mut self, keep: u64) {
         let Some(l) = &mut self.lowering else { return };
         l.step = Step::TrimmingLog;
-        let (start, bytes) = self.tier.log_range();
+        let (start, bytes) = self.tier().log_range();
         let block = BLOCK_BYTES as u64;
         let before = (start, keep - start);
         let after = (keep + block, start + bytes - keep - block);
@@ -308,7 +313,7 @@ impl Loop {
     pub(super) fn lowered(&mut self, r: Result<(), ControlError>) -> bool {
         match r {
             Ok(()) => {
-                tracing::info!(volume = self.tier.volume(), "lowered to RAID-1");
+                tracing::info!(volume = self.tier().volume(), "lowered to RAID-1");
                 if let Some(l) = &mut self.lowering {
                     l.step = Step::Committed;
                 }

@@ -23,7 +23,7 @@ use crate::{Control, Op, Owner, OwnerConfig, OwnerError, View};
 use bytes::{Bytes, BytesMut};
 use shoal_model::{ComponentRole, ComponentState, Generation};
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
@@ -60,6 +60,17 @@ pub struct TieredOwner {
     tx: mpsc::UnboundedSender<Ev>,
     leg: Owner,
     status: Arc<Mutex<TierStatus>>,
+    reads: StripeReads,
+}
+
+/// What a handle needs to read destaged blocks without the loop: the
+/// tier's state (read under its lock), the columns, and the slot reads
+/// in flight, all shared with the loop.
+#[derive(Clone)]
+struct StripeReads {
+    tier: Arc<RwLock<Tier>>,
+    set: Arc<ColumnSet>,
+    reading: Arc<SlotReads>,
 }
 
 enum Ev {
@@ -179,13 +190,15 @@ impl TieredOwner {
     ) -> TieredOwner {
         let (tx, rx) = mpsc::unbounded_channel();
         let status = Arc::new(Mutex::new(TierStatus::default()));
+        let (set, tier) = (Arc::new(set), Arc::new(RwLock::new(tier)));
+        let reading = Arc::new(SlotReads::default());
         let lp = Loop {
             size,
             leg: leg.clone(),
-            set: Arc::new(set),
-            tier,
+            set: set.clone(),
+            tier: tier.clone(),
             tx: tx.clone(),
-            reading: Arc::new(SlotReads::default()),
+            reading: reading.clone(),
             recording: false,
             tickets: BTreeMap::new(),
             direct_data: std::collections::HashMap::new(),
@@ -221,7 +234,12 @@ impl TieredOwner {
                 }
             }
         });
-        TieredOwner { tx, leg, status }
+        TieredOwner {
+            tx,
+            leg,
+            status,
+            reads: StripeReads { tier, set, reading },
+        }
     }
 
     /// The directory changed: a column change to carry out, the repair
@@ -240,8 +258,53 @@ impl TieredOwner {
 
     /// Runs one operation; reads answer data, everything else empty bytes.
     pub async fn execute(&self, op: Op) -> Result<Bytes, OwnerError> {
+        if let Op::Read { offset, len } = op {
+            if let Some(read) = self.read_stripes(offset, len) {
+                return read.await;
+            }
+        }
         let rx = self.send(op).ok_or(OwnerError::Stopped)?;
         rx.await.map_err(|_| OwnerError::Stopped)?
+    }
+
+    /// A read of whole blocks that are all destaged (or never written),
+    /// routed here by the tier's state as the loop would route it, and
+    /// sent to the columns without a round through the loop; None (to go
+    /// through the loop) for a read of blocks on the performance leg, of
+    /// parts of blocks, past the end, or once the loop stopped. Its slots
+    /// are counted in under the tier's lock, so no stripe is written over
+    /// them until the read is done.
+    pub(crate) fn read_stripes(
+        &self,
+        offset: u64,
+        len: u32,
+    ) -> Option<impl std::future::Future<Output = Result<Bytes, OwnerError>> + Send + 'static> {
+        let block = BLOCK_BYTES as u64;
+        let aligned = offset.is_multiple_of(block) && u64::from(len).is_multiple_of(block);
+        if !aligned || len == 0 || self.tx.is_closed() {
+            return None;
+        }
+        let parts = {
+            let tier = self.reads.tier.read().unwrap_or_else(|e| e.into_inner());
+            if offset.checked_add(u64::from(len))? > tier.volume_bytes() {
+                return None;
+            }
+            let span = (offset / block, u64::from(len) / block);
+            route(&tier, &self.reads.reading, span, false)?
+        };
+        let sent: Vec<Sent> = parts
+            .into_iter()
+            .map(|p| match p {
+                Part::Stripe(slot, index) => Sent::Stripe(slot, index),
+                Part::Zeros => Sent::Zeros,
+                Part::Leg(..) => unreachable!("a read routed without the leg has a leg part"),
+            })
+            .collect();
+        let (reads, tx) = (self.reads.clone(), self.tx.clone());
+        Some(async move {
+            let ends = (&*reads.set, &tx, &*reads.reading);
+            gather(sent, len, ends).await
+        })
     }
 
     /// Hands one operation to the loop now (its place in the volume's
@@ -437,7 +500,10 @@ struct Loop {
     size: u64,
     leg: Owner,
     set: Arc<ColumnSet>,
-    tier: Tier,
+    /// The tier's state: the loop's alone to change; the handles read
+    /// it to route reads of destaged blocks without the loop
+    /// ([`TieredOwner::read_stripes`]). Locked for the length of one call.
+    tier: Arc<RwLock<Tier>>,
     tx: mpsc::UnboundedSender<Ev>,
     /// Stripe slots with reads in flight: not written until they end.
     reading: Arc<SlotReads>,
@@ -486,6 +552,22 @@ struct Loop {
     lowering: Option<lower::Lowering>,
 }
 
+impl Ev {
+    /// An event of the I/O path: one or more per client I/O.
+    fn is_io_path(&self) -> bool {
+        matches!(
+            self,
+            Ev::Io(..)
+                | Ev::Staged(_)
+                | Ev::StripeWritten(..)
+                | Ev::RecordWritten(_)
+                | Ev::Trimmed(_)
+                | Ev::Merged { .. }
+                | Ev::Unlock(_)
+        )
+    }
+}
+
 /// The blocks (first, end) an operation changes, if it changes any.
 fn changes(op: &Op) -> Option<(u64, u64)> {
     let block = BLOCK_BYTES as u64;
@@ -500,13 +582,18 @@ fn changes(op: &Op) -> Option<(u64, u64)> {
 impl Loop {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Ev>) {
         while let Some(ev) = rx.recv().await {
+            // The status is published after every event but those of the
+            // I/O path (a client's writes and reads, staging, stripes,
+            // records, trims), which the next tick publishes: building it
+            // names every column, too much to do per 4 KiB write.
+            let quiet = ev.is_io_path();
             let go_on = match ev {
                 Ev::Io(op, reply) => {
                     self.io(op, reply);
                     true
                 }
                 Ev::Staged((first, count, seq)) => {
-                    self.tier.staged(first, count, seq);
+                    self.tier().staged(first, count, seq);
                     self.busy = true;
                     self.replay_blocked();
                     true
@@ -514,7 +601,7 @@ impl Loop {
                 Ev::StripeWritten(slot, r) => self.stripe_written(slot, r),
                 Ev::StripeUnread(slot, e) => {
                     tracing::warn!(error = %e, "destage read failed; retried");
-                    self.tier.stripe_failed(slot);
+                    self.tier().stripe_failed(slot);
                     true
                 }
                 Ev::RecordWritten(r) => self.record_written(r),
@@ -568,7 +655,8 @@ impl Loop {
                     self.idle = !std::mem::take(&mut self.busy);
                     self.revive_columns();
                     self.heal_tick();
-                    self.written_blocks = self.tier.written_blocks();
+                    let written = self.tier().written_blocks();
+                    self.written_blocks = written;
                     true
                 }
                 Ev::Stop => false,
@@ -577,7 +665,9 @@ impl Loop {
                 break;
             }
             self.pump();
-            self.publish();
+            if !quiet {
+                self.publish();
+            }
         }
         self.leg.stop();
         for (_, r) in std::mem::take(&mut self.tickets) {
@@ -586,6 +676,12 @@ impl Loop {
         for (_, r) in std::mem::take(&mut self.blocked) {
             let _ = r.send(Err(OwnerError::Deposed));
         }
+    }
+
+    /// The tier's state, for the loop to read and change: locked for one
+    /// call (the handles' reads wait that long at most).
+    fn tier(&self) -> RwLockWriteGuard<'_, Tier> {
+        self.tier.write().unwrap_or_else(|e| e.into_inner())
     }
 
     fn io(&mut self, op: Op, reply: Reply) {
@@ -661,7 +757,8 @@ impl Loop {
             return false;
         }
         let (first, last) = (offset / block, end.saturating_sub(1) / block);
-        self.tier.write_in_flight(first) || self.tier.write_in_flight(last)
+        let tier = self.tier();
+        tier.write_in_flight(first) || tier.write_in_flight(last)
     }
 
     /// A bad block a scrubber found: on a stripe column, rebuilt from the
@@ -842,20 +939,14 @@ impl Loop {
     /// their slot busy until read.
     fn read(&mut self, offset: u64, len: u32, reply: Reply) {
         let block = BLOCK_BYTES as u64;
-        let first = offset / block;
-        let count = u64::from(len) / block;
-        let mut parts: Vec<Part> = Vec::new();
-        for b in first..first + count {
-            match (self.tier.source(b), parts.last_mut()) {
-                (Source::Performance, Some(Part::Leg(f, n))) if *f + *n == b => *n += 1,
-                (Source::Performance, _) => parts.push(Part::Leg(b, 1)),
-                (Source::Zeros, _) => parts.push(Part::Zeros),
-                (Source::Stripe(loc), _) => {
-                    self.reading.begin(loc.slot);
-                    parts.push(Part::Stripe(loc.slot, usize::from(loc.index)));
-                }
-            }
-        }
+        let (first, count) = (offset / block, u64::from(len) / block);
+        let parts = {
+            let tier = self.tier.read().unwrap_or_else(|e| e.into_inner());
+            route(&tier, &self.reading, (first, count), true)
+        };
+        let Some(parts) = parts else {
+            unreachable!("a read routed with the leg allowed is always routed");
+        };
         let sent: Vec<Sent> = parts
             .into_iter()
             .map(|p| match p {
@@ -869,27 +960,7 @@ impl Loop {
             .collect();
         let (set, tx, reading) = (self.set.clone(), self.tx.clone(), self.reading.clone());
         tokio::spawn(async move {
-            let ends = (&*set, &tx, &*reading);
-            if let [_] = &sent[..] {
-                // One part (a small read): its data as it comes.
-                let part = sent.into_iter().next().map(|s| read_part(s, ends));
-                if let Some(part) = part {
-                    let _ = reply.send(part.await);
-                }
-                return;
-            }
-            // Every part at once: a read over many destaged blocks waits
-            // for one round trip to the columns, not one per block.
-            let parts = sent.into_iter().map(|s| read_part(s, ends));
-            let mut out = BytesMut::with_capacity(len as usize);
-            let mut result = Ok(());
-            for r in futures::future::join_all(parts).await {
-                match r {
-                    Ok(d) => out.extend_from_slice(&d),
-                    Err(e) => result = Err(e),
-                }
-            }
-            let _ = reply.send(result.map(|()| out.freeze()));
+            let _ = reply.send(gather(sent, len, (&*set, &tx, &*reading)).await);
         });
     }
 
@@ -927,7 +998,11 @@ impl Loop {
             let first = (offset + done as u64) / BLOCK_BYTES as u64;
             let busy = self.reading.busy();
             let after = begun.last().map(|(d, _)| d.slot);
-            let Some(d) = self.tier.begin_direct(first, &busy, (after, run)).cloned() else {
+            let d = self
+                .tier()
+                .begin_direct(first, &busy, (after, run))
+                .cloned();
+            let Some(d) = d else {
                 break;
             };
             let Some(ticket) = d.ticket else {
@@ -995,7 +1070,7 @@ impl Loop {
             if zero {
                 waits.extend(self.zero_blocks(b, n));
             } else {
-                let seq = self.tier.stage(b, n);
+                let seq = self.tier().stage(b, n);
                 for (k, c) in chunks[i..j].iter().enumerate() {
                     self.cache.put(b + k as u64, seq, c.clone());
                 }
@@ -1020,7 +1095,7 @@ impl Loop {
     /// for the rest waits for a ticket (its unmap, then its trims).
     fn zero_blocks(&mut self, first: u64, count: u64) -> Vec<Wait> {
         self.cache.forget(first, count);
-        let z = self.tier.zero(first, count);
+        let z = self.tier().zero(first, count);
         let mut waits: Vec<Wait> = z
             .trim_now
             .iter()
@@ -1062,22 +1137,24 @@ impl Loop {
     fn pump(&mut self) {
         self.lower_pump();
         if !self.recording {
-            if let Some(rec) = self.tier.next_record() {
+            let rec = self.tier().next_record();
+            if let Some(rec) = rec {
                 self.write_record(rec);
             }
         }
         // A stripe is written whole: with a column out, blocks stay on
         // the performance leg until it is back (or rebuilt).
-        if self.tier.background_in_flight() || !self.set.whole() {
+        if self.tier().background_in_flight() || !self.set.whole() {
             return;
         }
-        let full = self.tier.destageable_blocks() >= self.set.columns().blocks_per_stripe();
-        if !(full || self.idle || self.tier.cleaning_due()) {
+        let full = self.tier().destageable_blocks() >= self.set.columns().blocks_per_stripe();
+        if !(full || self.idle || self.tier().cleaning_due()) {
             return;
         }
         self.idle = false;
         let busy: BTreeSet<u64> = self.reading.busy();
-        let Some(d) = self.tier.begin_stripe(&busy).cloned() else {
+        let d = self.tier().begin_stripe(&busy).cloned();
+        let Some(d) = d else {
             return;
         };
         self.write_stripe(d);
@@ -1158,19 +1235,20 @@ impl Loop {
     }
 
     fn tier_volume(&self) -> u64 {
-        self.tier.volume()
+        self.tier().volume()
     }
 
     fn stripe_written(&mut self, slot: u64, r: Result<(), ColumnError>) -> bool {
         match r {
             Ok(()) => {
-                if let Some(d) = self.tier.stripe(slot) {
+                let d = self.tier().stripe(slot).cloned();
+                if let Some(d) = d {
                     for &(b, seq) in &d.blocks {
                         self.cache.destaged(b, seq);
                     }
                     self.direct_stripes += u64::from(d.ticket.is_some());
                 }
-                self.tier.stripe_written(slot);
+                self.tier().stripe_written(slot);
                 self.stripes_written += 1;
                 true
             }
@@ -1191,7 +1269,8 @@ impl Loop {
     /// staged instead, those of its blocks no client wrote or zeroed
     /// since, and answered once they are.
     fn stripe_failed(&mut self, slot: u64) {
-        let Some(failed) = self.tier.stripe_failed(slot) else {
+        let failed = self.tier().stripe_failed(slot);
+        let Some(failed) = failed else {
             return;
         };
         let ticket = failed.ticket;
@@ -1225,7 +1304,7 @@ impl Loop {
         };
         self.recording = true;
         let w = self.leg.submit(Op::Write {
-            offset: self.tier.log_offset(rec.seq()),
+            offset: self.tier().log_offset(rec.seq()),
             data,
         });
         let tx = self.tx.clone();
@@ -1242,10 +1321,11 @@ impl Loop {
             tracing::warn!(error = %e, "map record not written: the owner stops");
             return false;
         }
+        let applied = self.tier().record_durable();
         let Applied {
             trims,
             acknowledged,
-        } = match self.tier.record_durable() {
+        } = match applied {
             Ok(a) => a,
             Err(e) => {
                 tracing::error!(error = %e, "map record not applicable: the owner stops");
@@ -1344,7 +1424,7 @@ impl Loop {
         let targets: Vec<ColumnTarget> =
             (0..width).filter_map(|p| self.set.target(p).ok()).collect();
         let s = TierStatus {
-            staged_blocks: self.tier.pending_blocks() as u64,
+            staged_blocks: self.tier().pending_blocks() as u64,
             columns_out: (width - self.set.in_service().len()) as u64,
             stripes_written: self.stripes_written,
             direct_stripes: self.direct_stripes,
@@ -1478,6 +1558,63 @@ enum Sent {
     Leg(crate::Submitted),
     Zeros,
     Stripe(u64, usize),
+}
+
+/// How blocks `first..first + count` are read, as the tier has them
+/// now: runs from the performance leg, zeros, and stripe blocks, each
+/// stripe block's slot counted in `reading` (out again by [`read_part`]).
+/// With `leg` false, None if any block is on the leg, nothing counted in:
+/// the read goes through the loop.
+fn route(
+    tier: &Tier,
+    reading: &SlotReads,
+    (first, count): (u64, u64),
+    leg: bool,
+) -> Option<Vec<Part>> {
+    let mut parts: Vec<Part> = Vec::new();
+    for b in first..first + count {
+        match (tier.source(b), parts.last_mut()) {
+            (Source::Performance, _) if !leg => return None,
+            (Source::Performance, Some(Part::Leg(f, n))) if *f + *n == b => *n += 1,
+            (Source::Performance, _) => parts.push(Part::Leg(b, 1)),
+            (Source::Zeros, _) => parts.push(Part::Zeros),
+            (Source::Stripe(loc), _) => parts.push(Part::Stripe(loc.slot, usize::from(loc.index))),
+        }
+    }
+    for p in &parts {
+        if let Part::Stripe(slot, _) = p {
+            reading.begin(*slot);
+        }
+    }
+    Some(parts)
+}
+
+/// The data of a read of `len` bytes sent as `sent`, in order.
+async fn gather(
+    sent: Vec<Sent>,
+    len: u32,
+    ends: (&ColumnSet, &mpsc::UnboundedSender<Ev>, &SlotReads),
+) -> Result<Bytes, OwnerError> {
+    if let [_] = &sent[..] {
+        // One part (a small read): its data as it comes.
+        let part = sent.into_iter().next().map(|s| read_part(s, ends));
+        return match part {
+            Some(part) => part.await,
+            None => Err(OwnerError::Invalid("an empty read".into())),
+        };
+    }
+    // Every part at once: a read over many destaged blocks waits for one
+    // round trip to the columns, not one per block.
+    let parts = sent.into_iter().map(|s| read_part(s, ends));
+    let mut out = BytesMut::with_capacity(len as usize);
+    let mut result = Ok(());
+    for r in futures::future::join_all(parts).await {
+        match r {
+            Ok(d) => out.extend_from_slice(&d),
+            Err(e) => result = Err(e),
+        }
+    }
+    result.map(|()| out.freeze())
 }
 
 /// One part of a read: from the leg, zeros, or a stripe block (its
