@@ -148,10 +148,12 @@ impl Device {
 
 /// Keeps the owner's order between overlapping requests of a component
 /// while non-overlapping ones run in parallel on blocking threads (so the
-/// device sees many `O_DIRECT` writes at once). A write registers its range
-/// when it arrives (in connection order) and waits for the earlier
-/// overlapping writes still running; a read waits for them too, so it sees
-/// every write sent before it.
+/// device sees many `O_DIRECT` writes at once). Every write and read
+/// registers its range when it arrives (in connection order). A write
+/// waits for the earlier overlapping writes and reads still running, so
+/// that a read never sees a write (or trim) sent after it; a read waits
+/// for the earlier overlapping writes only, so that it sees every write
+/// sent before it while reads of one range still run side by side.
 #[derive(Default)]
 pub struct Sequencer {
     running: Mutex<HashMap<ComponentId, Vec<Running>>>,
@@ -162,7 +164,23 @@ struct Running {
     id: u64,
     start: u64,
     end: u64,
+    /// A write (or trim): later reads wait for it too.
+    write: bool,
     done: watch::Receiver<bool>,
+}
+
+/// How a request takes its place in a component's order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Access {
+    /// Waits for earlier overlapping writes and reads; later overlapping
+    /// writes and reads wait for it.
+    Write,
+    /// Waits for earlier overlapping writes; later overlapping writes wait
+    /// for it.
+    Read,
+    /// Waits for earlier overlapping writes; nothing waits for it (a
+    /// whole-component answer: allocated ranges, a digest).
+    Look,
 }
 
 /// Held while a write runs; dropping it releases the writes behind it.
@@ -188,14 +206,14 @@ impl Drop for SeqGuard {
 }
 
 impl Sequencer {
-    /// Earlier running writes overlapping `[start, end)`; with `write`, also
-    /// registers this access.
+    /// What an access of `[start, end)` waits for (see [`Access`]), and
+    /// its registration, held while it runs, unless it is a look.
     fn enter(
         self: &Arc<Self>,
         component: ComponentId,
         start: u64,
         end: u64,
-        write: bool,
+        access: Access,
     ) -> (Vec<watch::Receiver<bool>>, Option<SeqGuard>) {
         let Ok(mut m) = self.running.lock() else {
             return (Vec::new(), None);
@@ -203,16 +221,17 @@ impl Sequencer {
         let v = m.entry(component).or_default();
         let deps = v
             .iter()
-            .filter(|r| r.start < end && start < r.end)
+            .filter(|r| r.start < end && start < r.end && (r.write || access == Access::Write))
             .map(|r| r.done.clone())
             .collect();
-        let guard = write.then(|| {
+        let guard = (access != Access::Look).then(|| {
             let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let (tx, rx) = watch::channel(false);
             v.push(Running {
                 id,
                 start,
                 end,
+                write: access == Access::Write,
                 done: rx,
             });
             SeqGuard {
@@ -681,7 +700,7 @@ impl Replicas {
             .fetch_add(payload.len() as u64, std::sync::atomic::Ordering::Relaxed);
         d.count_copy(seq, payload.len() as u64);
         let end = offset.saturating_add(payload.len() as u64);
-        let (deps, guard) = self.seq.enter(component, offset, end, true);
+        let (deps, guard) = self.seq.enter(component, offset, end, Access::Write);
         let inline = payload.len() <= INLINE_WRITE_MAX;
         // The store refuses a write that would take space promised to
         // other (reserved) components: see `crate::space`.
@@ -812,7 +831,7 @@ impl Replicas {
                 self.mark_dirty(&d, component, offset, len, generation, seq)?;
                 d.count_copy(seq, len);
                 let end = offset.saturating_add(len);
-                let (deps, guard) = self.seq.enter(component, offset, end, true);
+                let (deps, guard) = self.seq.enter(component, offset, end, Access::Write);
                 self.apply_then_commit(d, deps, guard, false, move |d| {
                     d.store.write_zeroes(component, offset, len)
                 })
@@ -842,7 +861,7 @@ impl Replicas {
                 }
                 d.count_copy(seq, ranges.iter().map(|r| r.1).sum());
                 // Ordered with the writes to the span they cover.
-                let (deps, guard) = self.seq.enter(component, first, end, true);
+                let (deps, guard) = self.seq.enter(component, first, end, Access::Write);
                 self.apply_then_commit(d, deps, guard, false, move |d| {
                     for &(offset, len) in &ranges {
                         d.store.write_zeroes(component, offset, len)?;
@@ -862,10 +881,15 @@ impl Replicas {
                     return Err(RemoteError::BadRequest("read too large".into()));
                 }
                 let end = offset.saturating_add(len as u64);
-                let (deps, _) = self.seq.enter(component, offset, end, false);
+                // Registered until read: a trim sent after this read (an
+                // erasure-coded owner's, once a block is destaged) never
+                // zeroes the block under it.
+                let (deps, guard) = self.seq.enter(component, offset, end, Access::Read);
                 Box::pin(async move {
                     wait_all(deps).await;
-                    match d.note(d.reader.read(component, offset, len as usize).await) {
+                    let read = d.reader.read(component, offset, len as usize).await;
+                    drop(guard);
+                    match d.note(read) {
                         Ok(buf) => (Response::Data, buf),
                         Err(e) => (Response::Err(remote(e)), Bytes::new()),
                     }
@@ -886,7 +910,7 @@ impl Replicas {
             }
             Request::AllocatedRanges { component } => {
                 let d = self.device_of(component)?;
-                let (deps, _) = self.seq.enter(component, 0, u64::MAX, false);
+                let (deps, _) = self.seq.enter(component, 0, u64::MAX, Access::Look);
                 Box::pin(async move {
                     wait_all(deps).await;
                     (
@@ -927,7 +951,7 @@ impl Replicas {
                     .component(component)
                     .ok_or(RemoteError::NoSuchComponent(component))?
                     .size;
-                let (deps, _) = self.seq.enter(component, 0, u64::MAX, false);
+                let (deps, _) = self.seq.enter(component, 0, u64::MAX, Access::Look);
                 Box::pin(async move {
                     wait_all(deps).await;
                     let r = tokio::task::spawn_blocking(move || {
@@ -958,7 +982,7 @@ impl Replicas {
                 let d = self.device_of(component)?;
                 self.fence(&d, component, generation)?;
                 let end = offset.saturating_add(payload.len() as u64);
-                let (deps, guard) = self.seq.enter(component, offset, end, true);
+                let (deps, guard) = self.seq.enter(component, offset, end, Access::Write);
                 Box::pin(async move {
                     wait_all(deps).await;
                     let d2 = d.clone();
@@ -1047,6 +1071,45 @@ mod tests {
     use super::*;
 
     const MIB: u64 = 1 << 20;
+
+    /// Whether every one of `deps` is done.
+    fn all_done(deps: &[watch::Receiver<bool>]) -> bool {
+        deps.iter().all(|r| *r.borrow())
+    }
+
+    /// A write waits for the earlier overlapping reads and writes, a read
+    /// for the earlier overlapping writes only, a look for nothing after
+    /// it; requests of other ranges or components never wait.
+    #[test]
+    fn the_sequencer_keeps_writes_behind_earlier_reads_of_their_range() {
+        let seq = Arc::new(Sequencer::default());
+        let (deps, read) = seq.enter(1, 0, 8192, Access::Read);
+        assert!(deps.is_empty() && read.is_some());
+        // A second read of the range runs beside the first.
+        let (deps, read2) = seq.enter(1, 4096, 8192, Access::Read);
+        assert!(deps.is_empty());
+        // A trim of the range waits for both reads.
+        let (trim_deps, trim) = seq.enter(1, 4096, 12288, Access::Write);
+        assert_eq!(trim_deps.len(), 2);
+        // A read after the trim waits for the trim, not for the reads.
+        assert_eq!(seq.enter(1, 8192, 12288, Access::Read).0.len(), 1);
+        // Another range, or another component: no wait.
+        assert!(seq.enter(1, 16384, 20480, Access::Write).0.is_empty());
+        assert!(seq.enter(2, 0, 8192, Access::Write).0.is_empty());
+        let (deps, _) = seq.enter(1, 0, 4096, Access::Look);
+        assert!(deps.is_empty(), "a look waits for writes only");
+        let (deps, _) = seq.enter(1, 4096, 8192, Access::Look);
+        assert_eq!(deps.len(), 1);
+        drop(read);
+        assert!(!all_done(&trim_deps));
+        drop(read2);
+        assert!(
+            all_done(&trim_deps),
+            "the trim goes once both reads are done"
+        );
+        drop(trim);
+        assert!(seq.enter(1, 0, u64::MAX, Access::Write).0.is_empty());
+    }
 
     fn replicas(path: &std::path::Path) -> Replicas {
         let store = Arc::new(Store::open(path).unwrap());

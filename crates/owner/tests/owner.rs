@@ -278,9 +278,9 @@ impl Handler for Mem {
         }
         let slow = self.slow_reads_ms.load(Ordering::SeqCst);
         let me = self.me.get().and_then(std::sync::Weak::upgrade);
-        // Stripe columns only (components 10 and up): the performance
-        // leg's replicas order a read before the writes after it, as a
-        // node's do.
+        // Stripe columns only (components 10 and up): a node orders a
+        // read before the writes (trims) sent after it (its `Sequencer`),
+        // which this fake does not do for delayed reads.
         let column = matches!(&req, Request::Read { component, .. } if *component >= 10);
         if let (true, true, Some(me)) = (slow > 0, column, me) {
             return Box::pin(async move {

@@ -160,7 +160,7 @@ impl Writer {
     }
 
     fn clean(&mut self) {
-        let Some(&(slot, _)) = self.map.emptiest(1).first() else {
+        let Some(&(slot, _)) = self.map.emptiest().next().as_ref() else {
             return;
         };
         let live: Vec<u64> = (0..BLOCKS)

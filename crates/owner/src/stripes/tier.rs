@@ -324,9 +324,14 @@ impl Tier {
         n
     }
 
-    /// Pending blocks a destage may take now.
-    pub fn destageable_blocks(&self) -> usize {
-        self.pending.values().filter(|p| !p.zero && p.done).count()
+    /// Whether a whole stripe of pending blocks may be destaged now. Stops
+    /// counting at a stripe's worth: asked after every event, it walks
+    /// past the writes still in flight and one stripe of blocks, not the
+    /// whole performance leg.
+    pub fn stripe_destageable(&self) -> bool {
+        let per = self.columns.blocks_per_stripe();
+        let ready = self.pending.values().filter(|p| !p.zero && p.done);
+        ready.take(per).count() == per
     }
 
     /// Where block `block` is to be read from now.
@@ -599,7 +604,7 @@ impl Tier {
         let per = self.columns.blocks_per_stripe();
         let mut taken: Vec<u64> = Vec::new();
         let mut live = 0usize;
-        for (slot, n) in self.map.emptiest(self.slots as usize) {
+        for (slot, n) in self.map.emptiest() {
             if live + n as usize > per {
                 break;
             }

@@ -1147,7 +1147,7 @@ impl Loop {
         if self.tier().background_in_flight() || !self.set.whole() {
             return;
         }
-        let full = self.tier().destageable_blocks() >= self.set.columns().blocks_per_stripe();
+        let full = self.tier().stripe_destageable();
         if !(full || self.idle || self.tier().cleaning_due()) {
             return;
         }
