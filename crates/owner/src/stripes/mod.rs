@@ -141,6 +141,17 @@ impl StripeMap {
         out
     }
 
+    /// The lowest and highest mapped blocks among `first..end`, if any.
+    pub fn mapped_bounds(&self, first: u64, end: u64) -> Option<(u64, u64)> {
+        if first >= end {
+            return None;
+        }
+        let mut r = self.blocks.range(first..end);
+        let lo = *r.next()?.0;
+        let hi = r.next_back().map_or(lo, |(&b, _)| b);
+        Some((lo, hi))
+    }
+
     /// The mapped blocks among `first..end`, in order.
     pub fn mapped_in(&self, first: u64, end: u64) -> Vec<u64> {
         if first >= end {

@@ -180,7 +180,7 @@ impl Sim {
     /// staged with that data (a block of zeros is zeroed).
     fn rehydrate_write(&mut self) {
         for (b, loc, data) in std::mem::take(&mut self.rehydrating) {
-            if self.tier.source(b) != Source::Stripe(loc) {
+            if !self.tier.rehydrated(b, loc) {
                 continue;
             }
             if data == 0 {
@@ -701,4 +701,35 @@ fn classify_keeps_newer_data_and_drops_resync_zeros() {
     let zeros: BTreeSet<u64> = [11, 12].into();
     let pending = classify(&map, [10, 11, 12, 13], |b| zeros.contains(&b));
     assert_eq!(pending, vec![10, 12, 13]);
+}
+
+/// A zeroing of the whole volume holds on the performance leg only the
+/// blocks with data there; the blocks only the stripes hold read their
+/// data until the unmap record applies, and zeros from then on.
+#[test]
+fn a_whole_volume_zeroing_holds_only_the_blocks_on_the_leg() {
+    let mut sim = Sim::new();
+    for b in 0..BLOCKS {
+        sim.write(b, 1);
+    }
+    for _ in 0..200 {
+        sim.drain_round();
+    }
+    assert_eq!(sim.tier.pending_blocks(), 0);
+    sim.write(5, 2);
+    sim.write(6, 2);
+    sim.zero(0, BLOCKS);
+    assert_eq!(
+        sim.tier.pending_blocks(),
+        2,
+        "only the leg's blocks are held"
+    );
+    assert_eq!(sim.read(7), 1, "older data until the unmap applies");
+    assert_eq!(sim.read(5), 0);
+    for _ in 0..200 {
+        sim.drain_round();
+    }
+    sim.check().unwrap();
+    assert!(sim.tier.map().is_empty());
+    assert!((0..BLOCKS).all(|b| sim.read(b) == 0));
 }

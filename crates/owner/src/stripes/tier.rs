@@ -398,7 +398,18 @@ impl Tier {
                 };
             }
         }
-        let mut held = self.map.mapped_in(first, end);
+        // Held on the leg until the unmap is durable: the blocks with
+        // data there newer than the capacity leg's, and those a stripe in
+        // flight takes. A block only the capacity leg holds needs nothing
+        // held: it reads its older data until the unmap applies, as a
+        // zeroing not yet acknowledged may, and then zeros. So a zeroing
+        // of a whole volume costs the blocks on the leg, not every block
+        // mapped.
+        let mut held: Vec<u64> = under
+            .keys()
+            .copied()
+            .filter(|&b| self.map.get(b).is_some())
+            .collect();
         for d in &self.stripes {
             held.extend(
                 d.blocks
@@ -410,13 +421,19 @@ impl Tier {
         held.sort_unstable();
         held.dedup();
         let trim_now = runs_outside(first, end, &held);
-        if held.is_empty() {
+        let mapped = self.map.mapped_bounds(first, end);
+        let span = match (held.first(), held.last(), mapped) {
+            (Some(&lo), Some(&hi), Some((mlo, mhi))) => Some((lo.min(mlo), hi.max(mhi))),
+            (Some(&lo), Some(&hi), None) => Some((lo, hi)),
+            (_, _, m) => m,
+        };
+        let Some((lo, hi)) = span else {
             self.check();
             return Zeroing {
                 trim_now,
                 ticket: None,
             };
-        }
+        };
         for &b in &held {
             self.last_write += 1;
             let p = Pending {
@@ -428,7 +445,6 @@ impl Tier {
             self.pending.insert(b, p);
         }
         self.last_ticket += 1;
-        let (lo, hi) = (held[0], held[held.len() - 1]);
         self.unmaps.push_back((lo, hi - lo + 1, self.last_ticket));
         self.check();
         Zeroing {
@@ -960,8 +976,12 @@ impl Tier {
         // Not a block a write straight to the capacity leg is in flight
         // for: its stripe's record may come after the read-back, which
         // would then stage the older data over it.
+        // Nor a block an unmap waits for: its zeroing is newer.
         let wanted = |&(b, _): &(u64, Loc)| {
-            !self.pending.contains_key(&b) && !skip.contains(&b) && !self.direct.contains_key(&b)
+            !self.pending.contains_key(&b)
+                && !skip.contains(&b)
+                && !self.direct.contains_key(&b)
+                && !self.unmap_waits(b)
         };
         let found: Vec<(u64, Loc)> = self
             .map
@@ -978,6 +998,18 @@ impl Tier {
         let next = found.last().map_or(0, |&(b, _)| b + 1);
         self.lowering = Some(Lowering::Rehydrating { cursor: next });
         found
+    }
+
+    /// Whether block `b`, read back from `loc` for the lowering, is to be
+    /// staged: it is still there, and no zeroing of it waits for its
+    /// unmap (the zeroing is newer than the data read back).
+    pub fn rehydrated(&self, b: u64, loc: Loc) -> bool {
+        self.source(b) == Source::Stripe(loc) && !self.unmap_waits(b)
+    }
+
+    /// Whether an unmap waiting for its record covers block `b`.
+    fn unmap_waits(&self, b: u64) -> bool {
+        self.unmaps.iter().any(|&(f, n, _)| (f..f + n).contains(&b))
     }
 
     /// Queues the empty checkpoint that forgets the map, if every mapped

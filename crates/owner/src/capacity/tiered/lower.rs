@@ -18,7 +18,7 @@
 //! trimmed last.
 
 use super::{column_failure, Ev, Loop, Reply};
-use crate::stripes::{Loc, Source, BLOCK_BYTES};
+use crate::stripes::{Loc, BLOCK_BYTES};
 use crate::{ChangeEnd, ControlError, Op, OwnerError, View};
 use bytes::{Bytes, BytesMut};
 use shoal_model::ComponentId;
@@ -197,7 +197,7 @@ impl Loop {
                     continue;
                 }
             };
-            if self.tier().source(b) != Source::Stripe(loc) {
+            if !self.tier().rehydrated(b, loc) {
                 continue; // written or zeroed since: that is newer
             }
             match &mut run {
