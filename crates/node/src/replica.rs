@@ -166,7 +166,23 @@ struct Running {
     end: u64,
     /// A write (or trim): later reads wait for it too.
     write: bool,
-    done: watch::Receiver<bool>,
+    /// Done once it ran: a write's, made when it registers.
+    done: Option<watch::Receiver<bool>>,
+    /// Told once it ran: a read's, made only when a write comes to wait
+    /// for it (most reads are never waited for, and cost no channel).
+    wake: Option<watch::Sender<bool>>,
+}
+
+impl Running {
+    /// What a later access waits on for this one.
+    fn waited_on(&mut self) -> watch::Receiver<bool> {
+        if let Some(rx) = &self.done {
+            return rx.clone();
+        }
+        self.wake
+            .get_or_insert_with(|| watch::channel(false).0)
+            .subscribe()
+    }
 }
 
 /// How a request takes its place in a component's order.
@@ -183,25 +199,35 @@ enum Access {
     Look,
 }
 
-/// Held while a write runs; dropping it releases the writes behind it.
+/// Held while a write or read runs; dropping it releases the accesses
+/// behind it.
 pub struct SeqGuard {
     seq: Arc<Sequencer>,
     component: ComponentId,
     id: u64,
-    tx: watch::Sender<bool>,
+    /// A write's: its `done`.
+    tx: Option<watch::Sender<bool>>,
 }
 
 impl Drop for SeqGuard {
     fn drop(&mut self) {
+        let mut woken = None;
         if let Ok(mut m) = self.seq.running.lock() {
             if let Some(v) = m.get_mut(&self.component) {
-                v.retain(|r| r.id != self.id);
+                if let Some(i) = v.iter().position(|r| r.id == self.id) {
+                    woken = v.swap_remove(i).wake;
+                }
                 if v.is_empty() {
                     m.remove(&self.component);
                 }
             }
         }
-        let _ = self.tx.send(true);
+        if let Some(w) = woken {
+            let _ = w.send(true);
+        }
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(true);
+        }
     }
 }
 
@@ -220,19 +246,27 @@ impl Sequencer {
         };
         let v = m.entry(component).or_default();
         let deps = v
-            .iter()
+            .iter_mut()
             .filter(|r| r.start < end && start < r.end && (r.write || access == Access::Write))
-            .map(|r| r.done.clone())
+            .map(Running::waited_on)
             .collect();
         let guard = (access != Access::Look).then(|| {
             let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let (tx, rx) = watch::channel(false);
+            let write = access == Access::Write;
+            let (tx, done) = match write {
+                true => {
+                    let (tx, rx) = watch::channel(false);
+                    (Some(tx), Some(rx))
+                }
+                false => (None, None),
+            };
             v.push(Running {
                 id,
                 start,
                 end,
-                write: access == Access::Write,
-                done: rx,
+                write,
+                done,
+                wake: None,
             });
             SeqGuard {
                 seq: self.clone(),
