@@ -111,13 +111,7 @@ impl Codec {
     /// Fills `parity` from `data`: `k` data shards and `m` parity
     /// buffers, all of one length.
     pub fn encode(&self, data: &[&[u8]], parity: &mut [&mut [u8]]) -> Result<(), ErasureError> {
-        self.check_counts(data.len(), parity.len())?;
-        let len = data.first().map_or(0, |d| d.len());
-        let lens = data
-            .iter()
-            .map(|d| d.len())
-            .chain(parity.iter().map(|p| p.len()));
-        check_lengths(lens, len)?;
+        self.check_shards(data, parity)?;
         parity_of(data, parity);
         Ok(())
     }
@@ -129,13 +123,7 @@ impl Codec {
         data: &[&[u8]],
         parity: &mut [&mut [u8]],
     ) -> Result<(), ErasureError> {
-        self.check_counts(data.len(), parity.len())?;
-        let len = data.first().map_or(0, |d| d.len());
-        let lens = data
-            .iter()
-            .map(|d| d.len())
-            .chain(parity.iter().map(|p| p.len()));
-        check_lengths(lens, len)?;
+        self.check_shards(data, parity)?;
         self.coder
             .encode(data, parity)
             .map_err(|e| unreachable_error("encode", &e))
@@ -183,6 +171,17 @@ impl Codec {
             shards[i] = Some(b);
         }
         Ok(())
+    }
+
+    /// `k` data shards and `m` parity buffers, all of one length.
+    fn check_shards(&self, data: &[&[u8]], parity: &[&mut [u8]]) -> Result<(), ErasureError> {
+        self.check_counts(data.len(), parity.len())?;
+        let len = data.first().map_or(0, |d| d.len());
+        let lens = data
+            .iter()
+            .map(|d| d.len())
+            .chain(parity.iter().map(|p| p.len()));
+        check_lengths(lens, len)
     }
 
     fn check_counts(&self, data: usize, parity: usize) -> Result<(), ErasureError> {

@@ -1271,23 +1271,10 @@ async fn the_cleaner_keeps_an_overwritten_erasure_coded_volume_destaging() {
     let o = Owner::start(cfg(), ec_view_of(&addrs, 1, N * 4096), 1, dir.clone())
         .await
         .unwrap();
-    let mut want = vec![0u8; N as usize];
+    let want: Vec<std::sync::atomic::AtomicU8> = (0..N).map(|_| Default::default()).collect();
     for round in 1..=30u8 {
-        // All blocks, then one other block each round: every round's
-        // stripe stays live, and 20 slots run out without the cleaner.
-        let hit = |b: u64| round == 1 || b == u64::from(round) * 5 % N;
-        for b in (0..N).filter(|&b| hit(b)) {
-            o.write(b * 4096, Bytes::from(vec![round; 4096]))
-                .await
-                .unwrap();
-            want[b as usize] = round;
-        }
-        eventually("the round destaged", || {
-            mems[0].data(1)[..(N * 4096) as usize]
-                .iter()
-                .all(|&x| x == 0)
-        })
-        .await;
+        cleaner_round(&o, &mems[0], round, N, &want).await;
+        let want: Vec<u8> = want.iter().map(|w| w.load(Ordering::SeqCst)).collect();
         for b in 0..N {
             let got = o.read(b * 4096, 4096).await.unwrap();
             assert!(
@@ -1297,6 +1284,31 @@ async fn the_cleaner_keeps_an_overwritten_erasure_coded_volume_destaging() {
             );
         }
     }
+}
+
+/// One round of the cleaner tests on an `n`-block volume: all blocks in
+/// round 1, then one other block each round (so that every round's
+/// stripe stays live and the slots run out without the cleaner), each
+/// write's round stored in `acked` once acknowledged; then waits until the
+/// round is destaged (the performance leg's copy on `leg` is empty).
+async fn cleaner_round(
+    o: &Owner,
+    leg: &Mem,
+    round: u8,
+    n: u64,
+    acked: &[std::sync::atomic::AtomicU8],
+) {
+    let hit = |b: u64| round == 1 || b == u64::from(round) * 5 % n;
+    for b in (0..n).filter(|&b| hit(b)) {
+        o.write(b * 4096, Bytes::from(vec![round; 4096]))
+            .await
+            .unwrap();
+        acked[b as usize].store(round, Ordering::SeqCst);
+    }
+    eventually("the round destaged", || {
+        leg.data(1)[..(n * 4096) as usize].iter().all(|&x| x == 0)
+    })
+    .await;
 }
 
 /// Reads of destaged blocks go to the columns from the caller, without
@@ -1342,19 +1354,7 @@ async fn reads_without_the_loop_race_destage_and_cleaner_safely() {
         })
         .collect();
     for round in 1..=12u8 {
-        let hit = |b: u64| round == 1 || b == u64::from(round) * 5 % N;
-        for b in (0..N).filter(|&b| hit(b)) {
-            o.write(b * 4096, Bytes::from(vec![round; 4096]))
-                .await
-                .unwrap();
-            acked[b as usize].store(round, Ordering::SeqCst);
-        }
-        eventually("the round destaged", || {
-            mems[0].data(1)[..(N * 4096) as usize]
-                .iter()
-                .all(|&x| x == 0)
-        })
-        .await;
+        cleaner_round(&o, &mems[0], round, N, &acked).await;
     }
     stop.store(true, Ordering::SeqCst);
     for r in readers {
