@@ -233,7 +233,7 @@ impl Loop {
             self.end_column_change(position, change, false);
             return;
         }
-        let slots = self.tier().slots_to_rebuild();
+        let slots = self.view().slots_to_rebuild();
         tracing::info!(position, slots = slots.len(), "rebuilding a stripe column");
         self.heal.copied.store(0, Ordering::Relaxed);
         let total = slots.len() as u64 * crate::stripes::UNIT_BYTES;
@@ -243,7 +243,7 @@ impl Loop {
             change: change.clone(),
         };
         let (set, tx, copied) = (self.set.clone(), self.tx.clone(), self.heal.copied.clone());
-        let volume = (self.tier().volume(), self.heal.volume_bytes);
+        let volume = (self.view().volume(), self.heal.volume_bytes);
         tokio::spawn(async move {
             let r = set
                 .copy_column(position, &change.added, volume, &slots, &copied)

@@ -84,7 +84,7 @@ impl Loop {
         match (lowering_change(view), &self.lowering) {
             (Some(remove), None) => {
                 tracing::info!(
-                    volume = self.tier().volume(),
+                    volume = self.view().volume(),
                     "lowering to RAID-1: reading the stripes back"
                 );
                 self.tier().lower();
@@ -115,12 +115,12 @@ impl Loop {
         if l.exhausted
             && l.reading.is_empty()
             && l.writing == 0
-            && self.tier().stripes_in_flight() == 0
+            && self.view().stripes_in_flight() == 0
         {
             // Queues the empty checkpoint once every block is on the leg.
             self.tier().forget_map();
         }
-        let forgotten = self.tier().forgotten_at();
+        let forgotten = self.view().forgotten_at();
         if let Some(at) = forgotten {
             if !self.recording {
                 self.trim_log(at);
@@ -197,7 +197,7 @@ impl Loop {
                     continue;
                 }
             };
-            if !self.tier().rehydrated(b, loc) {
+            if !self.view().rehydrated(b, loc) {
                 continue; // written or zeroed since: that is newer
             }
             match &mut run {
@@ -260,7 +260,7 @@ impl Loop {
     fn trim_log(&mut self, keep: u64) {
         let Some(l) = &mut self.lowering else { return };
         l.step = Step::TrimmingLog;
-        let (start, bytes) = self.tier().log_range();
+        let (start, bytes) = self.view().log_range();
         let block = BLOCK_BYTES as u64;
         let before = (start, keep - start);
         let after = (keep + block, start + bytes - keep - block);
@@ -313,7 +313,7 @@ impl Loop {
     pub(super) fn lowered(&mut self, r: Result<(), ControlError>) -> bool {
         match r {
             Ok(()) => {
-                tracing::info!(volume = self.tier().volume(), "lowered to RAID-1");
+                tracing::info!(volume = self.view().volume(), "lowered to RAID-1");
                 if let Some(l) = &mut self.lowering {
                     l.step = Step::Committed;
                 }

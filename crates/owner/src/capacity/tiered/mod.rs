@@ -23,7 +23,7 @@ use crate::{Control, Op, Owner, OwnerConfig, OwnerError, View};
 use bytes::{Bytes, BytesMut};
 use shoal_model::{ComponentRole, ComponentState, Generation};
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, RwLock, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
@@ -655,7 +655,7 @@ impl Loop {
                     self.idle = !std::mem::take(&mut self.busy);
                     self.revive_columns();
                     self.heal_tick();
-                    let written = self.tier().written_blocks();
+                    let written = self.view().written_blocks();
                     self.written_blocks = written;
                     true
                 }
@@ -682,6 +682,11 @@ impl Loop {
     /// call (the handles' reads wait that long at most).
     fn tier(&self) -> RwLockWriteGuard<'_, Tier> {
         self.tier.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The tier's state, to read only: the handles' reads go on beside it.
+    fn view(&self) -> RwLockReadGuard<'_, Tier> {
+        self.tier.read().unwrap_or_else(|e| e.into_inner())
     }
 
     fn io(&mut self, op: Op, reply: Reply) {
@@ -757,7 +762,7 @@ impl Loop {
             return false;
         }
         let (first, last) = (offset / block, end.saturating_sub(1) / block);
-        let tier = self.tier();
+        let tier = self.view();
         tier.write_in_flight(first) || tier.write_in_flight(last)
     }
 
@@ -940,10 +945,7 @@ impl Loop {
     fn read(&mut self, offset: u64, len: u32, reply: Reply) {
         let block = BLOCK_BYTES as u64;
         let (first, count) = (offset / block, u64::from(len) / block);
-        let parts = {
-            let tier = self.tier.read().unwrap_or_else(|e| e.into_inner());
-            route(&tier, &self.reading, (first, count), true)
-        };
+        let parts = route(&self.view(), &self.reading, (first, count), true);
         let Some(parts) = parts else {
             unreachable!("a read routed with the leg allowed is always routed");
         };
@@ -1144,11 +1146,14 @@ impl Loop {
         }
         // A stripe is written whole: with a column out, blocks stay on
         // the performance leg until it is back (or rebuilt).
-        if self.tier().background_in_flight() || !self.set.whole() {
+        if !self.set.whole() {
             return;
         }
-        let full = self.tier().stripe_destageable();
-        if !(full || self.idle || self.tier().cleaning_due()) {
+        let due = {
+            let t = self.view();
+            !t.background_in_flight() && (self.idle || t.cleaning_due() || t.stripe_destageable())
+        };
+        if !due {
             return;
         }
         self.idle = false;
@@ -1235,13 +1240,13 @@ impl Loop {
     }
 
     fn tier_volume(&self) -> u64 {
-        self.tier().volume()
+        self.view().volume()
     }
 
     fn stripe_written(&mut self, slot: u64, r: Result<(), ColumnError>) -> bool {
         match r {
             Ok(()) => {
-                let d = self.tier().stripe(slot).cloned();
+                let d = self.view().stripe(slot).cloned();
                 if let Some(d) = d {
                     for &(b, seq) in &d.blocks {
                         self.cache.destaged(b, seq);
@@ -1304,7 +1309,7 @@ impl Loop {
         };
         self.recording = true;
         let w = self.leg.submit(Op::Write {
-            offset: self.tier().log_offset(rec.seq()),
+            offset: self.view().log_offset(rec.seq()),
             data,
         });
         let tx = self.tx.clone();
@@ -1424,7 +1429,7 @@ impl Loop {
         let targets: Vec<ColumnTarget> =
             (0..width).filter_map(|p| self.set.target(p).ok()).collect();
         let s = TierStatus {
-            staged_blocks: self.tier().pending_blocks() as u64,
+            staged_blocks: self.view().pending_blocks() as u64,
             columns_out: (width - self.set.in_service().len()) as u64,
             stripes_written: self.stripes_written,
             direct_stripes: self.direct_stripes,
