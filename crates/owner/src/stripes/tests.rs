@@ -420,6 +420,26 @@ fn a_record_numbered_zero_is_ignored_and_a_wide_unmap_walks_only_what_is_mapped(
     assert_eq!(m.free_slot(), 0);
 }
 
+/// A record naming one block twice (no writer makes one, but a record is
+/// read from a disk) leaves the block at its last place and every index
+/// in step (checked after each record in debug builds); the slots a
+/// stripe's blocks left lose them in one update each.
+#[test]
+fn a_stripe_naming_a_block_twice_and_blocks_leaving_many_slots_keep_the_indexes() {
+    let mut m = StripeMap::default();
+    m.apply(&stripe_record(1, 0, vec![1, 2, 3])).unwrap();
+    m.apply(&stripe_record(2, 1, vec![4, 5, 6])).unwrap();
+    m.apply(&stripe_record(3, 2, vec![2, 7, 2, 5])).unwrap();
+    assert_eq!(m.get(2), Some(Loc { slot: 2, index: 2 }));
+    assert_eq!((m.live(0), m.live(1), m.live(2)), (2, 2, 3));
+    assert_eq!(m.blocks_in(&[2]).len(), 3);
+    // Every block of slots 0 and 1 leaves at once: both are free again.
+    m.apply(&stripe_record(4, 3, vec![1, 3, 4, 6])).unwrap();
+    assert_eq!((m.live(0), m.live(1), m.live(3)), (0, 0, 4));
+    assert_eq!(m.free_slot(), 0);
+    assert_eq!(m.emptiest().next(), Some((2, 3)));
+}
+
 /// A stripes record as a writer packs it: entries while they fit.
 fn stripes_record(seq: u64, stripes: Vec<(u64, Vec<u64>)>) -> MapRecord {
     MapRecord::Stripes {
