@@ -28,6 +28,8 @@ struct Mem {
     crc_mismatches: AtomicU64,
     /// Repairs applied.
     repairs: AtomicU64,
+    /// Read requests answered.
+    reads: AtomicU64,
     /// Requests under this generation are never answered (0: none): the
     /// owner of that generation is cut off from this replica.
     deaf_to: AtomicU64,
@@ -232,6 +234,7 @@ impl Mem {
                 len,
             } => {
                 fenced(component, generation)?;
+                self.reads.fetch_add(1, Ordering::SeqCst);
                 let first = offset / 4096 * 4096;
                 for b in (first..offset + len as u64).step_by(4096) {
                     if self.bad.lock().unwrap().contains(&(component, b)) {
@@ -762,6 +765,28 @@ async fn stripes_are_written_whole_and_read_back_degraded() {
     }
     assert_eq!(mems[pos].repairs.load(Ordering::SeqCst), 1);
     assert_eq!(set.in_service().len(), 3);
+    // Blocks of several units at once, in any order: one request per
+    // column for a slot's blocks on it; a span with a bad block in it is
+    // read block by block, the bad one rebuilt.
+    let reads =
+        |mems: &[Arc<Mem>]| -> u64 { mems.iter().map(|m| m.reads.load(Ordering::SeqCst)).sum() };
+    let asked = [
+        (slot, 40),
+        (slot, 3),
+        (slot, 5),
+        (slot, 33),
+        (slot, 61),
+        (slot, 0),
+    ];
+    let want: Vec<&[u8]> = asked.iter().map(|&(_, i)| &blocks[i][..]).collect();
+    let before = reads(&mems);
+    let got = set.read_blocks(&asked).await.unwrap();
+    assert_eq!(got.iter().map(|b| &b[..]).collect::<Vec<_>>(), want);
+    assert_eq!(reads(&mems) - before, 2, "one request per column");
+    mems[pos].bad.lock().unwrap().insert((10 + pos as u64, off));
+    let got = set.read_blocks(&asked).await.unwrap();
+    assert_eq!(got.iter().map(|b| &b[..]).collect::<Vec<_>>(), want);
+    assert!(set.repair_block(pos, off).await.unwrap());
     // The column of block 0 fails: its blocks are rebuilt from the
     // other two.
     let lost = cols.block_at(slot, 0).0;
@@ -770,6 +795,11 @@ async fn stripes_are_written_whole_and_read_back_degraded() {
         .filter(|&i| cols.block_at(slot, i).0 == lost)
         .collect();
     assert_eq!(on_lost.len(), 31);
+    let asked: Vec<(u64, usize)> = on_lost.iter().map(|&i| (slot, i)).collect();
+    let got = set.read_blocks(&asked).await.unwrap();
+    for (&i, b) in on_lost.iter().zip(&got) {
+        assert_eq!(&b[..], &blocks[i][..], "block {i} rebuilt in a span");
+    }
     for &i in &on_lost {
         let r = set.read_block(slot, i).await.unwrap();
         assert_eq!(

@@ -53,6 +53,14 @@ pub struct BlockRead {
     pub failed: Vec<usize>,
 }
 
+/// A block of a span read: where the caller wants it, its index in its
+/// stripe, and its byte offset in its column.
+struct SpanBlock {
+    at: usize,
+    index: usize,
+    offset: u64,
+}
+
 /// The columns of one owned volume's capacity leg.
 pub struct ColumnSet {
     columns: Columns,
@@ -276,6 +284,70 @@ impl ColumnSet {
         }
         let data = self.rebuild(slot, position, offset, &mut failed).await?;
         Ok(BlockRead { data, failed })
+    }
+
+    /// Blocks `(slot, index)` of stripes, in the order asked. The blocks
+    /// of one slot on one column are read in one request spanning them
+    /// (at most a unit's 31 blocks): a clean moves a stripe's worth of
+    /// blocks out of a few slots, and a request per block cost the
+    /// cleaner one round trip and one node request per moved block. A
+    /// span that fails is read block by block, rebuilt where need be, as
+    /// [`ColumnSet::read_block`] does.
+    pub async fn read_blocks(&self, locs: &[(u64, usize)]) -> Result<Vec<Bytes>, ColumnError> {
+        let mut spans: std::collections::BTreeMap<(u64, usize), Vec<SpanBlock>> =
+            std::collections::BTreeMap::new();
+        for (at, &(slot, index)) in locs.iter().enumerate() {
+            let (position, offset) = self.columns.block_at(slot, index);
+            let b = SpanBlock { at, index, offset };
+            spans.entry((slot, position)).or_default().push(b);
+        }
+        let reads = spans
+            .into_iter()
+            .map(|((slot, position), blocks)| self.read_span(slot, position, blocks));
+        let mut out: Vec<Option<Bytes>> = vec![None; locs.len()];
+        for span in join_all(reads).await {
+            for (at, data) in span? {
+                out[at] = Some(data);
+            }
+        }
+        let read: Vec<Bytes> = out.into_iter().flatten().collect();
+        assert_eq!(read.len(), locs.len(), "a block asked for was not read");
+        Ok(read)
+    }
+
+    /// The blocks of slot `slot` on column `position`: one read from the
+    /// lowest to the highest, else each on its own.
+    async fn read_span(
+        &self,
+        slot: u64,
+        position: usize,
+        blocks: Vec<SpanBlock>,
+    ) -> Result<Vec<(usize, Bytes)>, ColumnError> {
+        let lo = blocks.iter().map(|b| b.offset).min().unwrap_or(0);
+        let hi = blocks.iter().map(|b| b.offset).max().unwrap_or(0) + BLOCK_BYTES as u64;
+        assert!(
+            hi - lo <= UNIT_BYTES,
+            "a span of one slot's unit is within it"
+        );
+        if blocks.len() > 1 && self.peer(position).is_ok() {
+            match self.read_at(position, lo, (hi - lo) as u32).await {
+                Ok(data) => {
+                    let at = |b: &SpanBlock| (b.offset - lo) as usize;
+                    let cut = |b: &SpanBlock| data.slice(at(b)..at(b) + BLOCK_BYTES);
+                    return Ok(blocks.iter().map(|b| (b.at, cut(b))).collect());
+                }
+                Err(ColumnError::Deposed { position }) => {
+                    return Err(ColumnError::Deposed { position })
+                }
+                Err(e) => tracing::warn!(error = %e, "stripe column read failed: block by block"),
+            }
+        }
+        let reads = blocks.iter().map(|b| self.read_block(slot, b.index));
+        let mut out = Vec::with_capacity(blocks.len());
+        for (b, r) in blocks.iter().zip(join_all(reads).await) {
+            out.push((b.at, r?.data));
+        }
+        Ok(out)
     }
 
     /// Replaces the 4 KiB at byte `offset` of column `position`, which

@@ -133,18 +133,29 @@ fn columns() -> Columns {
     Columns::new(Geometry::of(shoal_model::StripeGeometry::RAID5_NARROW).unwrap())
 }
 
+/// The sim's tier: an unmap is recorded in steps of a few mapped blocks,
+/// so that crashes fall between them.
+fn tier(map: StripeMap, pending: Vec<u64>) -> Tier {
+    let mut t = Tier::new(
+        VOLUME,
+        BLOCKS * 4096,
+        columns(),
+        map,
+        pending,
+        (LOG_RECORDS, SLOTS),
+    );
+    t.unmap_record_blocks = UNMAP_STEP_BLOCKS;
+    t
+}
+
+/// [`Tier::unmap_record_blocks`] in the sim.
+const UNMAP_STEP_BLOCKS: u64 = 5;
+
 impl Sim {
     fn new() -> Sim {
         assert_eq!(columns().blocks_per_stripe() as u64, PER);
         Sim {
-            tier: Tier::new(
-                VOLUME,
-                BLOCKS * 4096,
-                columns(),
-                StripeMap::default(),
-                [],
-                (LOG_RECORDS, SLOTS),
-            ),
+            tier: tier(StripeMap::default(), Vec::new()),
             perf: BTreeMap::new(),
             stripes: BTreeMap::new(),
             log: vec![None; LOG_RECORDS as usize],
@@ -472,14 +483,7 @@ impl Sim {
         let records: Vec<MapRecord> = self.log.iter().flatten().cloned().collect();
         let map = Tier::recover_map(&records).unwrap();
         let pending = classify(&map, self.perf.keys().copied(), |b| self.perf[&b] == 0);
-        self.tier = Tier::new(
-            VOLUME,
-            BLOCKS * 4096,
-            columns(),
-            map,
-            pending,
-            (LOG_RECORDS, SLOTS),
-        );
+        self.tier = tier(map, pending);
         if self.lowering {
             self.tier.lower();
         }
@@ -707,7 +711,7 @@ fn classify_keeps_newer_data_and_drops_resync_zeros() {
 /// blocks with data there; the blocks only the stripes hold read their
 /// data until the unmap record applies, and zeros from then on.
 #[test]
-fn a_whole_volume_zeroing_holds_only_the_blocks_on_the_leg() {
+fn a_whole_volume_zeroing_holds_only_the_blocks_on_the_leg_and_unmaps_in_steps() {
     let mut sim = Sim::new();
     for b in 0..BLOCKS {
         sim.write(b, 1);
@@ -726,10 +730,17 @@ fn a_whole_volume_zeroing_holds_only_the_blocks_on_the_leg() {
     );
     assert_eq!(sim.read(7), 1, "older data until the unmap applies");
     assert_eq!(sim.read(5), 0);
+    // Recorded in steps of a few mapped blocks each (checkpoints between),
+    // the zeroing acknowledged after the last.
+    let mut mapped = vec![sim.tier.map().len()];
     for _ in 0..200 {
         sim.drain_round();
+        mapped.push(sim.tier.map().len());
     }
     sim.check().unwrap();
     assert!(sim.tier.map().is_empty());
+    let steps = mapped.windows(2).filter(|w| w[1] < w[0]).count();
+    assert!(steps as u64 >= BLOCKS / UNMAP_STEP_BLOCKS, "{steps} steps");
+    assert!(mapped.windows(2).all(|w| w[0] - w[1] <= UNMAP_STEP_BLOCKS as usize));
     assert!((0..BLOCKS).all(|b| sim.read(b) == 0));
 }

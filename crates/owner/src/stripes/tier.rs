@@ -43,6 +43,14 @@ pub const MAX_DIRECT_STRIPES: usize = 256;
 /// microseconds) on a volume of millions of slots.
 pub const DIRECT_RUN_SCAN_SLOTS: u64 = 4096;
 
+/// Mapped blocks one unmap record forgets at most: applying a record
+/// removes its blocks from the map in the owner's loop, about 0.3 µs
+/// each, so a zeroing of a whole TiB volume (268 million blocks) in one
+/// record would stop its I/O for over a minute. 65,536 blocks (256 MiB
+/// of data) take some 20 ms; a wider unmap is recorded in such steps,
+/// and acknowledged after the last.
+pub const UNMAP_RECORD_MAPPED_BLOCKS: u64 = 65_536;
+
 /// Records the map log keeps beyond two whole checkpoints, so that small
 /// volumes write a checkpoint only every few dozen records.
 const SPARE_LOG_RECORDS: u64 = 64;
@@ -181,7 +189,10 @@ pub struct Tier {
     /// gets its turn (an elevator over block numbers).
     cursor: u64,
     /// Unmaps waiting for a record, in order: (first, count, ticket).
+    /// The front one shrinks as its steps are recorded.
     unmaps: VecDeque<(u64, u64, Ticket)>,
+    /// [`UNMAP_RECORD_MAPPED_BLOCKS`] (smaller in tests).
+    pub(super) unmap_record_blocks: u64,
     last_ticket: Ticket,
     /// The record being written.
     in_flight: Option<MapRecord>,
@@ -261,6 +272,7 @@ impl Tier {
             last_stripe_seq: 0,
             cursor: 0,
             unmaps: VecDeque::new(),
+            unmap_record_blocks: UNMAP_RECORD_MAPPED_BLOCKS,
             last_ticket: 0,
             in_flight: None,
             checkpoint_left: VecDeque::new(),
@@ -743,7 +755,7 @@ impl Tier {
                 volume: self.volume,
                 seq,
                 first,
-                count,
+                count: self.unmap_step(first, count),
             }
         } else {
             return None;
@@ -839,11 +851,8 @@ impl Tier {
             MapRecord::Stripe { .. } | MapRecord::Stripes { .. } => {
                 applied = self.destaged();
             }
-            MapRecord::Unmap { .. } => {
-                if let Some((first, count, ticket)) = self.unmaps.pop_front() {
-                    applied.trims = self.unmapped(first, count);
-                    applied.acknowledged.push(ticket);
-                }
+            MapRecord::Unmap { first, count, .. } => {
+                applied = self.unmap_stepped(*first, *count);
             }
         }
         self.since_checkpoint += 1;
@@ -892,6 +901,42 @@ impl Tier {
         let mut trims: Vec<(u64, u64)> = Vec::new();
         for b in trimmed {
             push_run(&mut trims, b);
+        }
+        Applied {
+            trims,
+            acknowledged,
+        }
+    }
+
+    /// The blocks of the next step of the unmap of `first..first +
+    /// count`: up to the block before its
+    /// ([`UNMAP_RECORD_MAPPED_BLOCKS`] + 1)th mapped block, else all.
+    fn unmap_step(&self, first: u64, count: u64) -> u64 {
+        let end = first.saturating_add(count);
+        let limit = usize::try_from(self.unmap_record_blocks).unwrap_or(usize::MAX);
+        match self.map.from_block(first).nth(limit) {
+            Some((b, _)) if b < end => b - first,
+            _ => count,
+        }
+    }
+
+    /// A step of the front unmap is durable: its blocks' trims, and the
+    /// zeroing's ticket once it was the last.
+    fn unmap_stepped(&mut self, first: u64, count: u64) -> Applied {
+        let Some(&(f, n, ticket)) = self.unmaps.front() else {
+            return Applied::default();
+        };
+        assert!(
+            first == f && count <= n && count > 0,
+            "unmap step {first}+{count} of the unmap {f}+{n}"
+        );
+        let trims = self.unmapped(first, count);
+        let mut acknowledged = Vec::new();
+        if count == n {
+            self.unmaps.pop_front();
+            acknowledged.push(ticket);
+        } else if let Some(front) = self.unmaps.front_mut() {
+            *front = (first + count, n - count, ticket);
         }
         Applied {
             trims,

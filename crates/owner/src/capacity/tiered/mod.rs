@@ -1200,13 +1200,14 @@ impl Loop {
                     }
                 }
             }
-            let moved = d
+            let moved: Vec<(u64, usize)> = d
                 .from
                 .iter()
-                .map(|l| set.read_block(l.slot, usize::from(l.index)));
-            for r in futures::future::join_all(moved).await {
-                match r {
-                    Ok(r) => data.push(r.data),
+                .map(|l| (l.slot, usize::from(l.index)))
+                .collect();
+            if !moved.is_empty() {
+                match set.read_blocks(&moved).await {
+                    Ok(read) => data.extend(read),
                     Err(e) => {
                         let _ = tx.send(Ev::StripeUnread(d.slot, column_failure(e)));
                         return;
