@@ -349,7 +349,12 @@ impl LogStore {
                 return PrepStep::Later(None);
             }
             // Free segments short: cleaning first (a rotation wakes us).
-            if st.segs.free_count() <= self.geo.bg_high {
+            // At `bg_high` exactly the cleaner is done and stays asleep
+            // until a rotation takes one: refusing there too left a store
+            // that writes steadily (the cleaner holding `bg_high` free)
+            // never preparing again. One claimed segment leaves
+            // `bg_high - 1`, still above the writers' thresholds.
+            if st.segs.free_count() < self.geo.bg_high {
                 return PrepStep::Later(None);
             }
             let ahead = self.prep.ahead_segs.load(Ordering::Relaxed) as usize;
