@@ -780,11 +780,27 @@ async fn stripes_are_written_whole_and_read_back_degraded() {
     ];
     let want: Vec<&[u8]> = asked.iter().map(|&(_, i)| &blocks[i][..]).collect();
     let before = reads(&mems);
-    let got = set.read_blocks(&asked).await.unwrap();
+    let got = set.read_blocks(&asked, 31).await.unwrap().data;
     assert_eq!(got.iter().map(|b| &b[..]).collect::<Vec<_>>(), want);
     assert_eq!(reads(&mems) - before, 2, "one request per column");
+    // Only neighbours with no gap allowed: 0, 1 and 2 are one run, 5
+    // another (two blocks between), 33 a third, on the other column.
+    let before = reads(&mems);
+    let near = [(slot, 0), (slot, 1), (slot, 2), (slot, 5), (slot, 33)];
+    let got = set.read_blocks(&near, 0).await.unwrap();
+    assert_eq!(
+        got.data.iter().map(|b| &b[..]).collect::<Vec<_>>(),
+        near.iter()
+            .map(|&(_, i)| &blocks[i][..])
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        (reads(&mems) - before, got.failed.len()),
+        (3, 0),
+        "runs of neighbours"
+    );
     mems[pos].bad.lock().unwrap().insert((10 + pos as u64, off));
-    let got = set.read_blocks(&asked).await.unwrap();
+    let got = set.read_blocks(&asked, 31).await.unwrap().data;
     assert_eq!(got.iter().map(|b| &b[..]).collect::<Vec<_>>(), want);
     assert!(set.repair_block(pos, off).await.unwrap());
     // The column of block 0 fails: its blocks are rebuilt from the
@@ -796,8 +812,9 @@ async fn stripes_are_written_whole_and_read_back_degraded() {
         .collect();
     assert_eq!(on_lost.len(), 31);
     let asked: Vec<(u64, usize)> = on_lost.iter().map(|&i| (slot, i)).collect();
-    let got = set.read_blocks(&asked).await.unwrap();
-    for (&i, b) in on_lost.iter().zip(&got) {
+    let got = set.read_blocks(&asked, 0).await.unwrap();
+    assert_eq!(got.failed, vec![lost]);
+    for (&i, b) in on_lost.iter().zip(&got.data) {
         assert_eq!(&b[..], &blocks[i][..], "block {i} rebuilt in a span");
     }
     for &i in &on_lost {
@@ -1314,6 +1331,31 @@ async fn the_cleaner_keeps_an_overwritten_erasure_coded_volume_destaging() {
             );
         }
     }
+}
+
+/// A read of 64 destaged blocks (a stripe written straight to the
+/// columns and two blocks destaged after it) asks each column once per
+/// run of neighbours in a unit: three requests, not 64.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_of_destaged_neighbours_is_one_request_per_run() {
+    let (mems, addrs, dir) = setup().await;
+    const N: u64 = 64;
+    let o = Owner::start(cfg(), ec_view_of(&addrs, 1, N * 4096), 1, dir.clone())
+        .await
+        .unwrap();
+    let data: Vec<u8> = (0..N * 4096).map(|i| (i / 4096) as u8 ^ 0x33).collect();
+    o.write(0, Bytes::from(data.clone())).await.unwrap();
+    eventually("the write destaged", || {
+        mems[0].data(1)[..(N * 4096) as usize]
+            .iter()
+            .all(|&x| x == 0)
+    })
+    .await;
+    let reads = || -> u64 { mems.iter().map(|m| m.reads.load(Ordering::SeqCst)).sum() };
+    let before = reads();
+    let got = o.read(0, (N * 4096) as u32).await.unwrap();
+    assert_eq!(first_difference(&got, &data), None);
+    assert_eq!(reads() - before, 3, "one request per run of neighbours");
 }
 
 /// One round of the cleaner tests on an `n`-block volume: all blocks in

@@ -61,6 +61,14 @@ struct SpanBlock {
     offset: u64,
 }
 
+/// A read of many blocks ([`ColumnSet::read_blocks`]): their data in
+/// the order asked, and the columns that failed on the way.
+#[derive(Debug)]
+pub struct BlockReads {
+    pub data: Vec<Bytes>,
+    pub failed: Vec<usize>,
+}
+
 /// The columns of one owned volume's capacity leg.
 pub struct ColumnSet {
     columns: Columns,
@@ -286,45 +294,73 @@ impl ColumnSet {
         Ok(BlockRead { data, failed })
     }
 
-    /// Blocks `(slot, index)` of stripes, in the order asked. The blocks
-    /// of one slot on one column are read in one request spanning them
-    /// (at most a unit's 31 blocks): a clean moves a stripe's worth of
-    /// blocks out of a few slots, and a request per block cost the
-    /// cleaner one round trip and one node request per moved block. A
-    /// span that fails is read block by block, rebuilt where need be, as
-    /// [`ColumnSet::read_block`] does.
-    pub async fn read_blocks(&self, locs: &[(u64, usize)]) -> Result<Vec<Bytes>, ColumnError> {
-        let mut spans: std::collections::BTreeMap<(u64, usize), Vec<SpanBlock>> =
+    /// Blocks `(slot, index)` of stripes, in the order asked, with the
+    /// columns that failed on the way (to take out of service). Blocks of
+    /// one slot on one column at most `gap` blocks apart are read in one
+    /// request spanning them (at most a unit's 31 blocks, those between
+    /// included): a read of many destaged blocks, or a clean of a few
+    /// slots, costs a round trip and a node request per run, not per
+    /// block. A span that fails is read block by block, rebuilt where
+    /// need be, as [`ColumnSet::read_block`] does.
+    pub async fn read_blocks(
+        &self,
+        locs: &[(u64, usize)],
+        gap: usize,
+    ) -> Result<BlockReads, ColumnError> {
+        let mut by_column: std::collections::BTreeMap<(u64, usize), Vec<SpanBlock>> =
             std::collections::BTreeMap::new();
         for (at, &(slot, index)) in locs.iter().enumerate() {
             let (position, offset) = self.columns.block_at(slot, index);
             let b = SpanBlock { at, index, offset };
-            spans.entry((slot, position)).or_default().push(b);
+            by_column.entry((slot, position)).or_default().push(b);
+        }
+        let mut spans: Vec<(u64, usize, Vec<SpanBlock>)> = Vec::new();
+        for ((slot, position), mut blocks) in by_column {
+            blocks.sort_unstable_by_key(|b| b.offset);
+            let far = (gap as u64 + 1) * BLOCK_BYTES as u64;
+            for b in blocks {
+                match spans.last_mut() {
+                    Some((s, p, run))
+                        if (*s, *p) == (slot, position)
+                            && run.last().is_some_and(|l| b.offset - l.offset <= far) =>
+                    {
+                        run.push(b)
+                    }
+                    _ => spans.push((slot, position, vec![b])),
+                }
+            }
         }
         let reads = spans
             .into_iter()
-            .map(|((slot, position), blocks)| self.read_span(slot, position, blocks));
+            .map(|(slot, position, blocks)| self.read_span(slot, position, blocks));
         let mut out: Vec<Option<Bytes>> = vec![None; locs.len()];
+        let mut failed = Vec::new();
         for span in join_all(reads).await {
-            for (at, data) in span? {
+            let (blocks, lost) = span?;
+            for (at, data) in blocks {
                 out[at] = Some(data);
             }
+            failed.extend(lost);
         }
-        let read: Vec<Bytes> = out.into_iter().flatten().collect();
-        assert_eq!(read.len(), locs.len(), "a block asked for was not read");
-        Ok(read)
+        let data: Vec<Bytes> = out.into_iter().flatten().collect();
+        assert_eq!(data.len(), locs.len(), "a block asked for was not read");
+        failed.sort_unstable();
+        failed.dedup();
+        Ok(BlockReads { data, failed })
     }
 
-    /// The blocks of slot `slot` on column `position`: one read from the
-    /// lowest to the highest, else each on its own.
+    /// The blocks of slot `slot` on column `position`, in offset order:
+    /// one read from the first to the last, else each on its own. The
+    /// blocks read, by where the caller wants them, and the columns that
+    /// failed.
     async fn read_span(
         &self,
         slot: u64,
         position: usize,
         blocks: Vec<SpanBlock>,
-    ) -> Result<Vec<(usize, Bytes)>, ColumnError> {
-        let lo = blocks.iter().map(|b| b.offset).min().unwrap_or(0);
-        let hi = blocks.iter().map(|b| b.offset).max().unwrap_or(0) + BLOCK_BYTES as u64;
+    ) -> Result<(Vec<(usize, Bytes)>, Vec<usize>), ColumnError> {
+        let lo = blocks.first().map_or(0, |b| b.offset);
+        let hi = blocks.last().map_or(0, |b| b.offset) + BLOCK_BYTES as u64;
         assert!(
             hi - lo <= UNIT_BYTES,
             "a span of one slot's unit is within it"
@@ -334,7 +370,7 @@ impl ColumnSet {
                 Ok(data) => {
                     let at = |b: &SpanBlock| (b.offset - lo) as usize;
                     let cut = |b: &SpanBlock| data.slice(at(b)..at(b) + BLOCK_BYTES);
-                    return Ok(blocks.iter().map(|b| (b.at, cut(b))).collect());
+                    return Ok((blocks.iter().map(|b| (b.at, cut(b))).collect(), Vec::new()));
                 }
                 Err(ColumnError::Deposed { position }) => {
                     return Err(ColumnError::Deposed { position })
@@ -343,11 +379,13 @@ impl ColumnSet {
             }
         }
         let reads = blocks.iter().map(|b| self.read_block(slot, b.index));
-        let mut out = Vec::with_capacity(blocks.len());
+        let (mut out, mut failed) = (Vec::with_capacity(blocks.len()), Vec::new());
         for (b, r) in blocks.iter().zip(join_all(reads).await) {
-            out.push((b.at, r?.data));
+            let r = r?;
+            failed.extend(r.failed);
+            out.push((b.at, r.data));
         }
-        Ok(out)
+        Ok((out, failed))
     }
 
     /// Replaces the 4 KiB at byte `offset` of column `position`, which

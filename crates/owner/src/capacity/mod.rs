@@ -9,5 +9,5 @@
 mod columns;
 mod tiered;
 
-pub use columns::{BlockRead, ColumnError, ColumnSet, ColumnTarget};
+pub use columns::{BlockRead, BlockReads, ColumnError, ColumnSet, ColumnTarget};
 pub use tiered::TieredOwner;

@@ -741,6 +741,8 @@ fn a_whole_volume_zeroing_holds_only_the_blocks_on_the_leg_and_unmaps_in_steps()
     assert!(sim.tier.map().is_empty());
     let steps = mapped.windows(2).filter(|w| w[1] < w[0]).count();
     assert!(steps as u64 >= BLOCKS / UNMAP_STEP_BLOCKS, "{steps} steps");
-    assert!(mapped.windows(2).all(|w| w[0] - w[1] <= UNMAP_STEP_BLOCKS as usize));
+    assert!(mapped
+        .windows(2)
+        .all(|w| w[0] - w[1] <= UNMAP_STEP_BLOCKS as usize));
     assert!((0..BLOCKS).all(|b| sim.read(b) == 0));
 }

@@ -14,10 +14,11 @@
 mod heal;
 mod lower;
 
-use super::{ColumnError, ColumnSet, ColumnTarget};
+use super::{BlockReads, ColumnError, ColumnSet, ColumnTarget};
 use crate::status::TierStatus;
 use crate::stripes::{
-    classify, log_records_for, summary_of, Applied, MapRecord, Source, Ticket, Tier, BLOCK_BYTES,
+    classify, log_records_for, summary_of, Applied, MapRecord, Source, Ticket, Tier,
+    BLOCKS_PER_UNIT, BLOCK_BYTES,
 };
 use crate::{Control, Op, Owner, OwnerConfig, OwnerError, View};
 use bytes::{Bytes, BytesMut};
@@ -1206,8 +1207,10 @@ impl Loop {
                 .map(|l| (l.slot, usize::from(l.index)))
                 .collect();
             if !moved.is_empty() {
-                match set.read_blocks(&moved).await {
-                    Ok(read) => data.extend(read),
+                // A slot's blocks on a column in one request, dead ones
+                // between included.
+                match set.read_blocks(&moved, BLOCKS_PER_UNIT).await {
+                    Ok(read) => data.extend(read.data),
                     Err(e) => {
                         let _ = tx.send(Ev::StripeUnread(d.slot, column_failure(e)));
                         return;
@@ -1610,17 +1613,66 @@ async fn gather(
         };
     }
     // Every part at once: a read over many destaged blocks waits for one
-    // round trip to the columns, not one per block.
-    let parts = sent.into_iter().map(|s| read_part(s, ends));
-    let mut out = BytesMut::with_capacity(len as usize);
-    let mut result = Ok(());
-    for r in futures::future::join_all(parts).await {
-        match r {
-            Ok(d) => out.extend_from_slice(&d),
-            Err(e) => result = Err(e),
+    // round trip to the columns, not one per block, and the stripe
+    // blocks next to each other on a column go as one request.
+    let (set, tx, reading) = ends;
+    let mut locs: Vec<(u64, usize)> = Vec::new();
+    let mut legs = Vec::new();
+    let mut kinds: Vec<Kind> = Vec::with_capacity(sent.len());
+    for s in sent {
+        match s {
+            Sent::Leg(w) => {
+                legs.push(w.wait());
+                kinds.push(Kind::Leg);
+            }
+            Sent::Zeros => kinds.push(Kind::Zeros),
+            Sent::Stripe(slot, index) => {
+                locs.push((slot, index));
+                kinds.push(Kind::Stripe);
+            }
         }
     }
-    result.map(|()| out.freeze())
+    let stripes = async {
+        if locs.is_empty() {
+            return Ok(BlockReads {
+                data: Vec::new(),
+                failed: Vec::new(),
+            });
+        }
+        set.read_blocks(&locs, 0).await
+    };
+    let (stripes, legs) = futures::join!(stripes, futures::future::join_all(legs));
+    for &(slot, _) in &locs {
+        reading.end(slot);
+    }
+    let stripes = stripes.map_err(column_failure)?;
+    if !stripes.failed.is_empty() {
+        let _ = tx.send(Ev::ColumnsFailed(stripes.failed));
+    }
+    let (mut from_stripes, mut from_legs) = (stripes.data.into_iter(), legs.into_iter());
+    let mut out = BytesMut::with_capacity(len as usize);
+    for kind in kinds {
+        let data = match kind {
+            Kind::Leg => from_legs.next().unwrap_or_else(|| Err(lost("leg")))?,
+            Kind::Stripe => from_stripes.next().ok_or_else(|| lost("stripe"))?,
+            Kind::Zeros => Bytes::from_static(&[0u8; BLOCK_BYTES]),
+        };
+        out.extend_from_slice(&data);
+    }
+    Ok(out.freeze())
+}
+
+/// A read's part, as [`gather`] puts the parts back in order.
+enum Kind {
+    Leg,
+    Zeros,
+    Stripe,
+}
+
+/// A part missing from what was read for it (never: each part's read
+/// gives one block).
+fn lost(what: &str) -> OwnerError {
+    OwnerError::Invalid(format!("a {what} part of a read lost its data"))
 }
 
 /// One part of a read: from the leg, zeros, or a stripe block (its
