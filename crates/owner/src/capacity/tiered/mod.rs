@@ -293,14 +293,7 @@ impl TieredOwner {
             let span = (offset / block, u64::from(len) / block);
             route(&tier, &self.reads.reading, span, false)?
         };
-        let sent: Vec<Sent> = parts
-            .into_iter()
-            .map(|p| match p {
-                Part::Stripe(slot, index) => Sent::Stripe(slot, index),
-                Part::Zeros => Sent::Zeros,
-                Part::Leg(..) => unreachable!("a read routed without the leg has a leg part"),
-            })
-            .collect();
+        let sent = send_parts(parts, None);
         let (reads, tx) = (self.reads.clone(), self.tx.clone());
         Some(async move {
             let ends = (&*reads.set, &tx, &*reads.reading);
@@ -950,17 +943,7 @@ impl Loop {
         let Some(parts) = parts else {
             unreachable!("a read routed with the leg allowed is always routed");
         };
-        let sent: Vec<Sent> = parts
-            .into_iter()
-            .map(|p| match p {
-                Part::Leg(f, n) => Sent::Leg(self.leg.submit(Op::Read {
-                    offset: f * block,
-                    len: (n * block) as u32,
-                })),
-                Part::Zeros => Sent::Zeros,
-                Part::Stripe(slot, index) => Sent::Stripe(slot, index),
-            })
-            .collect();
+        let sent = send_parts(parts, Some(&self.leg));
         let (set, tx, reading) = (self.set.clone(), self.tx.clone(), self.reading.clone());
         tokio::spawn(async move {
             let _ = reply.send(gather(sent, len, (&*set, &tx, &*reading)).await);
@@ -1596,6 +1579,27 @@ fn route(
         }
     }
     Some(parts)
+}
+
+/// A read's parts as sent: runs on the leg submitted to `leg` (only the
+/// loop passes it: a read routed without the leg has none).
+fn send_parts(parts: Vec<Part>, leg: Option<&Owner>) -> Vec<Sent> {
+    let block = BLOCK_BYTES as u64;
+    let leg_read = |f: u64, n: u64| match leg {
+        Some(leg) => Sent::Leg(leg.submit(Op::Read {
+            offset: f * block,
+            len: (n * block) as u32,
+        })),
+        None => unreachable!("a read routed without the leg has a leg part"),
+    };
+    parts
+        .into_iter()
+        .map(|p| match p {
+            Part::Leg(f, n) => leg_read(f, n),
+            Part::Zeros => Sent::Zeros,
+            Part::Stripe(slot, index) => Sent::Stripe(slot, index),
+        })
+        .collect()
 }
 
 /// The data of a read of `len` bytes sent as `sent`, in order.
