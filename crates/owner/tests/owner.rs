@@ -28,7 +28,7 @@ struct Mem {
     crc_mismatches: AtomicU64,
     /// Repairs applied.
     repairs: AtomicU64,
-    /// Read requests answered.
+    /// Read requests asked (answered or failed).
     reads: AtomicU64,
     /// Requests under this generation are never answered (0: none): the
     /// owner of that generation is cut off from this replica.
@@ -68,6 +68,9 @@ impl Mem {
     }
 
     fn run(&self, req: Request, payload: Bytes) -> Result<(Response, Bytes), RemoteError> {
+        if matches!(req, Request::Read { .. }) {
+            self.reads.fetch_add(1, Ordering::SeqCst);
+        }
         if self.broken.load(Ordering::SeqCst) {
             return Err(RemoteError::Io("injected".into()));
         }
@@ -234,7 +237,6 @@ impl Mem {
                 len,
             } => {
                 fenced(component, generation)?;
-                self.reads.fetch_add(1, Ordering::SeqCst);
                 let first = offset / 4096 * 4096;
                 for b in (first..offset + len as u64).step_by(4096) {
                     if self.bad.lock().unwrap().contains(&(component, b)) {
@@ -780,16 +782,21 @@ async fn stripes_are_written_whole_and_read_back_degraded() {
     ];
     let want: Vec<&[u8]> = asked.iter().map(|&(_, i)| &blocks[i][..]).collect();
     let before = reads(&mems);
-    let got = set.read_blocks(&asked, 31).await.unwrap().data;
+    let got = set.read_blocks(&asked, 31).await.data.unwrap();
     assert_eq!(got.iter().map(|b| &b[..]).collect::<Vec<_>>(), want);
     assert_eq!(reads(&mems) - before, 2, "one request per column");
     // Only neighbours with no gap allowed: 0, 1 and 2 are one run, 5
     // another (two blocks between), 33 a third, on the other column.
     let before = reads(&mems);
     let near = [(slot, 0), (slot, 1), (slot, 2), (slot, 5), (slot, 33)];
-    let got = set.read_blocks(&near, 0).await.unwrap();
+    let got = set.read_blocks(&near, 0).await;
     assert_eq!(
-        got.data.iter().map(|b| &b[..]).collect::<Vec<_>>(),
+        got.data
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|b| &b[..])
+            .collect::<Vec<_>>(),
         near.iter()
             .map(|&(_, i)| &blocks[i][..])
             .collect::<Vec<_>>()
@@ -800,7 +807,7 @@ async fn stripes_are_written_whole_and_read_back_degraded() {
         "runs of neighbours"
     );
     mems[pos].bad.lock().unwrap().insert((10 + pos as u64, off));
-    let got = set.read_blocks(&asked, 31).await.unwrap().data;
+    let got = set.read_blocks(&asked, 31).await.data.unwrap();
     assert_eq!(got.iter().map(|b| &b[..]).collect::<Vec<_>>(), want);
     assert!(set.repair_block(pos, off).await.unwrap());
     // The column of block 0 fails: its blocks are rebuilt from the
@@ -812,11 +819,28 @@ async fn stripes_are_written_whole_and_read_back_degraded() {
         .collect();
     assert_eq!(on_lost.len(), 31);
     let asked: Vec<(u64, usize)> = on_lost.iter().map(|&i| (slot, i)).collect();
-    let got = set.read_blocks(&asked, 0).await.unwrap();
+    let before = reads(&mems);
+    let got = set.read_blocks(&asked, 0).await;
     assert_eq!(got.failed, vec![lost]);
-    for (&i, b) in on_lost.iter().zip(&got.data) {
+    // The failed column asked once for its run, then the run rebuilt
+    // from the two others: two requests per block, not three.
+    assert_eq!(reads(&mems) - before, 1 + 2 * 31);
+    for (&i, b) in on_lost.iter().zip(got.data.as_ref().unwrap()) {
         assert_eq!(&b[..], &blocks[i][..], "block {i} rebuilt in a span");
     }
+    // A rebuild that cannot be done (the parity's row is bad too): the
+    // read fails, and still reports the failed column.
+    let parity = cols.position_of(slot, shoal_owner::stripes::Unit::Parity(0));
+    let row = cols.block_at(slot, 0).1;
+    mems[parity]
+        .bad
+        .lock()
+        .unwrap()
+        .insert((10 + parity as u64, row));
+    let got = set.read_blocks(&[(slot, 0), (slot, 1)], 0).await;
+    assert!(got.data.is_err(), "{:?}", got.data.map(|d| d.len()));
+    assert_eq!(got.failed, vec![lost]);
+    mems[parity].bad.lock().unwrap().clear();
     for &i in &on_lost {
         let r = set.read_block(slot, i).await.unwrap();
         assert_eq!(

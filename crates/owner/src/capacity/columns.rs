@@ -61,11 +61,46 @@ struct SpanBlock {
     offset: u64,
 }
 
+/// Blocks `(slot, index)` as runs to read with one request each: by
+/// slot and column, in offset order, a new run wherever the next block is
+/// more than `gap` blocks past the last.
+fn spans(
+    columns: &Columns,
+    locs: &[(u64, usize)],
+    gap: usize,
+) -> Vec<(u64, usize, Vec<SpanBlock>)> {
+    let mut by_column: std::collections::BTreeMap<(u64, usize), Vec<SpanBlock>> =
+        std::collections::BTreeMap::new();
+    for (at, &(slot, index)) in locs.iter().enumerate() {
+        let (position, offset) = columns.block_at(slot, index);
+        let b = SpanBlock { at, index, offset };
+        by_column.entry((slot, position)).or_default().push(b);
+    }
+    let far = (gap as u64 + 1) * BLOCK_BYTES as u64;
+    let mut out: Vec<(u64, usize, Vec<SpanBlock>)> = Vec::new();
+    for ((slot, position), mut blocks) in by_column {
+        blocks.sort_unstable_by_key(|b| b.offset);
+        for b in blocks {
+            match out.last_mut() {
+                Some((s, p, run))
+                    if (*s, *p) == (slot, position)
+                        && run.last().is_some_and(|l| b.offset - l.offset <= far) =>
+                {
+                    run.push(b)
+                }
+                _ => out.push((slot, position, vec![b])),
+            }
+        }
+    }
+    out
+}
+
 /// A read of many blocks ([`ColumnSet::read_blocks`]): their data in
-/// the order asked, and the columns that failed on the way.
+/// the order asked (or why not), and the columns that failed on the way
+/// either way.
 #[derive(Debug)]
 pub struct BlockReads {
-    pub data: Vec<Bytes>,
+    pub data: Result<Vec<Bytes>, ColumnError>,
     pub failed: Vec<usize>,
 }
 
@@ -295,58 +330,48 @@ impl ColumnSet {
     }
 
     /// Blocks `(slot, index)` of stripes, in the order asked, with the
-    /// columns that failed on the way (to take out of service). Blocks of
-    /// one slot on one column at most `gap` blocks apart are read in one
-    /// request spanning them (at most a unit's 31 blocks, those between
-    /// included): a read of many destaged blocks, or a clean of a few
-    /// slots, costs a round trip and a node request per run, not per
-    /// block. A span that fails is read block by block, rebuilt where
-    /// need be, as [`ColumnSet::read_block`] does.
-    pub async fn read_blocks(
-        &self,
-        locs: &[(u64, usize)],
-        gap: usize,
-    ) -> Result<BlockReads, ColumnError> {
-        let mut by_column: std::collections::BTreeMap<(u64, usize), Vec<SpanBlock>> =
-            std::collections::BTreeMap::new();
-        for (at, &(slot, index)) in locs.iter().enumerate() {
-            let (position, offset) = self.columns.block_at(slot, index);
-            let b = SpanBlock { at, index, offset };
-            by_column.entry((slot, position)).or_default().push(b);
-        }
-        let mut spans: Vec<(u64, usize, Vec<SpanBlock>)> = Vec::new();
-        for ((slot, position), mut blocks) in by_column {
-            blocks.sort_unstable_by_key(|b| b.offset);
-            let far = (gap as u64 + 1) * BLOCK_BYTES as u64;
-            for b in blocks {
-                match spans.last_mut() {
-                    Some((s, p, run))
-                        if (*s, *p) == (slot, position)
-                            && run.last().is_some_and(|l| b.offset - l.offset <= far) =>
-                    {
-                        run.push(b)
-                    }
-                    _ => spans.push((slot, position, vec![b])),
-                }
-            }
-        }
-        let reads = spans
+    /// columns that failed on the way (to take out of service), reported
+    /// whether the read succeeds or not. Blocks of one slot on one column
+    /// at most `gap` blocks apart are read in one request spanning them
+    /// (at most a unit's 31 blocks, those between included): a read of
+    /// many destaged blocks, or a clean of a few slots, costs a round trip
+    /// and a node request per run, not per block. A span that fails is
+    /// read again block by block: rebuilt from the other columns at once
+    /// if its column failed, else (a bad block) each from the column, the
+    /// bad one rebuilt, as [`ColumnSet::read_block`] does.
+    pub async fn read_blocks(&self, locs: &[(u64, usize)], gap: usize) -> BlockReads {
+        let reads = spans(&self.columns, locs, gap)
             .into_iter()
             .map(|(slot, position, blocks)| self.read_span(slot, position, blocks));
         let mut out: Vec<Option<Bytes>> = vec![None; locs.len()];
         let mut failed = Vec::new();
-        for span in join_all(reads).await {
-            let (blocks, lost) = span?;
-            for (at, data) in blocks {
-                out[at] = Some(data);
-            }
+        let mut error = None;
+        for (blocks, lost) in join_all(reads).await {
             failed.extend(lost);
+            match blocks {
+                Ok(blocks) => {
+                    for (at, data) in blocks {
+                        out[at] = Some(data);
+                    }
+                }
+                // A deposed owner's error first: it stops the owner.
+                Err(e) if error.is_none() || matches!(e, ColumnError::Deposed { .. }) => {
+                    error = Some(e)
+                }
+                Err(_) => {}
+            }
         }
-        let data: Vec<Bytes> = out.into_iter().flatten().collect();
-        assert_eq!(data.len(), locs.len(), "a block asked for was not read");
         failed.sort_unstable();
         failed.dedup();
-        Ok(BlockReads { data, failed })
+        let data = match error {
+            Some(e) => Err(e),
+            None => {
+                let data: Vec<Bytes> = out.into_iter().flatten().collect();
+                assert_eq!(data.len(), locs.len(), "a block asked for was not read");
+                Ok(data)
+            }
+        };
+        BlockReads { data, failed }
     }
 
     /// The blocks of slot `slot` on column `position`, in offset order:
@@ -358,34 +383,66 @@ impl ColumnSet {
         slot: u64,
         position: usize,
         blocks: Vec<SpanBlock>,
-    ) -> Result<(Vec<(usize, Bytes)>, Vec<usize>), ColumnError> {
+    ) -> (Result<Vec<(usize, Bytes)>, ColumnError>, Vec<usize>) {
         let lo = blocks.first().map_or(0, |b| b.offset);
         let hi = blocks.last().map_or(0, |b| b.offset) + BLOCK_BYTES as u64;
         assert!(
             hi - lo <= UNIT_BYTES,
             "a span of one slot's unit is within it"
         );
+        let mut failed = Vec::new();
         if blocks.len() > 1 && self.peer(position).is_ok() {
             match self.read_at(position, lo, (hi - lo) as u32).await {
                 Ok(data) => {
                     let at = |b: &SpanBlock| (b.offset - lo) as usize;
                     let cut = |b: &SpanBlock| data.slice(at(b)..at(b) + BLOCK_BYTES);
-                    return Ok((blocks.iter().map(|b| (b.at, cut(b))).collect(), Vec::new()));
+                    return (Ok(blocks.iter().map(|b| (b.at, cut(b))).collect()), failed);
                 }
                 Err(ColumnError::Deposed { position }) => {
-                    return Err(ColumnError::Deposed { position })
+                    return (Err(ColumnError::Deposed { position }), failed)
                 }
-                Err(e) => tracing::warn!(error = %e, "stripe column read failed: block by block"),
+                Err(e) if is_bad_block(&e) => {
+                    tracing::warn!(error = %e, "a bad block in a stripe column read: block by block")
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "stripe column read failed: rebuilding its blocks");
+                    failed.push(position);
+                    return self.rebuild_span(slot, position, &blocks, failed).await;
+                }
             }
         }
         let reads = blocks.iter().map(|b| self.read_block(slot, b.index));
-        let (mut out, mut failed) = (Vec::with_capacity(blocks.len()), Vec::new());
+        let mut out = Vec::with_capacity(blocks.len());
+        let mut error = None;
         for (b, r) in blocks.iter().zip(join_all(reads).await) {
-            let r = r?;
-            failed.extend(r.failed);
-            out.push((b.at, r.data));
+            match r {
+                Ok(r) => {
+                    failed.extend(r.failed);
+                    out.push((b.at, r.data));
+                }
+                Err(e) => error = Some(e),
+            }
         }
-        Ok((out, failed))
+        (error.map_or(Ok(out), Err), failed)
+    }
+
+    /// The blocks of a span whose column `position` failed, each rebuilt
+    /// from the other columns without asking that column again.
+    async fn rebuild_span(
+        &self,
+        slot: u64,
+        position: usize,
+        blocks: &[SpanBlock],
+        mut failed: Vec<usize>,
+    ) -> (Result<Vec<(usize, Bytes)>, ColumnError>, Vec<usize>) {
+        let mut out = Vec::with_capacity(blocks.len());
+        for b in blocks {
+            match self.rebuild(slot, position, b.offset, &mut failed).await {
+                Ok(data) => out.push((b.at, data)),
+                Err(e) => return (Err(e), failed),
+            }
+        }
+        (Ok(out), failed)
     }
 
     /// Replaces the 4 KiB at byte `offset` of column `position`, which

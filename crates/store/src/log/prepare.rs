@@ -352,8 +352,10 @@ impl LogStore {
             // At `bg_high` exactly the cleaner is done and stays asleep
             // until a rotation takes one: refusing there too left a store
             // that writes steadily (the cleaner holding `bg_high` free)
-            // never preparing again. One claimed segment leaves
-            // `bg_high - 1`, still above the writers' thresholds.
+            // never preparing again. The claimed segment still counts in
+            // `free_count`; the `bg_high - 1` others the log can take
+            // are still above the writers' thresholds, and a rotation
+            // that needs the claimed one waits for its zeros.
             if st.segs.free_count() < self.geo.bg_high {
                 return PrepStep::Later(None);
             }

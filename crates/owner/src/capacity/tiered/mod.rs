@@ -1192,8 +1192,12 @@ impl Loop {
             if !moved.is_empty() {
                 // A slot's blocks on a column in one request, dead ones
                 // between included.
-                match set.read_blocks(&moved, BLOCKS_PER_UNIT).await {
-                    Ok(read) => data.extend(read.data),
+                let read = set.read_blocks(&moved, BLOCKS_PER_UNIT).await;
+                if !read.failed.is_empty() {
+                    let _ = tx.send(Ev::ColumnsFailed(read.failed));
+                }
+                match read.data {
+                    Ok(read) => data.extend(read),
                     Err(e) => {
                         let _ = tx.send(Ev::StripeUnread(d.slot, column_failure(e)));
                         return;
@@ -1638,10 +1642,10 @@ async fn gather(
     }
     let stripes = async {
         if locs.is_empty() {
-            return Ok(BlockReads {
-                data: Vec::new(),
+            return BlockReads {
+                data: Ok(Vec::new()),
                 failed: Vec::new(),
-            });
+            };
         }
         set.read_blocks(&locs, 0).await
     };
@@ -1649,11 +1653,11 @@ async fn gather(
     for &(slot, _) in &locs {
         reading.end(slot);
     }
-    let stripes = stripes.map_err(column_failure)?;
     if !stripes.failed.is_empty() {
         let _ = tx.send(Ev::ColumnsFailed(stripes.failed));
     }
-    let (mut from_stripes, mut from_legs) = (stripes.data.into_iter(), legs.into_iter());
+    let stripes = stripes.data.map_err(column_failure)?;
+    let (mut from_stripes, mut from_legs) = (stripes.into_iter(), legs.into_iter());
     let mut out = BytesMut::with_capacity(len as usize);
     for kind in kinds {
         let data = match kind {
