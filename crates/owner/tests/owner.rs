@@ -1337,11 +1337,8 @@ async fn whole_stripe_writes_go_straight_to_the_columns() {
 /// readable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cleaner_keeps_an_overwritten_erasure_coded_volume_destaging() {
-    let (mems, addrs, dir) = setup().await;
     const N: u64 = 64;
-    let o = Owner::start(cfg(), ec_view_of(&addrs, 1, N * 4096), 1, dir.clone())
-        .await
-        .unwrap();
+    let (mems, o) = ec_owner(N).await;
     let want: Vec<std::sync::atomic::AtomicU8> = (0..N).map(|_| Default::default()).collect();
     for round in 1..=30u8 {
         cleaner_round(&o, &mems[0], round, N, &want).await;
@@ -1362,11 +1359,8 @@ async fn the_cleaner_keeps_an_overwritten_erasure_coded_volume_destaging() {
 /// run of neighbours in a unit: three requests, not 64.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_of_destaged_neighbours_is_one_request_per_run() {
-    let (mems, addrs, dir) = setup().await;
     const N: u64 = 64;
-    let o = Owner::start(cfg(), ec_view_of(&addrs, 1, N * 4096), 1, dir.clone())
-        .await
-        .unwrap();
+    let (mems, o) = ec_owner(N).await;
     let data: Vec<u8> = (0..N * 4096).map(|i| (i / 4096) as u8 ^ 0x33).collect();
     o.write(0, Bytes::from(data.clone())).await.unwrap();
     eventually("the write destaged", || {
@@ -1380,6 +1374,16 @@ async fn a_read_of_destaged_neighbours_is_one_request_per_run() {
     let got = o.read(0, (N * 4096) as u32).await.unwrap();
     assert_eq!(first_difference(&got, &data), None);
     assert_eq!(reads() - before, 3, "one request per run of neighbours");
+}
+
+/// An erasure-coded owner of an `n`-block volume on three in-memory
+/// replicas, started: the replicas and the owner.
+async fn ec_owner(n: u64) -> (Vec<Arc<Mem>>, Owner) {
+    let (mems, addrs, dir) = setup().await;
+    let o = Owner::start(cfg(), ec_view_of(&addrs, 1, n * 4096), 1, dir.clone())
+        .await
+        .unwrap();
+    (mems, o)
 }
 
 /// One round of the cleaner tests on an `n`-block volume: all blocks in
@@ -1415,11 +1419,8 @@ async fn cleaner_round(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_without_the_loop_race_destage_and_cleaner_safely() {
     use std::sync::atomic::{AtomicBool, AtomicU8};
-    let (mems, addrs, dir) = setup().await;
     const N: u64 = 64;
-    let o = Owner::start(cfg(), ec_view_of(&addrs, 1, N * 4096), 1, dir.clone())
-        .await
-        .unwrap();
+    let (mems, o) = ec_owner(N).await;
     // Reads take 3 ms at the columns: a stripe written into the slot of
     // a read in flight would be read.
     for m in &mems {
