@@ -239,46 +239,34 @@ impl ColumnSet {
     /// with its blocks' CRC-32C; returns once every one is durable. Every
     /// column must be in service: a stripe is written whole.
     pub async fn write_stripe(&self, slot: u64, units: Vec<Vec<u8>>) -> Result<(), ColumnError> {
-        self.write_stripes(slot, vec![units]).await
+        self.write_stripes(slot, units).await
     }
 
-    /// Writes stripes in consecutive slots from `first` (each as
-    /// [`Columns::encode`] gives it, by column), one write to each column
-    /// holding its unit of every one (a column's units of consecutive
-    /// slots are neighbours): one request, and one sync, per column
-    /// instead of one per unit. Returns once every one is durable.
+    /// Writes stripes in consecutive slots from `first`, by column (as
+    /// [`Columns::encode_run`] gives them: each column's units of every
+    /// stripe, neighbours on the column), one write to each column: one
+    /// request, and one sync, per column instead of one per unit.
+    /// Returns once every one is durable.
     pub async fn write_stripes(
         &self,
         first: u64,
-        stripes: Vec<Vec<Vec<u8>>>,
+        by_column: Vec<Vec<u8>>,
     ) -> Result<(), ColumnError> {
         let width = self.columns.width();
-        if let Some(bad) = stripes.iter().find(|units| units.len() != width) {
+        if by_column.len() != width {
             return Err(ColumnError::Width {
                 want: width,
-                got: bad.len(),
+                got: by_column.len(),
             });
         }
         self.need(width)?;
-        let mut stripes = stripes;
-        let by_column: Vec<Vec<u8>> = match stripes.len() {
-            // One stripe: its units as they are, no copy.
-            1 => stripes.pop().unwrap_or_default(),
-            n => {
-                let mut by_column: Vec<Vec<u8>> = (0..width)
-                    .map(|_| Vec::with_capacity(n * UNIT_BYTES as usize))
-                    .collect();
-                for units in stripes {
-                    for (position, unit) in units.into_iter().enumerate() {
-                        by_column[position].extend_from_slice(&unit);
-                    }
-                }
-                by_column
-            }
-        };
-        debug_assert!(by_column
-            .iter()
-            .all(|u| (u.len() as u64).is_multiple_of(UNIT_BYTES) && !u.is_empty()));
+        let len = by_column.first().map_or(0, Vec::len);
+        assert!(
+            by_column.iter().all(|u| u.len() == len)
+                && (len as u64).is_multiple_of(UNIT_BYTES)
+                && len > 0,
+            "a column's share of a run of stripes is whole units, the same on every column"
+        );
         let mut pending = Vec::with_capacity(width);
         for (position, unit) in by_column.into_iter().enumerate() {
             let req = Request::WriteChecked {

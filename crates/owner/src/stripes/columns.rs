@@ -115,7 +115,7 @@ impl Columns {
     }
 
     /// Bytes of each column of a volume of `volume_bytes`: slots enough for
-    /// [`SLOTS_PER_FULL_STRIPE`] times its data, and spares.
+    /// `SLOTS_PER_FULL_STRIPE` times its data, and spares.
     pub fn column_bytes(&self, volume_bytes: u64) -> u64 {
         let blocks = volume_bytes.div_ceil(BLOCK_BYTES as u64);
         let stripes = blocks.div_ceil(self.blocks_per_stripe() as u64);
@@ -132,6 +132,53 @@ impl Columns {
         summary: &Summary,
         data: &[&[u8]],
     ) -> Result<Vec<Vec<u8>>, StripeError> {
+        self.encode_run(codec, &[(summary, data)])
+    }
+
+    /// Stripes in consecutive slots (each a summary and its blocks' data,
+    /// as [`Columns::encode`] takes them), by column: each column's units
+    /// of every stripe, in slot order, in one buffer of `n` units. Each
+    /// block is copied once, straight into its place; parity is computed
+    /// in place.
+    pub fn encode_run(
+        &self,
+        codec: &Codec,
+        stripes: &[(&Summary, &[&[u8]])],
+    ) -> Result<Vec<Vec<u8>>, StripeError> {
+        let unit = UNIT_BYTES as usize;
+        let mut columns: Vec<Vec<u8>> = (0..self.width())
+            .map(|_| Vec::with_capacity(stripes.len() * unit))
+            .collect();
+        for (n, &(summary, data)) in stripes.iter().enumerate() {
+            if let Some((first, _)) = stripes.first() {
+                assert_eq!(
+                    summary.slot,
+                    first.slot + n as u64,
+                    "a run of stripes in slots not consecutive"
+                );
+            }
+            self.check_stripe(summary, data)?;
+            let head = summary.encode()?;
+            for j in 0..self.data {
+                let column = &mut columns[self.position_of(summary.slot, Unit::Data(j))];
+                let at = column.len();
+                column.extend_from_slice(&head);
+                column.resize(at + BLOCK_BYTES, 0);
+                for b in data.iter().skip(j * BLOCKS_PER_UNIT).take(BLOCKS_PER_UNIT) {
+                    column.extend_from_slice(b);
+                }
+                column.resize(at + unit, 0);
+            }
+            for i in 0..self.parity {
+                let column = &mut columns[self.position_of(summary.slot, Unit::Parity(i))];
+                column.resize(column.len() + unit, 0);
+            }
+            self.encode_parity(codec, summary.slot, n * unit, &mut columns)?;
+        }
+        Ok(columns)
+    }
+
+    fn check_stripe(&self, summary: &Summary, data: &[&[u8]]) -> Result<(), StripeError> {
         let per = self.blocks_per_stripe();
         if data.len() > per {
             return Err(StripeError::TooManyBlocks {
@@ -145,34 +192,38 @@ impl Columns {
                 got: summary.blocks.len(),
             });
         }
-        if let Some(b) = data.iter().find(|b| b.len() != BLOCK_BYTES) {
-            return Err(StripeError::BlockSize(b.len()));
+        match data.iter().find(|b| b.len() != BLOCK_BYTES) {
+            Some(b) => Err(StripeError::BlockSize(b.len())),
+            None => Ok(()),
         }
-        let head = summary.encode()?;
-        let unit = UNIT_BYTES as usize;
-        let mut units: Vec<Vec<u8>> = (0..self.width()).map(|_| vec![0u8; unit]).collect();
-        for (j, u) in units.iter_mut().take(self.data).enumerate() {
-            u[..head.len()].copy_from_slice(&head);
-            let first = j * BLOCKS_PER_UNIT;
-            for (r, b) in data.iter().skip(first).take(BLOCKS_PER_UNIT).enumerate() {
-                let at = (1 + r) * BLOCK_BYTES;
-                u[at..at + BLOCK_BYTES].copy_from_slice(b);
-            }
+    }
+
+    /// Computes the parity units of the stripe in `slot`, at byte `at` of
+    /// its columns' buffers, from its data units there.
+    fn encode_parity(
+        &self,
+        codec: &Codec,
+        slot: u64,
+        at: usize,
+        columns: &mut [Vec<u8>],
+    ) -> Result<(), StripeError> {
+        let range = at..at + UNIT_BYTES as usize;
+        let mut units: Vec<Option<&mut [u8]>> = columns
+            .iter_mut()
+            .map(|c| Some(&mut c[range.clone()]))
+            .collect();
+        let mut data: Vec<&[u8]> = Vec::with_capacity(self.data);
+        for j in 0..self.data {
+            let unit = units[self.position_of(slot, Unit::Data(j))].take();
+            data.push(unit.expect("a stripe's units are on distinct columns"));
         }
-        let (d, p) = units.split_at_mut(self.data);
-        let d: Vec<&[u8]> = d.iter().map(Vec::as_slice).collect();
-        let mut p: Vec<&mut [u8]> = p.iter_mut().map(Vec::as_mut_slice).collect();
-        codec.encode(&d, &mut p)?;
-        // Units by shard (data, then parity) to units by column.
-        let mut by_column: Vec<Vec<u8>> = vec![Vec::new(); self.width()];
-        for (shard, u) in units.into_iter().enumerate() {
-            let unit = match shard < self.data {
-                true => Unit::Data(shard),
-                false => Unit::Parity(shard - self.data),
-            };
-            by_column[self.position_of(summary.slot, unit)] = u;
+        let mut parity: Vec<&mut [u8]> = Vec::with_capacity(self.parity);
+        for i in 0..self.parity {
+            let unit = units[self.position_of(slot, Unit::Parity(i))].take();
+            parity.push(unit.expect("a stripe's units are on distinct columns"));
         }
-        Ok(by_column)
+        codec.encode(&data, &mut parity)?;
+        Ok(())
     }
 
     /// Rebuilds the missing rows (`None`) of one row of the stripe in

@@ -9,13 +9,13 @@
 //!
 //! Every field is little-endian. Decoding never panics on any input: a
 //! block that is not a valid record of a version this binary reads is an
-//! error. Records are of version 2 since the kind that names several
-//! stripes; version 1 records (the other kinds) still read. A binary that
-//! reads version 1 only does not read a version 2 log: no downgrade past
-//! it.
+//! error. Records are of version 3 since checkpoints are written as a
+//! stream of parts whose last one says so (version 2 added the kind
+//! that names several stripes); records of versions 1 and 2 still read.
+//! A binary that reads an older version only does not read a newer log:
+//! no downgrade past it.
 
 use super::Loc;
-use std::collections::BTreeMap;
 
 /// Bytes of a summary block and of a map record: one store block.
 pub const RECORD_BYTES: usize = 4096;
@@ -32,8 +32,8 @@ const SUMMARY_MAGIC: &[u8; 8] = b"SHOALSTR";
 const RECORD_MAGIC: &[u8; 8] = b"SHOALMAP";
 /// Version of the summary blocks written and read.
 const SUMMARY_VERSION: u16 = 1;
-/// Version of the map records written; versions 1 and 2 are read.
-const RECORD_VERSION: u16 = 2;
+/// Version of the map records written; versions 1 to 3 are read.
+const RECORD_VERSION: u16 = 3;
 /// The oldest map record version read.
 const OLDEST_RECORD_VERSION: u16 = 1;
 
@@ -42,6 +42,10 @@ const KIND_UNMAP: u8 = 2;
 const KIND_CHECKPOINT: u8 = 3;
 /// Several stripes in one record (version 2 on).
 const KIND_STRIPES: u8 = 4;
+/// A part of a checkpoint that says whether it is the last, not how many
+/// parts there are (version 3 on): a checkpoint is written as its parts
+/// are walked from the map, never the whole map at once.
+const KIND_CHECKPOINT_STREAMED: u8 = 5;
 
 /// Bytes of a run of a stripes record: first block u64, len u16.
 const STRIPE_RUN_BYTES: usize = 10;
@@ -56,8 +60,8 @@ const RUN_BYTES: usize = 22;
 /// Bytes before a record's payload: magic, version, kind, pad, volume,
 /// seq, payload length.
 const RECORD_HEADER: usize = 8 + 2 + 1 + 1 + 8 + 8 + 4;
-/// Bytes before a checkpoint part's runs: part, parts, last stripe seq,
-/// run count.
+/// Bytes before a checkpoint part's runs: part, parts (last: 1 for the
+/// last part, else 0, since version 3), last stripe seq, run count.
 const CHECKPOINT_HEADER: usize = 4 + 4 + 8 + 4;
 /// Runs one checkpoint part holds.
 pub(super) const RUNS_PER_CHECKPOINT_PART: usize =
@@ -87,27 +91,12 @@ pub struct Run {
     pub index: u16,
 }
 
-/// The map as runs, in block order.
-pub(super) fn runs(blocks: &BTreeMap<u64, Loc>) -> Vec<Run> {
-    let mut out: Vec<Run> = Vec::new();
-    for (&b, l) in blocks {
-        if let Some(r) = out.last_mut() {
-            let next = r.block + u64::from(r.len) == b
-                && r.slot == l.slot
-                && u32::from(r.index) + r.len == u32::from(l.index);
-            if next {
-                r.len += 1;
-                continue;
-            }
-        }
-        out.push(Run {
-            block: b,
-            len: 1,
-            slot: l.slot,
-            index: l.index,
-        });
-    }
-    out
+/// Whether block `b`, at `l`, goes on run `r`: the next block number, in
+/// the same stripe, at the next index.
+pub(super) fn run_goes_on(r: &Run, b: u64, l: &Loc) -> bool {
+    r.block + u64::from(r.len) == b
+        && r.slot == l.slot
+        && u32::from(r.index) + r.len == u32::from(l.index)
 }
 
 /// The first block of every data unit of a stripe.
@@ -199,13 +188,14 @@ pub enum MapRecord {
         first: u64,
         count: u64,
     },
-    /// Part `part` of `parts` of the whole map as it stood before record
-    /// `seq - part`; the parts take consecutive seqs.
+    /// Part `part` of the whole map as it stood before record
+    /// `seq - part`; the parts take consecutive seqs, and `last` marks the
+    /// last one.
     Checkpoint {
         volume: u64,
         seq: u64,
         part: u32,
-        parts: u32,
+        last: bool,
         last_stripe_seq: u64,
         runs: Vec<Run>,
     },
@@ -299,7 +289,7 @@ impl MapRecord {
             }
             MapRecord::Checkpoint {
                 part,
-                parts,
+                last,
                 last_stripe_seq,
                 runs,
                 ..
@@ -308,7 +298,7 @@ impl MapRecord {
                     return Err(RecordError::TooLarge("checkpoint part"));
                 }
                 p.extend_from_slice(&part.to_le_bytes());
-                p.extend_from_slice(&parts.to_le_bytes());
+                p.extend_from_slice(&u32::from(*last).to_le_bytes());
                 p.extend_from_slice(&last_stripe_seq.to_le_bytes());
                 p.extend_from_slice(&(runs.len() as u32).to_le_bytes());
                 for r in runs {
@@ -317,7 +307,7 @@ impl MapRecord {
                     p.extend_from_slice(&r.slot.to_le_bytes());
                     p.extend_from_slice(&r.index.to_le_bytes());
                 }
-                KIND_CHECKPOINT
+                KIND_CHECKPOINT_STREAMED
             }
         };
         let mut b = Vec::with_capacity(RECORD_BYTES);
@@ -368,7 +358,10 @@ impl MapRecord {
                 first: r.u64()?,
                 count: r.u64()?,
             },
-            KIND_CHECKPOINT => decode_checkpoint(&mut r, volume, seq)?,
+            KIND_CHECKPOINT => decode_checkpoint(&mut r, volume, seq, false)?,
+            KIND_CHECKPOINT_STREAMED if version >= 3 => {
+                decode_checkpoint(&mut r, volume, seq, true)?
+            }
             KIND_STRIPES if version >= 2 => MapRecord::Stripes {
                 volume,
                 seq,
@@ -446,12 +439,26 @@ fn decode_stripes(r: &mut Reader<'_>) -> Result<Vec<StripeEntry>, RecordError> {
     Ok(stripes)
 }
 
-fn decode_checkpoint(r: &mut Reader<'_>, volume: u64, seq: u64) -> Result<MapRecord, RecordError> {
+/// A checkpoint part: `streamed` (version 3) says whether it is the last
+/// part; before, each part said how many there are.
+fn decode_checkpoint(
+    r: &mut Reader<'_>,
+    volume: u64,
+    seq: u64,
+    streamed: bool,
+) -> Result<MapRecord, RecordError> {
     let part = r.u32()?;
-    let parts = r.u32()?;
+    let parts_or_last = r.u32()?;
     let last_stripe_seq = r.u64()?;
     let n = r.u32()? as usize;
-    if part >= parts || n > RUNS_PER_CHECKPOINT_PART {
+    let last = match (streamed, parts_or_last) {
+        (true, 0) => false,
+        (true, 1) => true,
+        (true, _) => return Err(RecordError::Malformed("checkpoint part's last mark")),
+        (false, parts) if part < parts => part + 1 == parts,
+        (false, _) => return Err(RecordError::Malformed("checkpoint part")),
+    };
+    if n > RUNS_PER_CHECKPOINT_PART {
         return Err(RecordError::Malformed("checkpoint part"));
     }
     let mut runs = Vec::with_capacity(n);
@@ -472,7 +479,7 @@ fn decode_checkpoint(r: &mut Reader<'_>, volume: u64, seq: u64) -> Result<MapRec
         volume,
         seq,
         part,
-        parts,
+        last,
         last_stripe_seq,
         runs,
     })

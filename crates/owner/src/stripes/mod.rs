@@ -366,21 +366,101 @@ impl StripeMap {
 
     /// The map of volume `volume` as checkpoint records starting at
     /// record seq `seq`, in parts that each fit a record; runs of blocks
-    /// that sit in order in one stripe take one entry.
+    /// that sit in order in one stripe take one entry. The whole map at
+    /// once: a writer takes the parts one by one
+    /// ([`StripeMap::checkpoint_part`]).
     pub fn checkpoint(&self, volume: u64, seq: u64) -> Vec<MapRecord> {
-        let runs = format::runs(&self.blocks);
-        let per = format::RUNS_PER_CHECKPOINT_PART;
-        let parts = runs.len().div_ceil(per).max(1);
-        (0..parts)
-            .map(|p| MapRecord::Checkpoint {
-                volume,
-                seq: seq + p as u64,
-                part: p as u32,
-                parts: parts as u32,
-                last_stripe_seq: self.last_stripe_seq,
-                runs: runs.iter().skip(p * per).take(per).copied().collect(),
-            })
-            .collect()
+        let mut parts = Vec::new();
+        let mut from = Some(0);
+        while let Some(f) = from {
+            let part = parts.len() as u32;
+            let (rec, next) = self.checkpoint_part(
+                (volume, seq + u64::from(part), part),
+                f,
+                format::RUNS_PER_CHECKPOINT_PART,
+            );
+            parts.push(rec);
+            from = next;
+        }
+        parts
+    }
+
+    /// Part `part` (record seq `seq`) of the checkpoint of volume
+    /// `volume`: the next `runs_per_part` runs from block `from` (at most
+    /// `RUNS_PER_CHECKPOINT_PART`), and the block the next part
+    /// starts at, `None` for the last part. Walks only the blocks it
+    /// takes, and one more: a checkpoint of a large map costs each loop
+    /// event one part. The map must not change between the parts of one
+    /// checkpoint (the writer records nothing else meanwhile).
+    pub fn checkpoint_part(
+        &self,
+        (volume, seq, part): (u64, u64, u32),
+        from: u64,
+        runs_per_part: usize,
+    ) -> (MapRecord, Option<u64>) {
+        assert!(
+            (1..=format::RUNS_PER_CHECKPOINT_PART).contains(&runs_per_part),
+            "{runs_per_part} runs per checkpoint part"
+        );
+        let mut runs: Vec<Run> = Vec::with_capacity(runs_per_part);
+        let mut next = None;
+        for (&b, l) in self.blocks.range(from..) {
+            if let Some(r) = runs.last_mut() {
+                if format::run_goes_on(r, b, l) {
+                    r.len += 1;
+                    continue;
+                }
+            }
+            if runs.len() == runs_per_part {
+                next = Some(b);
+                break;
+            }
+            runs.push(Run {
+                block: b,
+                len: 1,
+                slot: l.slot,
+                index: l.index,
+            });
+        }
+        let rec = MapRecord::Checkpoint {
+            volume,
+            seq,
+            part,
+            last: next.is_none(),
+            last_stripe_seq: self.last_stripe_seq,
+            runs,
+        };
+        (rec, next)
+    }
+
+    /// A part of a checkpoint taken from this map is durable: it says
+    /// what the map holds already, so only its seq is taken (a part of a
+    /// large map is not mapped again block by block).
+    pub fn checkpoint_part_durable(&mut self, rec: &MapRecord) -> Result<(), MapError> {
+        let seq = rec.seq();
+        if seq <= self.last_record_seq {
+            return Err(MapError::OutOfOrder {
+                last: self.last_record_seq,
+                got: seq,
+            });
+        }
+        let MapRecord::Checkpoint { runs, .. } = rec else {
+            unreachable!("a checkpoint part that is not one: {rec:?}");
+        };
+        if cfg!(debug_assertions) {
+            for r in runs {
+                for i in 0..r.len {
+                    let at = self.blocks.get(&(r.block + u64::from(i)));
+                    assert_eq!(
+                        at.map(|l| (l.slot, u32::from(l.index))),
+                        Some((r.slot, u32::from(r.index) + i)),
+                        "a checkpoint part that is not this map's"
+                    );
+                }
+            }
+        }
+        self.last_record_seq = seq;
+        Ok(())
     }
 
     /// The map that `records` (every valid record found in the log, in any
@@ -458,16 +538,25 @@ impl StripeMap {
     }
 }
 
-/// The first seq of the newest checkpoint whose parts are all present.
+/// The first seq of the newest checkpoint whose parts are all present:
+/// part 0 at that seq, each next part at the next seq, up to one marked
+/// last.
 fn newest_checkpoint(by_seq: &BTreeMap<u64, &MapRecord>) -> Option<u64> {
-    by_seq.iter().rev().find_map(|(&seq, r)| match r {
-        MapRecord::Checkpoint { part: 0, parts, .. } => {
-            let whole = (0..u64::from(*parts)).all(|p| {
-                matches!(by_seq.get(&(seq + p)),
-                    Some(MapRecord::Checkpoint { part, .. }) if u64::from(*part) == p)
-            });
-            whole.then_some(seq)
+    let whole_from = |first: u64| {
+        for (p, seq) in (first..).enumerate() {
+            match by_seq.get(&seq) {
+                Some(MapRecord::Checkpoint { part, last, .. }) if *part as usize == p => {
+                    if *last {
+                        return true;
+                    }
+                }
+                _ => return false,
+            }
         }
+        false
+    };
+    by_seq.iter().rev().find_map(|(&seq, r)| match r {
+        MapRecord::Checkpoint { part: 0, .. } => whole_from(seq).then_some(seq),
         _ => None,
     })
 }

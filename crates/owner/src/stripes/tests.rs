@@ -195,8 +195,8 @@ impl Writer {
                 .iter()
                 .map(|r| match r {
                     MapRecord::Checkpoint {
-                        seq, part, parts, ..
-                    } => format!("{seq}c{part}/{parts}"),
+                        seq, part, last, ..
+                    } => format!("{seq}c{part}{}", if *last { "." } else { "" }),
                     MapRecord::Stripe { seq, .. } => format!("{seq}s"),
                     MapRecord::Stripes { seq, .. } => format!("{seq}S"),
                     MapRecord::Unmap { seq, .. } => format!("{seq}u"),
@@ -542,14 +542,14 @@ fn a_stripes_record_applies_each_stripe_and_a_bad_one_is_refused() {
 fn version_1_records_still_read() {
     let rec = stripe_record(3, 2, vec![5, 6, PAD_BLOCK]);
     let mut b = rec.encode().unwrap();
-    assert_eq!(u16::from_le_bytes([b[8], b[9]]), 2);
+    assert_eq!(u16::from_le_bytes([b[8], b[9]]), 3);
     b[8..10].copy_from_slice(&1u16.to_le_bytes());
     assert_eq!(MapRecord::decode(&reseal(b)), Ok(rec));
     let mut future = stripe_record(3, 2, vec![5]).encode().unwrap();
-    future[8..10].copy_from_slice(&3u16.to_le_bytes());
+    future[8..10].copy_from_slice(&4u16.to_le_bytes());
     assert!(matches!(
         MapRecord::decode(&reseal(future)),
-        Err(RecordError::Version { version: 3, .. })
+        Err(RecordError::Version { version: 4, .. })
     ));
 }
 
@@ -562,4 +562,150 @@ fn reseal(mut b: Vec<u8>) -> Vec<u8> {
     let crc = crc32c::crc32c(&b[..end]);
     b[end..end + 4].copy_from_slice(&crc.to_le_bytes());
     b
+}
+
+/// A map of `stripes` stripes of scattered blocks (each stripe the blocks
+/// `b` with `b % stripes == s`, a few left out): runs of one and of
+/// several.
+pub(super) fn scattered_map(stripes: u64, holes: u64) -> StripeMap {
+    let mut m = StripeMap::default();
+    for s in 0..stripes {
+        let blocks: Vec<u64> = (0..BLOCKS)
+            .filter(|b| b % stripes == s && (holes == 0 || b % holes != 1))
+            .take(STRIPE_BLOCKS)
+            .collect();
+        m.apply(&stripe_record(s + 1, s, blocks)).unwrap();
+    }
+    m
+}
+
+/// The parts of a checkpoint walked one by one, `runs_per_part` runs each.
+fn walked(m: &StripeMap, first_seq: u64, runs_per_part: usize) -> Vec<MapRecord> {
+    let mut parts = Vec::new();
+    let mut from = Some(0);
+    while let Some(f) = from {
+        let part = parts.len() as u32;
+        let (rec, next) = m.checkpoint_part(
+            (VOLUME, first_seq + u64::from(part), part),
+            f,
+            runs_per_part,
+        );
+        parts.push(rec);
+        from = next;
+    }
+    parts
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// A checkpoint walked part by part holds every mapped block once, in
+    /// whole runs: every part but the last is full and unmarked, no run
+    /// continues the one before it (across parts too), and only the whole
+    /// chain of parts, the last one marked, is a checkpoint.
+    #[test]
+    fn a_checkpoint_walked_part_by_part_is_the_map_in_whole_runs(
+        stripes in 1u64..5,
+        holes in 0u64..7,
+        runs_per_part in 1usize..6,
+        drop_pick in any::<usize>(),
+    ) {
+        let m = scattered_map(stripes, holes);
+        let parts = walked(&m, 100, runs_per_part);
+        let mut all: Vec<Run> = Vec::new();
+        for (i, p) in parts.iter().enumerate() {
+            let MapRecord::Checkpoint { part, last, runs, seq, .. } = p else {
+                panic!("not a checkpoint part: {p:?}");
+            };
+            prop_assert_eq!((*part as usize, *seq), (i, 100 + i as u64));
+            prop_assert_eq!(*last, i + 1 == parts.len());
+            if !*last {
+                prop_assert_eq!(runs.len(), runs_per_part);
+            }
+            let back = MapRecord::decode(&p.encode().unwrap());
+            prop_assert_eq!(back.as_ref(), Ok(p));
+            all.extend(runs.iter().copied());
+        }
+        for w in all.windows(2) {
+            let next = Loc { slot: w[1].slot, index: w[1].index };
+            prop_assert!(!format::run_goes_on(&w[0], w[1].block, &next), "{:?} split", w);
+        }
+        let back = StripeMap::replay(&parts).unwrap();
+        prop_assert_eq!(blocks_of(&back), blocks_of(&m));
+        // Any part missing, the last one included: no checkpoint.
+        if parts.len() > 1 {
+            let mut short = parts.clone();
+            short.remove(drop_pick % parts.len());
+            prop_assert_eq!(StripeMap::replay(&short).err(), Some(MapError::NoCheckpoint));
+        }
+    }
+}
+
+/// A version 2 checkpoint part: each part says how many there are.
+fn v2_checkpoint_part(seq: u64, part: u32, parts: u32, runs: &[Run]) -> Vec<u8> {
+    let mut p = Vec::new();
+    p.extend_from_slice(&part.to_le_bytes());
+    p.extend_from_slice(&parts.to_le_bytes());
+    p.extend_from_slice(&9u64.to_le_bytes());
+    p.extend_from_slice(&(runs.len() as u32).to_le_bytes());
+    for r in runs {
+        p.extend_from_slice(&r.block.to_le_bytes());
+        p.extend_from_slice(&r.len.to_le_bytes());
+        p.extend_from_slice(&r.slot.to_le_bytes());
+        p.extend_from_slice(&r.index.to_le_bytes());
+    }
+    let mut b = Vec::new();
+    b.extend_from_slice(b"SHOALMAP");
+    b.extend_from_slice(&2u16.to_le_bytes());
+    b.push(3);
+    b.push(0);
+    b.extend_from_slice(&VOLUME.to_le_bytes());
+    b.extend_from_slice(&seq.to_le_bytes());
+    b.extend_from_slice(&(p.len() as u32).to_le_bytes());
+    b.extend_from_slice(&p);
+    let crc = crc32c::crc32c(&b);
+    b.extend_from_slice(&crc.to_le_bytes());
+    b.resize(RECORD_BYTES, 0);
+    b
+}
+
+#[test]
+fn a_version_2_checkpoint_still_reads_and_a_streamed_mark_is_checked() {
+    let run = |block, slot| Run {
+        block,
+        len: 3,
+        slot,
+        index: 0,
+    };
+    let old = [
+        v2_checkpoint_part(5, 0, 2, &[run(0, 0)]),
+        v2_checkpoint_part(6, 1, 2, &[run(10, 1)]),
+    ];
+    let recs: Vec<MapRecord> = old.iter().map(|b| MapRecord::decode(b).unwrap()).collect();
+    assert!(matches!(recs[0], MapRecord::Checkpoint { last: false, .. }));
+    assert!(matches!(recs[1], MapRecord::Checkpoint { last: true, .. }));
+    let m = StripeMap::replay(&recs).unwrap();
+    assert_eq!(m.get(11), Some(Loc { slot: 1, index: 1 }));
+    assert_eq!(m.next_record_seq(), 7);
+    // A version 2 part numbered past its count, and a version 3 part
+    // whose mark is neither 0 nor 1, are refused.
+    let bad = v2_checkpoint_part(5, 2, 2, &[]);
+    assert!(matches!(
+        MapRecord::decode(&bad),
+        Err(RecordError::Malformed(_))
+    ));
+    let streamed = recs[1].encode().unwrap();
+    let mut marked = streamed.clone();
+    marked[8 + 2 + 1 + 1 + 8 + 8 + 4 + 4] = 2;
+    assert!(matches!(
+        MapRecord::decode(&reseal(marked)),
+        Err(RecordError::Malformed(_))
+    ));
+    // The streamed kind in a version 2 record is no kind that version has.
+    let mut early = streamed;
+    early[8..10].copy_from_slice(&2u16.to_le_bytes());
+    assert_eq!(
+        MapRecord::decode(&reseal(early)),
+        Err(RecordError::Malformed("record kind"))
+    );
 }

@@ -145,3 +145,59 @@ proptest! {
         prop_assert_eq!(c.rebuild_row(&codec, slot, rows).unwrap(), whole);
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// A run of stripes in consecutive slots, by column, is each
+    /// stripe's units one after the other, as encoding them one by one
+    /// gives them (the last one partly filled).
+    #[test]
+    fn a_run_of_stripes_is_its_stripes_units_side_by_side_on_each_column(
+        g in geometries(),
+        first in 0u64..1000,
+        stripes in 1usize..5,
+        last_fill in 1usize..=BLOCKS_PER_UNIT * 4,
+        seed in any::<u64>(),
+    ) {
+        let c = Columns::new(g);
+        let codec = Codec::new(g).unwrap();
+        let per = c.blocks_per_stripe();
+        let mut summaries = Vec::new();
+        let mut data: Vec<Vec<Vec<u8>>> = Vec::new();
+        for s in 0..stripes {
+            let n = match s + 1 == stripes {
+                true => last_fill.min(per),
+                false => per,
+            };
+            let numbers: Vec<u64> = (0..n as u64).map(|i| seed % 1000 + (s * per) as u64 + i).collect();
+            summaries.push(summary_of(&c, 9, (s as u64 + 1, first + s as u64), &numbers));
+            data.push((0..n).map(|i| block(seed ^ s as u64, i)).collect());
+        }
+        let refs: Vec<Vec<&[u8]>> = data.iter().map(|d| d.iter().map(Vec::as_slice).collect()).collect();
+        let run: Vec<(&Summary, &[&[u8]])> = summaries.iter().zip(&refs).map(|(s, r)| (s, &r[..])).collect();
+        let by_column = c.encode_run(&codec, &run).unwrap();
+        prop_assert_eq!(by_column.len(), c.width());
+        let unit = UNIT_BYTES as usize;
+        for (s, (summary, blocks)) in run.iter().enumerate() {
+            let alone = c.encode(&codec, summary, blocks).unwrap();
+            for (pos, u) in alone.iter().enumerate() {
+                prop_assert_eq!(&by_column[pos][s * unit..(s + 1) * unit], u.as_slice());
+            }
+        }
+        prop_assert!(by_column.iter().all(|col| col.len() == stripes * unit));
+    }
+}
+
+#[test]
+#[should_panic(expected = "not consecutive")]
+fn a_run_of_stripes_in_slots_apart_is_refused() {
+    let g = Geometry::of(shoal_model::StripeGeometry::RAID5_NARROW).unwrap();
+    let (c, codec) = (Columns::new(g), Codec::new(g).unwrap());
+    let b = block(1, 0);
+    let (s1, s2) = (
+        summary_of(&c, 9, (1, 4), &[7]),
+        summary_of(&c, 9, (2, 6), &[8]),
+    );
+    let _ = c.encode_run(&codec, &[(&s1, &[&b[..]]), (&s2, &[&b[..]])]);
+}

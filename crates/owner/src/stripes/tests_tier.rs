@@ -15,8 +15,14 @@ use std::collections::{BTreeMap, BTreeSet};
 
 const VOLUME: u64 = 3;
 const BLOCKS: u64 = 160;
-/// A small log: checkpoints are written often and the log wraps.
-const LOG_RECORDS: u64 = 12;
+/// Runs per checkpoint part in the sim: a checkpoint of a map of many
+/// runs takes several parts, and several writes of [`PARTS_PER_WRITE`].
+const RUNS_PER_PART: usize = 8;
+/// A small log, sized as [`log_records_for`] sizes one (twice the most
+/// parts a checkpoint can take, every block a run, and a few spare):
+/// checkpoints are written often and the log wraps.
+const LOG_RECORDS: u64 = 2 * BLOCKS.div_ceil(RUNS_PER_PART as u64) + 4;
+const PARTS_PER_WRITE: usize = 2;
 /// Few stripe slots: 160 blocks fill three stripes of 62, and overwrites
 /// soon leave the cleaner to make room.
 const SLOTS: u64 = 10;
@@ -103,7 +109,8 @@ struct Sim {
     /// Stripes of direct writes begun.
     directs: u64,
     /// The record being written.
-    record: Option<MapRecord>,
+    /// The records of the log write in flight.
+    records: Vec<MapRecord>,
     /// Trims sent and not yet done, in order. A later write to the same
     /// blocks is done after them (the leg's copies keep the order
     /// requests are sent in): [`Sim::ordered_after_trims`].
@@ -145,6 +152,8 @@ fn tier(map: StripeMap, pending: Vec<u64>) -> Tier {
         (LOG_RECORDS, SLOTS),
     );
     t.unmap_record_blocks = UNMAP_STEP_BLOCKS;
+    t.runs_per_part = RUNS_PER_PART;
+    t.parts_per_write = PARTS_PER_WRITE;
     t
 }
 
@@ -162,7 +171,7 @@ impl Sim {
             in_flight: BTreeMap::new(),
             cleans: 0,
             directs: 0,
-            record: None,
+            records: Vec::new(),
             trims: Vec::new(),
             waiting: BTreeMap::new(),
             direct: BTreeMap::new(),
@@ -212,7 +221,7 @@ impl Sim {
     /// owner then finds is an empty log.
     fn trim_log(&mut self) {
         if self.tier.map_forgotten() {
-            assert!(self.record.is_none());
+            assert!(self.records.is_empty());
             self.log.iter_mut().for_each(|r| *r = None);
         }
     }
@@ -402,7 +411,7 @@ impl Sim {
         };
         if self.tier.stripe(slot).is_some_and(|d| {
             // The record in flight names it: written, never failing.
-            self.record.as_ref().is_some_and(|r| names(r, d.slot))
+            self.records.iter().any(|r| names(r, d.slot))
         }) {
             return;
         }
@@ -427,19 +436,20 @@ impl Sim {
     }
 
     fn record(&mut self) {
-        if self.record.is_none() {
-            self.record = self.tier.next_record();
+        if self.records.is_empty() {
+            self.records = self.tier.next_records();
             return;
         }
         self.make_durable();
     }
 
     fn make_durable(&mut self) {
-        let Some(rec) = self.record.take() else {
+        if self.records.is_empty() {
             return;
-        };
-        let at = (rec.seq() % LOG_RECORDS) as usize;
-        self.log[at] = Some(rec);
+        }
+        for rec in std::mem::take(&mut self.records) {
+            self.log_write(rec);
+        }
         let applied = self.tier.record_durable().unwrap();
         let trims = applied.trims.iter().map(|&(f, n)| (f, n, Vec::new()));
         self.trims.extend(trims);
@@ -464,9 +474,22 @@ impl Sim {
         }
     }
 
+    fn log_write(&mut self, rec: MapRecord) {
+        let at = (rec.seq() % LOG_RECORDS) as usize;
+        self.log[at] = Some(rec);
+    }
+
     fn crash(&mut self, torn: bool, sent: usize, fill: Option<u64>) -> Result<(), TestCaseError> {
         if !torn {
             self.make_durable();
+        }
+        // A torn write of several records (checkpoint parts) may leave
+        // any of them: here every other one.
+        let records = std::mem::take(&mut self.records);
+        if records.len() > 1 {
+            for rec in records.into_iter().step_by(2) {
+                self.log_write(rec);
+            }
         }
         for _ in 0..sent {
             self.trim();
@@ -489,7 +512,7 @@ impl Sim {
         }
         self.rehydrating.clear();
         self.in_flight.clear();
-        self.record = None;
+        self.records.clear();
         self.trims.clear();
         self.waiting.clear();
         self.direct.clear();
@@ -745,4 +768,102 @@ fn a_whole_volume_zeroing_holds_only_the_blocks_on_the_leg_and_unmaps_in_steps()
         .windows(2)
         .all(|w| w[0] - w[1] <= UNMAP_STEP_BLOCKS as usize));
     assert!((0..BLOCKS).all(|b| sim.read(b) == 0));
+}
+
+/// A checkpoint of many parts goes out in writes of at most
+/// `parts_per_write` consecutive records that never run past the log's
+/// end, one part taken from the map per step; nothing else is recorded
+/// meanwhile. A crash amid it leaves the checkpoint before it, from which
+/// the records replay to the same map.
+#[test]
+fn a_checkpoint_of_many_parts_goes_out_in_bounded_writes_within_the_log() {
+    const LOG: u64 = 300;
+    let empty = MapRecord::Checkpoint {
+        volume: VOLUME,
+        seq: 290,
+        part: 0,
+        last: true,
+        last_stripe_seq: 0,
+        runs: Vec::new(),
+    };
+    let mut before = vec![empty];
+    for s in 0..4u64 {
+        // Blocks b with b % 4 == s: each block a run of its own.
+        let blocks: Vec<u64> = (0..248).filter(|b| b % 4 == s).collect();
+        before.push(MapRecord::Stripe {
+            volume: VOLUME,
+            seq: 291 + s,
+            stripe_seq: 1 + s,
+            slot: s,
+            blocks,
+        });
+    }
+    let map = StripeMap::replay(&before).unwrap();
+    let mut t = Tier::new(
+        VOLUME,
+        BLOCKS * 4096,
+        columns(),
+        map,
+        Vec::new(),
+        (LOG, SLOTS),
+    );
+    t.runs_per_part = 2;
+    t.parts_per_write = 16;
+    let mut writes: Vec<Vec<MapRecord>> = Vec::new();
+    let mut direct = None;
+    let after = loop {
+        let recs = t.next_records();
+        if !matches!(recs.first(), Some(MapRecord::Checkpoint { .. })) {
+            break recs;
+        }
+        assert!(
+            t.next_records().is_empty(),
+            "a second write while one is in flight"
+        );
+        if writes.len() == 2 {
+            // A client's whole stripe, written amid the checkpoint: its
+            // record waits for the checkpoint's last part.
+            let d = t.begin_direct(0, &BTreeSet::new(), (None, 1)).cloned();
+            let slot = d.expect("a free slot for a direct stripe").slot;
+            t.stripe_written(slot);
+            direct = Some(slot);
+        }
+        assert!(recs.len() <= 16);
+        let first = recs[0].seq();
+        assert!(recs.iter().zip(first..).all(|(r, s)| r.seq() == s));
+        let end = t.log_offset(first) + recs.len() as u64 * 4096;
+        assert!(
+            end <= BLOCKS * 4096 + LOG * 4096,
+            "a write past the log's end"
+        );
+        t.record_durable().unwrap();
+        writes.push(recs);
+    };
+    let slot = direct.expect("the direct stripe began");
+    assert!(matches!(&after[..], [r] if names(r, slot)), "{after:?}");
+    // 248 runs of one block, two per part: 124 parts, the first write cut
+    // at the log's end (seqs 295 to 299).
+    let parts: Vec<MapRecord> = writes.iter().flatten().cloned().collect();
+    assert_eq!(parts.len(), 124);
+    assert_eq!(writes[0].len(), 5);
+    assert_eq!(writes.len(), 1 + 119usize.div_ceil(16));
+    for (i, p) in parts.iter().enumerate() {
+        let MapRecord::Checkpoint { part, last, .. } = p else {
+            panic!("not a checkpoint part: {p:?}");
+        };
+        assert_eq!((*part as usize, *last), (i, i == 123));
+    }
+    let mut log = before.clone();
+    log.extend(parts.iter().cloned());
+    let whole = StripeMap::replay(&log).unwrap();
+    assert_eq!(whole.next_record_seq(), 295 + 124);
+    let blocks = |m: &StripeMap| m.from_block(0).collect::<Vec<_>>();
+    assert_eq!(blocks(&whole), blocks(t.map()));
+    // Torn amid the checkpoint: its first writes, and every other part of
+    // the third. The checkpoint before it still holds.
+    let mut torn = before;
+    torn.extend(writes[..2].iter().flatten().cloned());
+    torn.extend(writes[2].iter().step_by(2).cloned());
+    let replayed = StripeMap::replay(&torn).unwrap();
+    assert_eq!(blocks(&replayed), blocks(t.map()));
 }

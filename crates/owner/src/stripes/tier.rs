@@ -8,8 +8,9 @@
 //! - a block's read is routed by [`Tier::source`] when it is sent, and
 //!   sent to a column before any stripe write sent after it;
 //! - a stripe is written whole before [`Tier::stripe_written`];
-//! - one record at a time: [`Tier::next_record`], written durably to the
-//!   performance leg at [`Tier::log_offset`], then
+//! - one write of the log at a time: [`Tier::next_records`] (one record,
+//!   or consecutive parts of a checkpoint), written durably to the
+//!   performance leg at [`Tier::log_offset`] of the first, then
 //!   [`Tier::record_durable`]; the trims it answers are sent after that;
 //! - a write straight to the capacity leg ([`Tier::begin_direct`]) is
 //!   acknowledged only with its ticket: its record is durable and the
@@ -54,6 +55,12 @@ pub const UNMAP_RECORD_MAPPED_BLOCKS: u64 = 65_536;
 /// Records the map log keeps beyond two whole checkpoints, so that small
 /// volumes write a checkpoint only every few dozen records.
 const SPARE_LOG_RECORDS: u64 = 64;
+/// Checkpoint parts written to the performance leg at once: 1 MiB, so
+/// that the checkpoint of a large map takes few round trips (a 100 GiB
+/// volume's map of single blocks is about 141,000 parts: some 550 writes
+/// rather than 141,000) while other records wait behind it. Each part is
+/// taken from the map as its write is made, one part per map walk step.
+pub const CHECKPOINT_PARTS_PER_WRITE: usize = 256;
 
 /// Where a block's newest data is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -194,10 +201,16 @@ pub struct Tier {
     /// [`UNMAP_RECORD_MAPPED_BLOCKS`] (smaller in tests).
     pub(super) unmap_record_blocks: u64,
     last_ticket: Ticket,
-    /// The record being written.
-    in_flight: Option<MapRecord>,
-    /// Parts of the checkpoint being written, after the one in flight.
-    checkpoint_left: VecDeque<MapRecord>,
+    /// The records being written (one write of the log: several only
+    /// for checkpoint parts), in seq order; empty when none.
+    in_flight: Vec<MapRecord>,
+    /// The checkpoint being written: its next part to take from the map.
+    checkpointing: Option<NextPart>,
+    /// Runs per checkpoint part ([`super::format::RUNS_PER_CHECKPOINT_PART`];
+    /// fewer in tests, for checkpoints of many parts).
+    pub(super) runs_per_part: usize,
+    /// [`CHECKPOINT_PARTS_PER_WRITE`] (fewer in tests).
+    pub(super) parts_per_write: usize,
     /// Records written since the newest complete checkpoint.
     since_checkpoint: u64,
     log_records: u64,
@@ -206,6 +219,14 @@ pub struct Tier {
     /// Lowering to RAID-1: no stripe is begun, and the owner reads every
     /// mapped block back to the performance leg ([`Tier::lower`]).
     lowering: Option<Lowering>,
+}
+
+/// The next part of a checkpoint being written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct NextPart {
+    part: u32,
+    /// The block it starts at.
+    from: u64,
 }
 
 /// Where the lowering of the volume to RAID-1 is.
@@ -274,8 +295,10 @@ impl Tier {
             unmaps: VecDeque::new(),
             unmap_record_blocks: UNMAP_RECORD_MAPPED_BLOCKS,
             last_ticket: 0,
-            in_flight: None,
-            checkpoint_left: VecDeque::new(),
+            in_flight: Vec::new(),
+            checkpointing: None,
+            runs_per_part: super::format::RUNS_PER_CHECKPOINT_PART,
+            parts_per_write: CHECKPOINT_PARTS_PER_WRITE,
             // A new owner writes a checkpoint before any other record.
             since_checkpoint: log_records,
             log_records,
@@ -712,38 +735,34 @@ impl Tier {
         Some(DirectFailed { ticket, restage })
     }
 
-    /// The next record to write, if none is in flight: a checkpoint's
-    /// next part, a checkpoint when the log has filled half since the
-    /// last, the written stripe's record, or the oldest unmap once no
-    /// stripe is being destaged.
-    pub fn next_record(&mut self) -> Option<MapRecord> {
-        if self.in_flight.is_some() {
-            return None;
+    /// The next records to write, if none is in flight, in one write of
+    /// the log: the next parts of the checkpoint being written, a
+    /// checkpoint's first parts when the log has filled half since the
+    /// last, the written stripes' record, or the oldest unmap once no
+    /// stripe is being destaged. Empty when there is nothing to write.
+    pub fn next_records(&mut self) -> Vec<MapRecord> {
+        if !self.in_flight.is_empty() {
+            return Vec::new();
         }
         let seq = self.map.next_record_seq();
-        let rec = if let Some(part) = self.checkpoint_left.pop_front() {
-            part
+        let rec = if self.checkpointing.is_some() {
+            return self.checkpoint_parts(seq);
         } else if self.lowering == Some(Lowering::Forgetting) {
             let mut parts = self.map.emptied().checkpoint(self.volume, seq);
             assert_eq!(parts.len(), 1, "an empty map's checkpoint is one record");
-            parts.pop()?
+            match parts.pop() {
+                Some(p) => p,
+                None => return Vec::new(),
+            }
         } else if matches!(self.lowering, Some(Lowering::Forgotten { .. }))
             && self.unmaps.is_empty()
         {
             // Nothing is recorded once the map is forgotten: the owner
             // trims the log.
-            return None;
+            return Vec::new();
         } else if self.since_checkpoint >= self.log_records / 2 {
-            let mut parts: VecDeque<MapRecord> = self.map.checkpoint(self.volume, seq).into();
-            assert!(
-                (parts.len() as u64) < self.log_records / 2,
-                "a checkpoint of {} parts in a log of {} records",
-                parts.len(),
-                self.log_records
-            );
-            let first = parts.pop_front()?;
-            self.checkpoint_left = parts;
-            first
+            self.checkpointing = Some(NextPart { part: 0, from: 0 });
+            return self.checkpoint_parts(seq);
         } else if let Some(slots) = self.recordable() {
             self.stripes_record(seq, slots)
         } else if let Some(&(first, count, _)) =
@@ -758,10 +777,39 @@ impl Tier {
                 count: self.unmap_step(first, count),
             }
         } else {
-            return None;
+            return Vec::new();
         };
-        self.in_flight = Some(rec.clone());
-        Some(rec)
+        self.in_flight = vec![rec.clone()];
+        vec![rec]
+    }
+
+    /// The next parts of the checkpoint being written, from record `seq`
+    /// on: as many as one write takes, short of the log's end (a write
+    /// of the log is one run of its blocks).
+    fn checkpoint_parts(&mut self, seq: u64) -> Vec<MapRecord> {
+        let room = self.log_records - seq % self.log_records;
+        let most = (self.parts_per_write as u64).min(room);
+        let mut parts = Vec::new();
+        while let Some(next) = self.checkpointing {
+            if parts.len() as u64 == most {
+                break;
+            }
+            assert!(
+                u64::from(next.part) < self.log_records / 2,
+                "a checkpoint of more than {} parts in a log of {} records",
+                next.part,
+                self.log_records
+            );
+            let at = (self.volume, seq + parts.len() as u64, next.part);
+            let (rec, from) = self.map.checkpoint_part(at, next.from, self.runs_per_part);
+            self.checkpointing = from.map(|from| NextPart {
+                part: next.part + 1,
+                from,
+            });
+            parts.push(rec);
+        }
+        self.in_flight = parts.clone();
+        parts
     }
 
     /// The written stripes that may be recorded now, in the order they
@@ -827,34 +875,39 @@ impl Tier {
         self.volume_bytes + (seq % self.log_records) * BLOCK_BYTES as u64
     }
 
-    /// The record in flight is durable: applies it.
+    /// The records in flight are durable: applies them, in order.
     pub fn record_durable(&mut self) -> Result<Applied, TierError> {
-        let Some(rec) = self.in_flight.take() else {
-            return Ok(Applied::default());
-        };
+        let mut applied = Applied::default();
+        for rec in std::mem::take(&mut self.in_flight) {
+            let a = self.apply_durable(rec)?;
+            applied.trims.extend(a.trims);
+            applied.acknowledged.extend(a.acknowledged);
+        }
+        Ok(applied)
+    }
+
+    fn apply_durable(&mut self, rec: MapRecord) -> Result<Applied, TierError> {
         if self.lowering == Some(Lowering::Forgetting) {
             // The empty checkpoint: the map forgets every stripe. Each
             // block it held is pending on the leg (checked before).
             self.map = self.map.emptied();
             self.lowering = Some(Lowering::Forgotten { seq: rec.seq() });
         }
-        self.map.apply(&rec)?;
-        let mut applied = Applied::default();
-        match &rec {
-            MapRecord::Checkpoint { part, parts, .. } => {
-                if part + 1 == *parts {
-                    self.since_checkpoint = 0;
-                }
-                self.check();
-                return Ok(applied);
+        if let MapRecord::Checkpoint { last, .. } = &rec {
+            // Taken from this map, which nothing changed since.
+            self.map.checkpoint_part_durable(&rec)?;
+            if *last {
+                self.since_checkpoint = 0;
             }
-            MapRecord::Stripe { .. } | MapRecord::Stripes { .. } => {
-                applied = self.destaged();
-            }
-            MapRecord::Unmap { first, count, .. } => {
-                applied = self.unmap_stepped(*first, *count);
-            }
+            self.check();
+            return Ok(Applied::default());
         }
+        self.map.apply(&rec)?;
+        let applied = match &rec {
+            MapRecord::Checkpoint { .. } => unreachable!("a checkpoint part applied above"),
+            MapRecord::Stripe { .. } | MapRecord::Stripes { .. } => self.destaged(),
+            MapRecord::Unmap { first, count, .. } => self.unmap_stepped(*first, *count),
+        };
         self.since_checkpoint += 1;
         self.check();
         Ok(applied)
@@ -991,7 +1044,7 @@ impl Tier {
     pub fn forgotten_at(&self) -> Option<u64> {
         match self.lowering {
             Some(Lowering::Forgotten { seq })
-                if self.unmaps.is_empty() && self.in_flight.is_none() =>
+                if self.unmaps.is_empty() && self.in_flight.is_empty() =>
             {
                 Some(self.log_offset(seq))
             }
@@ -1071,8 +1124,8 @@ impl Tier {
         let on_leg = |b: &u64| self.pending.get(b).is_some_and(|p| !p.zero);
         let quiet = self.stripes.is_empty()
             && self.unmaps.is_empty()
-            && self.in_flight.is_none()
-            && self.checkpoint_left.is_empty();
+            && self.in_flight.is_empty()
+            && self.checkpointing.is_none();
         if !quiet || !self.map.from_block(0).all(|(b, _)| on_leg(&b)) {
             return false;
         }

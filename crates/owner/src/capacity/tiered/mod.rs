@@ -1123,9 +1123,9 @@ impl Loop {
     fn pump(&mut self) {
         self.lower_pump();
         if !self.recording {
-            let rec = self.tier().next_record();
-            if let Some(rec) = rec {
-                self.write_record(rec);
+            let recs = self.tier().next_records();
+            if !recs.is_empty() {
+                self.write_records(recs);
             }
         }
         // A stripe is written whole: with a column out, blocks stay on
@@ -1216,12 +1216,8 @@ impl Loop {
         let (set, tx, volume) = (self.set.clone(), self.tx.clone(), self.tier_volume());
         tokio::spawn(async move {
             let first = run.first().map_or(0, |(d, _)| d.slot);
-            let encoded: Result<Vec<Vec<Vec<u8>>>, ColumnError> = run
-                .iter()
-                .map(|(d, data)| encode(&set, volume, d, data))
-                .collect();
-            let written = match encoded {
-                Ok(stripes) => set.write_stripes(first, stripes).await,
+            let written = match encode_run(&set, volume, &run) {
+                Ok(by_column) => set.write_stripes(first, by_column).await,
                 Err(e) => Err(e),
             };
             for (d, _) in &run {
@@ -1290,18 +1286,25 @@ impl Loop {
         self.replay_blocked();
     }
 
-    fn write_record(&mut self, rec: MapRecord) {
-        let data = match rec.encode() {
-            Ok(d) => Bytes::from(d),
-            Err(e) => {
-                tracing::error!(error = %e, "map record not encodable");
-                return;
+    /// Writes records of consecutive seqs (the tier never gives a run
+    /// that crosses the log's end) in one write of the leg.
+    fn write_records(&mut self, recs: Vec<MapRecord>) {
+        let mut data = BytesMut::with_capacity(recs.len() * BLOCK_BYTES);
+        for rec in &recs {
+            match rec.encode() {
+                Ok(d) => data.extend_from_slice(&d),
+                Err(e) => {
+                    tracing::error!(error = %e, "map record not encodable");
+                    return;
+                }
             }
-        };
+        }
+        let first = recs[0].seq();
+        debug_assert!(recs.iter().zip(first..).all(|(r, s)| r.seq() == s));
         self.recording = true;
         let w = self.leg.submit(Op::Write {
-            offset: self.view().log_offset(rec.seq()),
-            data,
+            offset: self.view().log_offset(first),
+            data: data.freeze(),
         });
         let tx = self.tx.clone();
         tokio::spawn(async move {
@@ -1457,6 +1460,26 @@ fn encode(
     let summary = summary_of(set.columns(), volume, (d.stripe_seq, d.slot), &numbers);
     let refs: Vec<&[u8]> = data.iter().map(|d| &d[..]).collect();
     Ok(set.columns().encode(set.codec(), &summary, &refs)?)
+}
+
+/// Stripes in consecutive slots, each with its blocks' data, by column:
+/// each column's units of all of them in one buffer.
+fn encode_run(
+    set: &ColumnSet,
+    volume: u64,
+    run: &[(crate::stripes::Destage, Vec<Bytes>)],
+) -> Result<Vec<Vec<u8>>, ColumnError> {
+    let stripes: Vec<(crate::stripes::Summary, Vec<&[u8]>)> = run
+        .iter()
+        .map(|(d, data)| {
+            let numbers: Vec<u64> = d.blocks.iter().map(|&(b, _)| b).collect();
+            let summary = summary_of(set.columns(), volume, (d.stripe_seq, d.slot), &numbers);
+            (summary, data.iter().map(|b| &b[..]).collect())
+        })
+        .collect();
+    let refs: Vec<(&crate::stripes::Summary, &[&[u8]])> =
+        stripes.iter().map(|(s, d)| (s, &d[..])).collect();
+    Ok(set.columns().encode_run(set.codec(), &refs)?)
 }
 
 /// Stripe slots with reads in flight, shared by the loop, which counts a
