@@ -1294,7 +1294,12 @@ impl Loop {
             match rec.encode() {
                 Ok(d) => data.extend_from_slice(&d),
                 Err(e) => {
-                    tracing::error!(error = %e, "map record not encodable");
+                    // A bug, never a client's doing: the owner stops
+                    // (through the failed record's path) rather than wait
+                    // for a record that is never written.
+                    let e = OwnerError::Invalid(format!("map record not encodable: {e}"));
+                    let _ = self.tx.send(Ev::RecordWritten(Err(e)));
+                    self.recording = true;
                     return;
                 }
             }
