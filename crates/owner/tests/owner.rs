@@ -733,6 +733,13 @@ async fn stripes_are_written_whole_and_read_back_degraded() {
     let summary = summary_of(&cols, 7, (1, slot), &numbers);
     let refs: Vec<&[u8]> = blocks.iter().map(Vec::as_slice).collect();
     let units = cols.encode(set.codec(), &summary, &refs).unwrap();
+    // A column's share short of a whole unit is refused, nothing sent.
+    let mut short = units.clone();
+    short[1].truncate(4096);
+    assert!(matches!(
+        set.write_stripe(slot, short).await,
+        Err(ColumnError::Units { .. })
+    ));
     set.write_stripe(slot, units.clone()).await.unwrap();
     let at = (slot * UNIT_BYTES) as usize..((slot + 1) * UNIT_BYTES) as usize;
     for (i, m) in mems.iter().enumerate() {

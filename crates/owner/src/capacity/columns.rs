@@ -43,6 +43,10 @@ pub enum ColumnError {
     Width { want: usize, got: usize },
     #[error("column {position} is in service: it is not rebuilt")]
     InService { position: usize },
+    /// A caller's mistake: the columns' shares of a run of stripes must
+    /// be whole units, the same on every column.
+    #[error("a run of stripes given as {lens:?} bytes by column")]
+    Units { lens: Vec<usize> },
 }
 
 /// A read of one block: its data, and the columns that failed on the way
@@ -261,12 +265,14 @@ impl ColumnSet {
         }
         self.need(width)?;
         let len = by_column.first().map_or(0, Vec::len);
-        assert!(
-            by_column.iter().all(|u| u.len() == len)
-                && (len as u64).is_multiple_of(UNIT_BYTES)
-                && len > 0,
-            "a column's share of a run of stripes is whole units, the same on every column"
-        );
+        let whole = by_column.iter().all(|u| u.len() == len)
+            && (len as u64).is_multiple_of(UNIT_BYTES)
+            && len > 0;
+        if !whole {
+            return Err(ColumnError::Units {
+                lens: by_column.iter().map(Vec::len).collect(),
+            });
+        }
         let mut pending = Vec::with_capacity(width);
         for (position, unit) in by_column.into_iter().enumerate() {
             let req = Request::WriteChecked {

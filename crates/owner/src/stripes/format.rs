@@ -61,8 +61,9 @@ const RUN_BYTES: usize = 22;
 /// seq, payload length.
 const RECORD_HEADER: usize = 8 + 2 + 1 + 1 + 8 + 8 + 4;
 /// Bytes before a checkpoint part's runs: part, parts (last: 1 for the
-/// last part, else 0, since version 3), last stripe seq, run count.
-const CHECKPOINT_HEADER: usize = 4 + 4 + 8 + 4;
+/// last part, else 0, since version 3), last stripe seq, (since version
+/// 3: after, the block the part before ended at), run count.
+const CHECKPOINT_HEADER: usize = 4 + 4 + 8 + 8 + 4;
 /// Runs one checkpoint part holds.
 pub(super) const RUNS_PER_CHECKPOINT_PART: usize =
     (RECORD_BYTES - RECORD_HEADER - 4 - CHECKPOINT_HEADER) / RUN_BYTES;
@@ -89,6 +90,11 @@ pub struct Run {
     pub len: u32,
     pub slot: u64,
     pub index: u16,
+}
+
+/// The block after run `r`'s last.
+pub(super) fn run_end(r: &Run) -> u64 {
+    r.block + u64::from(r.len)
 }
 
 /// Whether block `b`, at `l`, goes on run `r`: the next block number, in
@@ -190,13 +196,16 @@ pub enum MapRecord {
     },
     /// Part `part` of the whole map as it stood before record
     /// `seq - part`; the parts take consecutive seqs, and `last` marks the
-    /// last one.
+    /// last one. `after` (version 3 on): the block where the part before
+    /// ended (its last run's end; 0 for part 0): the part holds the runs
+    /// from there on, so parts that do not follow each other are seen.
     Checkpoint {
         volume: u64,
         seq: u64,
         part: u32,
         last: bool,
         last_stripe_seq: u64,
+        after: Option<u64>,
         runs: Vec<Run>,
     },
 }
@@ -291,15 +300,20 @@ impl MapRecord {
                 part,
                 last,
                 last_stripe_seq,
+                after,
                 runs,
                 ..
             } => {
                 if runs.len() > RUNS_PER_CHECKPOINT_PART {
                     return Err(RecordError::TooLarge("checkpoint part"));
                 }
+                let Some(after) = after else {
+                    return Err(RecordError::Malformed("checkpoint part without its start"));
+                };
                 p.extend_from_slice(&part.to_le_bytes());
                 p.extend_from_slice(&u32::from(*last).to_le_bytes());
                 p.extend_from_slice(&last_stripe_seq.to_le_bytes());
+                p.extend_from_slice(&after.to_le_bytes());
                 p.extend_from_slice(&(runs.len() as u32).to_le_bytes());
                 for r in runs {
                     p.extend_from_slice(&r.block.to_le_bytes());
@@ -450,6 +464,10 @@ fn decode_checkpoint(
     let part = r.u32()?;
     let parts_or_last = r.u32()?;
     let last_stripe_seq = r.u64()?;
+    let after = match streamed {
+        true => Some(r.u64()?),
+        false => None,
+    };
     let n = r.u32()? as usize;
     let last = match (streamed, parts_or_last) {
         (true, 0) => false,
@@ -469,7 +487,7 @@ fn decode_checkpoint(
             slot: r.u64()?,
             index: r.u16()?,
         };
-        let past = u32::from(run.index) + run.len > MAX_SUMMARY_BLOCKS as u32;
+        let past = u64::from(run.index) + u64::from(run.len) > MAX_SUMMARY_BLOCKS as u64;
         if run.len == 0 || past || run.block.checked_add(u64::from(run.len)).is_none() {
             return Err(RecordError::Malformed("checkpoint run"));
         }
@@ -481,6 +499,7 @@ fn decode_checkpoint(
         part,
         last,
         last_stripe_seq,
+        after,
         runs,
     })
 }

@@ -8,15 +8,17 @@
 //!
 //! The writer's rules, which replay relies on (and the property test
 //! checks with a circular log and torn writes):
-//! - one record in flight at a time: a record is written once the one
-//!   before it is durable, and applied (its blocks trimmed from the
-//!   performance leg) only then; a checkpoint taken from the applied map
-//!   so covers every record before its seq. Replay stops at the first
-//!   missing seq all the same;
-//! - a checkpoint is taken from the applied map, and a new one is written
-//!   before the log could wrap over the newest complete one;
-//! - a new owner starts from [`StripeMap::recover`] and writes a
-//!   checkpoint before any other record.
+//! - one write of the log in flight at a time (one record, or several
+//!   parts of a checkpoint): written once the one before it is durable,
+//!   its records applied (their blocks trimmed from the performance leg)
+//!   only then; a checkpoint taken from the applied map so covers every
+//!   record before its seq. Replay stops at the first missing seq all the
+//!   same;
+//! - a checkpoint is taken from the applied map, part by part, nothing
+//!   else recorded meanwhile, and a new one is written before the log
+//!   could wrap over the newest complete one;
+//! - a new owner starts from [`StripeMap::recover`] and first finishes
+//!   the checkpoint the log ends inside, or writes one.
 
 mod columns;
 mod format;
@@ -71,6 +73,25 @@ pub struct StripeMap {
     last_stripe_seq: u64,
     /// The last record seq applied.
     last_record_seq: u64,
+    /// Where the log stood when this map was recovered from it (default
+    /// for a map built otherwise).
+    tail: LogTail,
+}
+
+/// Where a recovered map's log stands, for the records a new owner writes
+/// next (`docs/erasure-coding.md`, A new owner).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LogTail {
+    /// The first seq of the newest complete checkpoint (replay's start).
+    pub complete_from: u64,
+    /// The highest record seq found. Records past the replayed ones, if
+    /// any, are parts of a checkpoint torn amid one write.
+    pub found_upto: u64,
+    /// The checkpoint the replayed records end inside (parts from its
+    /// part 0 up to the last record replayed, none marked last): its next
+    /// part, and the block that part starts at (where the last one
+    /// ended).
+    pub resume: Option<(u32, u64)>,
 }
 
 /// Blocks counted per slot: those that left each slot in one update.
@@ -215,6 +236,17 @@ impl StripeMap {
     /// The record seq the next record takes.
     pub fn next_record_seq(&self) -> u64 {
         self.last_record_seq + 1
+    }
+
+    /// Where the log stood when this map was recovered from it.
+    pub fn log_tail(&self) -> LogTail {
+        self.tail
+    }
+
+    /// Numbers the next record above `seq`: records found up to it that
+    /// no replay reaches are never followed by one of this writer's.
+    pub fn number_above(&mut self, seq: u64) {
+        self.last_record_seq = self.last_record_seq.max(seq);
     }
 
     /// Used slots with their live blocks, fewest first (lowest slot
@@ -371,31 +403,31 @@ impl StripeMap {
     /// ([`StripeMap::checkpoint_part`]).
     pub fn checkpoint(&self, volume: u64, seq: u64) -> Vec<MapRecord> {
         let mut parts = Vec::new();
-        let mut from = Some(0);
-        while let Some(f) = from {
+        let mut after = Some(0);
+        while let Some(a) = after {
             let part = parts.len() as u32;
             let (rec, next) = self.checkpoint_part(
                 (volume, seq + u64::from(part), part),
-                f,
+                a,
                 format::RUNS_PER_CHECKPOINT_PART,
             );
             parts.push(rec);
-            from = next;
+            after = next;
         }
         parts
     }
 
     /// Part `part` (record seq `seq`) of the checkpoint of volume
-    /// `volume`: the next `runs_per_part` runs from block `from` (at most
-    /// `RUNS_PER_CHECKPOINT_PART`), and the block the next part
-    /// starts at, `None` for the last part. Walks only the blocks it
+    /// `volume`: the next `runs_per_part` runs from block `after` (where
+    /// the part before ended; at most `RUNS_PER_CHECKPOINT_PART`), and
+    /// where this part ends, for the next part, `None` for the last part. Walks only the blocks it
     /// takes, and one more: a checkpoint of a large map costs each loop
     /// event one part. The map must not change between the parts of one
     /// checkpoint (the writer records nothing else meanwhile).
     pub fn checkpoint_part(
         &self,
         (volume, seq, part): (u64, u64, u32),
-        from: u64,
+        after: u64,
         runs_per_part: usize,
     ) -> (MapRecord, Option<u64>) {
         assert!(
@@ -404,7 +436,7 @@ impl StripeMap {
         );
         let mut runs: Vec<Run> = Vec::with_capacity(runs_per_part);
         let mut next = None;
-        for (&b, l) in self.blocks.range(from..) {
+        for (&b, l) in self.blocks.range(after..) {
             if let Some(r) = runs.last_mut() {
                 if format::run_goes_on(r, b, l) {
                     r.len += 1;
@@ -412,7 +444,7 @@ impl StripeMap {
                 }
             }
             if runs.len() == runs_per_part {
-                next = Some(b);
+                next = runs.last().map(format::run_end);
                 break;
             }
             runs.push(Run {
@@ -428,6 +460,7 @@ impl StripeMap {
             part,
             last: next.is_none(),
             last_stripe_seq: self.last_stripe_seq,
+            after: Some(after),
             runs,
         };
         (rec, next)
@@ -468,11 +501,7 @@ impl StripeMap {
     /// after it in seq order up to the first missing seq (a record never
     /// made durable; nothing after it was acknowledged to the map).
     pub fn replay(records: &[MapRecord]) -> Result<StripeMap, MapError> {
-        let mut by_seq: BTreeMap<u64, &MapRecord> = BTreeMap::new();
-        // Seqs start at 1: a record numbered 0 is no record of a writer.
-        for r in records.iter().filter(|r| r.seq() > 0) {
-            by_seq.insert(r.seq(), r);
-        }
+        let by_seq = by_seq(records);
         let start = newest_checkpoint(&by_seq).ok_or(MapError::NoCheckpoint)?;
         let mut map = StripeMap {
             last_record_seq: start - 1,
@@ -484,18 +513,39 @@ impl StripeMap {
             }
             map.apply(r)?;
         }
+        map.tail = LogTail {
+            complete_from: start,
+            found_upto: by_seq.keys().next_back().copied().unwrap_or(0),
+            resume: interrupted(&by_seq, start, map.last_record_seq),
+        };
         Ok(map)
     }
 
     /// What a new owner starts from: the map [`replay`](Self::replay)
-    /// gives, numbered to go on above every record found (also those past
-    /// a missing one, written before a crash but never all durable). The
-    /// caller writes a checkpoint before any other record: replay then
-    /// starts there and never meets those stale records again.
+    /// gives, numbered to go on after the last record replayed, with its
+    /// [`LogTail`]. The caller's first records finish the checkpoint the
+    /// replayed records end inside, or write a new one: parts that a torn
+    /// write left past the last record replayed are parts of that same
+    /// checkpoint, taken from the same map (nothing but parts is recorded
+    /// while one is written), so they agree with what the caller writes
+    /// over them. Should records still lie past the end of the caller's
+    /// checkpoint (written by another binary), its next checkpoint goes
+    /// above every record found ([`crate::stripes::Tier`]).
     pub fn recover(records: &[MapRecord]) -> Result<StripeMap, MapError> {
         let mut map = StripeMap::replay(records)?;
-        let highest = records.iter().map(MapRecord::seq).max().unwrap_or(0);
-        map.last_record_seq = map.last_record_seq.max(highest);
+        let past = by_seq(records)
+            .into_iter()
+            .filter(|&(seq, _)| seq > map.last_record_seq);
+        if past
+            .into_iter()
+            .any(|(_, r)| !matches!(r, MapRecord::Checkpoint { .. }))
+        {
+            // Not a torn write of parts (no writer of this format leaves
+            // that): the old rule, numbering above every record found,
+            // and a new checkpoint first.
+            map.number_above(map.tail.found_upto);
+            map.tail.resume = None;
+        }
         // Stripe seqs too: a stripe written past a missing record must not
         // share its seq with a new one (a rebuild from the summaries
         // takes the later seq).
@@ -538,25 +588,92 @@ impl StripeMap {
     }
 }
 
-/// The first seq of the newest checkpoint whose parts are all present:
-/// part 0 at that seq, each next part at the next seq, up to one marked
-/// last.
-fn newest_checkpoint(by_seq: &BTreeMap<u64, &MapRecord>) -> Option<u64> {
-    let whole_from = |first: u64| {
-        for (p, seq) in (first..).enumerate() {
-            match by_seq.get(&seq) {
-                Some(MapRecord::Checkpoint { part, last, .. }) if *part as usize == p => {
-                    if *last {
-                        return true;
-                    }
-                }
-                _ => return false,
-            }
-        }
-        false
+/// The records by seq. Seqs start at 1: a record numbered 0 is no
+/// record of a writer, nor one numbered `u64::MAX` (no seq follows it).
+fn by_seq(records: &[MapRecord]) -> BTreeMap<u64, &MapRecord> {
+    records
+        .iter()
+        .filter(|r| r.seq() > 0 && r.seq() < u64::MAX)
+        .map(|r| (r.seq(), r))
+        .collect()
+}
+
+/// Whether checkpoint part `next` follows part `prev` of the same
+/// checkpoint: the next part number, `prev` not the last, and (version 3
+/// on) starting where `prev` ended.
+fn follows(prev: &MapRecord, next: &MapRecord) -> bool {
+    let (
+        MapRecord::Checkpoint {
+            part: p,
+            last: false,
+            runs,
+            ..
+        },
+        MapRecord::Checkpoint { part: n, after, .. },
+    ) = (prev, next)
+    else {
+        return false;
     };
-    by_seq.iter().rev().find_map(|(&seq, r)| match r {
-        MapRecord::Checkpoint { part: 0, .. } => whole_from(seq).then_some(seq),
-        _ => None,
-    })
+    let ends = runs.last().map(format::run_end);
+    p.checked_add(1) == Some(*n) && after.is_none_or(|a| Some(a) == ends)
+}
+
+/// Whether `r` is the first part of a checkpoint.
+fn first_part(r: &MapRecord) -> bool {
+    matches!(r, MapRecord::Checkpoint { part: 0, after, .. } if after.is_none_or(|a| a == 0))
+}
+
+/// The parts of the checkpoint that starts at seq `first`, at consecutive
+/// seqs, each following the one before, as far as they go.
+fn parts_from<'a, 'm>(
+    by_seq: &'m BTreeMap<u64, &'a MapRecord>,
+    first: u64,
+) -> impl Iterator<Item = &'a MapRecord> + use<'a, 'm> {
+    let mut prev: Option<&'a MapRecord> = None;
+    by_seq
+        .range(first..)
+        .zip(first..)
+        .map_while(move |((&seq, &r), want)| {
+            let ok = seq == want
+                && match prev {
+                    None => first_part(r),
+                    Some(p) => follows(p, r),
+                };
+            prev = Some(r);
+            ok.then_some(r)
+        })
+}
+
+/// The first seq of the newest checkpoint whose parts are all present:
+/// part 0 at that seq, each next part at the next seq (starting where the
+/// part before it ended), up to one marked last.
+fn newest_checkpoint(by_seq: &BTreeMap<u64, &MapRecord>) -> Option<u64> {
+    let whole = |first: u64| {
+        parts_from(by_seq, first).any(|r| matches!(r, MapRecord::Checkpoint { last: true, .. }))
+    };
+    by_seq
+        .iter()
+        .rev()
+        .find_map(|(&seq, r)| match first_part(r) {
+            true => whole(seq).then_some(seq),
+            false => None,
+        })
+}
+
+/// The checkpoint that the records replayed from `start` up to `end` end
+/// inside, if any: one begun after `start` whose parts run from its part
+/// 0 to `end`, none marked last. Its next part and where that starts.
+fn interrupted(by_seq: &BTreeMap<u64, &MapRecord>, start: u64, end: u64) -> Option<(u32, u64)> {
+    let Some(MapRecord::Checkpoint { part, runs, .. }) = by_seq.get(&end) else {
+        return None;
+    };
+    let first = end.checked_sub(u64::from(*part))?;
+    if first <= start {
+        return None;
+    }
+    let parts = parts_from(by_seq, first)
+        .take_while(|r| r.seq() <= end)
+        .count() as u64;
+    let after = runs.last().map(format::run_end)?;
+    (parts == end - first + 1).then_some((part + 1, after))
 }

@@ -694,7 +694,20 @@ fn a_version_2_checkpoint_still_reads_and_a_streamed_mark_is_checked() {
         MapRecord::decode(&bad),
         Err(RecordError::Malformed(_))
     ));
-    let streamed = recs[1].encode().unwrap();
+    let streamed = MapRecord::Checkpoint {
+        volume: VOLUME,
+        seq: 6,
+        part: 1,
+        last: true,
+        last_stripe_seq: 9,
+        after: Some(3),
+        runs: vec![run(10, 1)],
+    };
+    assert_eq!(
+        MapRecord::decode(&streamed.encode().unwrap()),
+        Ok(streamed.clone())
+    );
+    let streamed = streamed.encode().unwrap();
     let mut marked = streamed.clone();
     marked[8 + 2 + 1 + 1 + 8 + 8 + 4 + 4] = 2;
     assert!(matches!(
@@ -708,4 +721,24 @@ fn a_version_2_checkpoint_still_reads_and_a_streamed_mark_is_checked() {
         MapRecord::decode(&reseal(early)),
         Err(RecordError::Malformed("record kind"))
     );
+}
+
+/// Parts of one checkpoint split two ways (as two binaries might) do not
+/// make a complete checkpoint when mixed: each part says where the one
+/// before it ended.
+#[test]
+fn parts_split_two_ways_do_not_mix_into_a_checkpoint() {
+    let m = scattered_map(4, 0);
+    let by_two = walked(&m, 10, 2);
+    let by_three = walked(&m, 10, 3);
+    assert!(StripeMap::replay(&by_two).is_ok() && StripeMap::replay(&by_three).is_ok());
+    for p in 1..by_three.len().min(by_two.len()) - 1 {
+        let mut mixed = by_two.clone();
+        mixed[p] = by_three[p].clone();
+        assert_eq!(
+            StripeMap::replay(&mixed).err(),
+            Some(MapError::NoCheckpoint),
+            "part {p}"
+        );
+    }
 }

@@ -784,6 +784,7 @@ fn a_checkpoint_of_many_parts_goes_out_in_bounded_writes_within_the_log() {
         part: 0,
         last: true,
         last_stripe_seq: 0,
+        after: Some(0),
         runs: Vec::new(),
     };
     let mut before = vec![empty];
@@ -866,4 +867,226 @@ fn a_checkpoint_of_many_parts_goes_out_in_bounded_writes_within_the_log() {
     torn.extend(writes[2].iter().step_by(2).cloned());
     let replayed = StripeMap::replay(&torn).unwrap();
     assert_eq!(blocks(&replayed), blocks(t.map()));
+}
+
+/// A log of `n` places, each holding the last record written there.
+struct Ring(Vec<Option<MapRecord>>);
+
+impl Ring {
+    fn write(&mut self, recs: &[MapRecord]) {
+        let n = self.0.len() as u64;
+        for r in recs {
+            self.0[(r.seq() % n) as usize] = Some(r.clone());
+        }
+    }
+
+    fn records(&self) -> Vec<MapRecord> {
+        self.0.iter().flatten().cloned().collect()
+    }
+}
+
+/// The tier of the checkpoint-cycle test: 248 blocks, each a run of its
+/// own (124 parts of two runs), in a log of twice that and the spare
+/// records ([`log_records_for`]'s rule with this test's part sizes).
+const CYCLE_LOG: u64 = 2 * 124 + 64 + 16;
+
+fn cycle_tier(map: StripeMap) -> Tier {
+    let mut t = Tier::new(
+        VOLUME,
+        BLOCKS * 4096,
+        columns(),
+        map,
+        Vec::new(),
+        (CYCLE_LOG, SLOTS),
+    );
+    t.runs_per_part = 2;
+    t.parts_per_write = 16;
+    t
+}
+
+/// Writes `t`'s next records to `ring` and makes them durable (a client's
+/// whole stripe of blocks 0 to 61 when nothing else is due); after each
+/// write the log replays to a map with the tier's blocks.
+fn cycle_step(t: &mut Tier, ring: &mut Ring) -> Vec<MapRecord> {
+    let mut recs = t.next_records();
+    if recs.is_empty() {
+        let d = t.begin_direct(0, &BTreeSet::new(), (None, 1)).cloned();
+        t.stripe_written(d.expect("a free slot").slot);
+        recs = t.next_records();
+    }
+    ring.write(&recs);
+    t.record_durable().unwrap();
+    let replayed = StripeMap::replay(&ring.records()).expect("a complete checkpoint in the log");
+    let blocks = |m: &StripeMap| m.from_block(0).collect::<Vec<_>>();
+    assert_eq!(blocks(&replayed), blocks(t.map()));
+    recs
+}
+
+/// Checkpoints of a map as large as the log allows, cycle after cycle,
+/// never overwrite the newest complete one (a checkpoint begins when half
+/// the log has been written since the last one began, its own parts
+/// counted); and a new owner that finds the log ending amid a checkpoint,
+/// torn in its last write, finishes that checkpoint where it would have
+/// ended instead of writing another, through crash after crash.
+#[test]
+fn checkpoint_cycles_and_crashes_amid_them_never_overwrite_the_complete_one() {
+    let mut ring = Ring(vec![None; CYCLE_LOG as usize]);
+    let mut before = vec![MapRecord::Checkpoint {
+        volume: VOLUME,
+        seq: 1,
+        part: 0,
+        last: true,
+        last_stripe_seq: 0,
+        after: Some(0),
+        runs: Vec::new(),
+    }];
+    for s in 0..4u64 {
+        let blocks: Vec<u64> = (0..248).filter(|b| b % 4 == s).collect();
+        before.push(MapRecord::Stripe {
+            volume: VOLUME,
+            seq: 2 + s,
+            stripe_seq: 1 + s,
+            slot: s,
+            blocks,
+        });
+    }
+    ring.write(&before);
+    let mut t = cycle_tier(StripeMap::recover(&ring.records()).unwrap());
+    // Three cycles: every write replays (`cycle_step`).
+    let mut firsts = Vec::new();
+    while firsts.len() < 4 {
+        let recs = cycle_step(&mut t, &mut ring);
+        if let Some(MapRecord::Checkpoint { part: 0, seq, .. }) = recs.first() {
+            firsts.push(*seq);
+        }
+    }
+    // A checkpoint begins half the log after the last began.
+    let gaps: Vec<u64> = firsts.windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(gaps.iter().all(|&g| g == CYCLE_LOG / 2), "{firsts:?}");
+    // Crash amid the checkpoint in flight, its write torn (every other
+    // part durable), three times over.
+    for crash in 0..3 {
+        let recs = loop {
+            let recs = t.next_records();
+            if matches!(recs.first(), Some(MapRecord::Checkpoint { part, .. }) if *part > 20 + crash * 16)
+            {
+                break recs;
+            }
+            ring.write(&recs);
+            t.record_durable().unwrap();
+        };
+        let torn: Vec<MapRecord> = recs.iter().step_by(2).cloned().collect();
+        ring.write(&torn);
+        let map = StripeMap::recover(&ring.records()).unwrap();
+        let tail = map.log_tail();
+        let (part, _) = tail.resume.expect("the log ends amid a checkpoint");
+        let MapRecord::Checkpoint {
+            part: torn_first, ..
+        } = &recs[0]
+        else {
+            unreachable!()
+        };
+        assert_eq!(
+            part,
+            *torn_first + 1,
+            "resumed after the last part replayed"
+        );
+        t = cycle_tier(map);
+    }
+    // The resumed checkpoint ends where the interrupted one would have,
+    // then cycles go on.
+    let resumed_first = *firsts.last().unwrap();
+    let mut more = Vec::new();
+    while more.len() < 2 {
+        let recs = cycle_step(&mut t, &mut ring);
+        if let Some(MapRecord::Checkpoint { part: 0, seq, .. }) = recs.first() {
+            more.push(*seq);
+        }
+    }
+    assert_eq!(
+        more[0],
+        resumed_first + CYCLE_LOG / 2,
+        "{firsts:?} {more:?}"
+    );
+}
+
+/// A log whose last write of checkpoint parts was torn, written by a
+/// writer that split the map in smaller parts: the new owner finishes
+/// that checkpoint with its own parts, then, the older parts still lying
+/// past its end, writes its next checkpoint above every record found. A
+/// crash in between replays the older parts as records of the same map.
+#[test]
+fn parts_left_past_a_resumed_checkpoint_are_never_followed() {
+    let before = vec![
+        MapRecord::Checkpoint {
+            volume: VOLUME,
+            seq: 1,
+            part: 0,
+            last: true,
+            last_stripe_seq: 0,
+            after: Some(0),
+            runs: Vec::new(),
+        },
+        MapRecord::Stripe {
+            volume: VOLUME,
+            seq: 2,
+            stripe_seq: 1,
+            slot: 0,
+            blocks: (0..62).map(|b| b * 2).collect(),
+        },
+    ];
+    let map = StripeMap::replay(&before).unwrap();
+    // The old writer: one run per part from seq 3; parts 0 to 9 durable,
+    // part 10 torn, 11 to 30 durable.
+    let mut old = Vec::new();
+    let mut after = Some(0);
+    while let Some(a) = after {
+        let part = old.len() as u32;
+        let (rec, next) = map.checkpoint_part((VOLUME, 3 + u64::from(part), part), a, 1);
+        old.push(rec);
+        after = next;
+    }
+    let mut log = before.clone();
+    log.extend(old[..10].iter().cloned());
+    log.extend(old[11..31].iter().cloned());
+    let recovered = StripeMap::recover(&log).unwrap();
+    assert_eq!(recovered.log_tail().resume.map(|(p, _)| p), Some(10));
+    assert_eq!(recovered.next_record_seq(), 13);
+    let mut t = Tier::new(
+        VOLUME,
+        BLOCKS * 4096,
+        columns(),
+        recovered,
+        Vec::new(),
+        (64, SLOTS),
+    );
+    t.runs_per_part = 40;
+    // The rest (52 runs) in two parts: seqs 13 and 14, the last marked.
+    let first = t.next_records();
+    assert_eq!(
+        first.iter().map(MapRecord::seq).collect::<Vec<_>>(),
+        vec![13, 14]
+    );
+    let mut written = log.clone();
+    written.retain(|r| r.seq() < 13 || r.seq() > 14);
+    written.extend(first.iter().cloned());
+    t.record_durable().unwrap();
+    // Complete (from seq 3), and replayed with the older parts after it.
+    let replayed = StripeMap::replay(&written).unwrap();
+    let blocks = |m: &StripeMap| m.from_block(0).collect::<Vec<_>>();
+    assert_eq!(replayed.log_tail().complete_from, 3);
+    assert_eq!(blocks(&replayed), blocks(&map));
+    // The next record is a checkpoint above every record found (33).
+    let next = t.next_records();
+    assert!(
+        matches!(
+            next.first(),
+            Some(MapRecord::Checkpoint {
+                part: 0,
+                seq: 34,
+                ..
+            })
+        ),
+        "{next:?}"
+    );
 }

@@ -54,7 +54,7 @@ pub const UNMAP_RECORD_MAPPED_BLOCKS: u64 = 65_536;
 
 /// Records the map log keeps beyond two whole checkpoints, so that small
 /// volumes write a checkpoint only every few dozen records.
-const SPARE_LOG_RECORDS: u64 = 64;
+const SPARE_LOG_RECORDS: u64 = 64 + CHECKPOINT_PARTS_PER_WRITE as u64;
 /// Checkpoint parts written to the performance leg at once: 1 MiB, so
 /// that the checkpoint of a large map takes few round trips (a 100 GiB
 /// volume's map of single blocks is about 141,000 parts: some 550 writes
@@ -211,8 +211,15 @@ pub struct Tier {
     pub(super) runs_per_part: usize,
     /// [`CHECKPOINT_PARTS_PER_WRITE`] (fewer in tests).
     pub(super) parts_per_write: usize,
-    /// Records written since the newest complete checkpoint.
+    /// Records written since the newest complete checkpoint began, its
+    /// own parts included.
     since_checkpoint: u64,
+    /// The first seq of the newest complete checkpoint: no record is
+    /// written over it (`seq < complete_from + log_records`).
+    complete_from: u64,
+    /// The highest record seq found by recovery: should the first
+    /// checkpoint end below it, the next one goes above it.
+    found_upto: u64,
     log_records: u64,
     /// Stripe slots each column has.
     slots: u64,
@@ -225,8 +232,8 @@ pub struct Tier {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct NextPart {
     part: u32,
-    /// The block it starts at.
-    from: u64,
+    /// The block it starts at: where the part before ended.
+    after: u64,
 }
 
 /// Where the lowering of the volume to RAID-1 is.
@@ -266,6 +273,7 @@ impl Tier {
         (log_records, slots): (u64, u64),
     ) -> Tier {
         assert!(log_records >= 4, "a map log of {log_records} records");
+        let tail = map.log_tail();
         let pending = pending
             .into_iter()
             .map(|b| {
@@ -296,11 +304,17 @@ impl Tier {
             unmap_record_blocks: UNMAP_RECORD_MAPPED_BLOCKS,
             last_ticket: 0,
             in_flight: Vec::new(),
-            checkpointing: None,
+            // A new owner's first records finish the checkpoint the log
+            // ends inside, or write one.
+            checkpointing: Some(match tail.resume {
+                Some((part, after)) => NextPart { part, after },
+                None => NextPart { part: 0, after: 0 },
+            }),
             runs_per_part: super::format::RUNS_PER_CHECKPOINT_PART,
             parts_per_write: CHECKPOINT_PARTS_PER_WRITE,
-            // A new owner writes a checkpoint before any other record.
-            since_checkpoint: log_records,
+            since_checkpoint: 0,
+            complete_from: tail.complete_from,
+            found_upto: tail.found_upto,
             log_records,
             slots,
             lowering: None,
@@ -761,7 +775,7 @@ impl Tier {
             // trims the log.
             return Vec::new();
         } else if self.since_checkpoint >= self.log_records / 2 {
-            self.checkpointing = Some(NextPart { part: 0, from: 0 });
+            self.checkpointing = Some(NextPart { part: 0, after: 0 });
             return self.checkpoint_parts(seq);
         } else if let Some(slots) = self.recordable() {
             self.stripes_record(seq, slots)
@@ -779,8 +793,23 @@ impl Tier {
         } else {
             return Vec::new();
         };
+        self.assert_room(rec.seq());
         self.in_flight = vec![rec.clone()];
         vec![rec]
+    }
+
+    /// The log's invariant: no record is written over the newest complete
+    /// checkpoint. A checkpoint begins when half the log has been written
+    /// since the last one began, and takes at most half the log less the
+    /// spare records ([`log_records_for`]); a new owner's first one ends
+    /// no later than the one its log ends inside would have.
+    fn assert_room(&self, seq: u64) {
+        assert!(
+            self.complete_from == 0 || seq < self.complete_from + self.log_records,
+            "record {seq} would overwrite the checkpoint at {} in a log of {} records",
+            self.complete_from,
+            self.log_records
+        );
     }
 
     /// The next parts of the checkpoint being written, from record `seq`
@@ -794,17 +823,12 @@ impl Tier {
             if parts.len() as u64 == most {
                 break;
             }
-            assert!(
-                u64::from(next.part) < self.log_records / 2,
-                "a checkpoint of more than {} parts in a log of {} records",
-                next.part,
-                self.log_records
-            );
             let at = (self.volume, seq + parts.len() as u64, next.part);
-            let (rec, from) = self.map.checkpoint_part(at, next.from, self.runs_per_part);
-            self.checkpointing = from.map(|from| NextPart {
+            self.assert_room(at.1);
+            let (rec, after) = self.map.checkpoint_part(at, next.after, self.runs_per_part);
+            self.checkpointing = after.map(|after| NextPart {
                 part: next.part + 1,
-                from,
+                after,
             });
             parts.push(rec);
         }
@@ -893,11 +917,11 @@ impl Tier {
             self.map = self.map.emptied();
             self.lowering = Some(Lowering::Forgotten { seq: rec.seq() });
         }
-        if let MapRecord::Checkpoint { last, .. } = &rec {
+        if let MapRecord::Checkpoint { last, part, .. } = &rec {
             // Taken from this map, which nothing changed since.
             self.map.checkpoint_part_durable(&rec)?;
             if *last {
-                self.since_checkpoint = 0;
+                self.checkpoint_complete(rec.seq(), *part);
             }
             self.check();
             return Ok(Applied::default());
@@ -911,6 +935,21 @@ impl Tier {
         self.since_checkpoint += 1;
         self.check();
         Ok(applied)
+    }
+
+    /// The last part (`part`, record `seq`) of a checkpoint is durable: it
+    /// is the newest complete one. Should records found by recovery lie
+    /// past it (parts of a torn write by a binary that split the map
+    /// otherwise), the next checkpoint goes above them at once: replay from
+    /// this one stops at the first of them that does not follow, and no
+    /// record of this writer ever comes after them.
+    fn checkpoint_complete(&mut self, seq: u64, part: u32) {
+        self.complete_from = seq - u64::from(part);
+        self.since_checkpoint = u64::from(part) + 1;
+        if seq < self.found_upto {
+            self.map.number_above(self.found_upto);
+            self.checkpointing = Some(NextPart { part: 0, after: 0 });
+        }
     }
 
     /// The record of the first stripes is durable: their blocks not

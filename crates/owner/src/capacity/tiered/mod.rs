@@ -2,8 +2,8 @@
 //! typed events, in front of a RAID-1 [`Owner`] of the performance leg
 //! and the [`ColumnSet`] of the capacity leg. It stages client writes on
 //! the performance leg, routes reads by the [`Tier`], destages full
-//! stripes one at a time, writes the map log one record at a time through
-//! the performance leg, and sends the trims and acknowledgements a
+//! stripes one at a time, writes the map log one write at a time (a
+//! record, or parts of a checkpoint) through the performance leg, and sends the trims and acknowledgements a
 //! durable record allows, in the order `crates/owner/src/stripes/tier.rs`
 //! requires.
 //!
