@@ -85,7 +85,8 @@ pub struct LogTail {
     /// The first seq of the newest complete checkpoint (replay's start).
     pub complete_from: u64,
     /// The highest record seq found. Records past the replayed ones, if
-    /// any, are parts of a checkpoint torn amid one write.
+    /// any, are parts of a checkpoint torn amid one write (anything else
+    /// there makes [`StripeMap::recover`] number above them all).
     pub found_upto: u64,
     /// The checkpoint the replayed records end inside (parts from its
     /// part 0 up to the last record replayed, none marked last): its next

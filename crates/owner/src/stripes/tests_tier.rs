@@ -19,8 +19,8 @@ const BLOCKS: u64 = 160;
 /// runs takes several parts, and several writes of [`PARTS_PER_WRITE`].
 const RUNS_PER_PART: usize = 8;
 /// A small log, sized as [`log_records_for`] sizes one (twice the most
-/// parts a checkpoint can take, every block a run, and a few spare):
-/// checkpoints are written often and the log wraps.
+/// parts a checkpoint can take, every block a run) but with 4 spare
+/// records, not 64: checkpoints are written often and the log wraps.
 const LOG_RECORDS: u64 = 2 * BLOCKS.div_ceil(RUNS_PER_PART as u64) + 4;
 const PARTS_PER_WRITE: usize = 2;
 /// Few stripe slots: 160 blocks fill three stripes of 62, and overwrites
@@ -886,14 +886,18 @@ impl Ring {
 }
 
 /// The tier of the checkpoint-cycle test: 248 blocks, each a run of its
-/// own (124 parts of two runs), in a log of twice that and the spare
-/// records ([`log_records_for`]'s rule with this test's part sizes).
-const CYCLE_LOG: u64 = 2 * 124 + 64 + 16;
+/// own, and the client's stripe of 62 more (one run): 125 parts of two
+/// runs, every checkpoint as large as the log allows, in a log of twice
+/// that and the spare records ([`log_records_for`]'s rule with this
+/// test's part sizes).
+const CYCLE_LOG: u64 = 2 * 125 + 64;
+/// Blocks of the cycle test's volume.
+const CYCLE_BLOCKS: u64 = 400;
 
 fn cycle_tier(map: StripeMap) -> Tier {
     let mut t = Tier::new(
         VOLUME,
-        BLOCKS * 4096,
+        CYCLE_BLOCKS * 4096,
         columns(),
         map,
         Vec::new(),
@@ -905,12 +909,12 @@ fn cycle_tier(map: StripeMap) -> Tier {
 }
 
 /// Writes `t`'s next records to `ring` and makes them durable (a client's
-/// whole stripe of blocks 0 to 61 when nothing else is due); after each
-/// write the log replays to a map with the tier's blocks.
+/// whole stripe of blocks 248 to 309 when nothing else is due); after
+/// each write the log replays to a map with the tier's blocks.
 fn cycle_step(t: &mut Tier, ring: &mut Ring) -> Vec<MapRecord> {
     let mut recs = t.next_records();
     if recs.is_empty() {
-        let d = t.begin_direct(0, &BTreeSet::new(), (None, 1)).cloned();
+        let d = t.begin_direct(248, &BTreeSet::new(), (None, 1)).cloned();
         t.stripe_written(d.expect("a free slot").slot);
         recs = t.next_records();
     }
@@ -940,8 +944,11 @@ fn checkpoint_cycles_and_crashes_amid_them_never_overwrite_the_complete_one() {
         after: Some(0),
         runs: Vec::new(),
     }];
-    for s in 0..4u64 {
-        let blocks: Vec<u64> = (0..248).filter(|b| b % 4 == s).collect();
+    for s in 0..5u64 {
+        let blocks: Vec<u64> = match s {
+            4 => (248..310).collect(),
+            _ => (0..248).filter(|b| b % 4 == s).collect(),
+        };
         before.push(MapRecord::Stripe {
             volume: VOLUME,
             seq: 2 + s,
@@ -963,6 +970,17 @@ fn checkpoint_cycles_and_crashes_amid_them_never_overwrite_the_complete_one() {
     // A checkpoint begins half the log after the last began.
     let gaps: Vec<u64> = firsts.windows(2).map(|w| w[1] - w[0]).collect();
     assert!(gaps.iter().all(|&g| g == CYCLE_LOG / 2), "{firsts:?}");
+    // Every one as large as the log allows.
+    let runs = |p: &MapRecord| match p {
+        MapRecord::Checkpoint { runs, .. } => runs.len(),
+        _ => 0,
+    };
+    let parts = t.map().checkpoint(VOLUME, 1);
+    assert_eq!(
+        parts.iter().map(runs).sum::<usize>(),
+        249,
+        "125 parts of two"
+    );
     // Crash amid the checkpoint in flight, its write torn (every other
     // part durable), three times over.
     for crash in 0..3 {
@@ -975,7 +993,9 @@ fn checkpoint_cycles_and_crashes_amid_them_never_overwrite_the_complete_one() {
             ring.write(&recs);
             t.record_durable().unwrap();
         };
-        let torn: Vec<MapRecord> = recs.iter().step_by(2).cloned().collect();
+        // Every other part durable: the write's first one too, or not.
+        let skip = (crash % 2) as usize;
+        let torn: Vec<MapRecord> = recs.iter().skip(skip).step_by(2).cloned().collect();
         ring.write(&torn);
         let map = StripeMap::recover(&ring.records()).unwrap();
         let tail = map.log_tail();
@@ -986,11 +1006,8 @@ fn checkpoint_cycles_and_crashes_amid_them_never_overwrite_the_complete_one() {
         else {
             unreachable!()
         };
-        assert_eq!(
-            part,
-            *torn_first + 1,
-            "resumed after the last part replayed"
-        );
+        let replayed = *torn_first + 1 - skip as u32;
+        assert_eq!(part, replayed, "resumed after the last part replayed");
         t = cycle_tier(map);
     }
     // The resumed checkpoint ends where the interrupted one would have,
@@ -1076,6 +1093,15 @@ fn parts_left_past_a_resumed_checkpoint_are_never_followed() {
     let blocks = |m: &StripeMap| m.from_block(0).collect::<Vec<_>>();
     assert_eq!(replayed.log_tail().complete_from, 3);
     assert_eq!(blocks(&replayed), blocks(&map));
+    // A crash before that one is durable: the older parts replay as
+    // records of the same map, and the next owner begins a checkpoint
+    // after them.
+    let again = StripeMap::recover(&written).unwrap();
+    assert_eq!(blocks(&again), blocks(&map));
+    assert_eq!(
+        (again.next_record_seq(), again.log_tail().resume),
+        (34, None)
+    );
     // The next record is a checkpoint above every record found (33).
     let next = t.next_records();
     assert!(

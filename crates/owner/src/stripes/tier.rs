@@ -54,7 +54,11 @@ pub const UNMAP_RECORD_MAPPED_BLOCKS: u64 = 65_536;
 
 /// Records the map log keeps beyond two whole checkpoints, so that small
 /// volumes write a checkpoint only every few dozen records.
-const SPARE_LOG_RECORDS: u64 = 64 + CHECKPOINT_PARTS_PER_WRITE as u64;
+///
+/// Part of the log's size, which is not stored but computed from the
+/// volume's size each time (`log_records_for`): changing it moves every
+/// record of an existing log.
+const SPARE_LOG_RECORDS: u64 = 64;
 /// Checkpoint parts written to the performance leg at once: 1 MiB, so
 /// that the checkpoint of a large map takes few round trips (a 100 GiB
 /// volume's map of single blocks is about 141,000 parts: some 550 writes
@@ -220,6 +224,12 @@ pub struct Tier {
     /// The highest record seq found by recovery: should the first
     /// checkpoint end below it, the next one goes above it.
     found_upto: u64,
+    /// No checkpoint of this writer's rules is complete yet: the log was
+    /// inherited, perhaps from an older binary whose rules did not keep
+    /// [`Tier::assert_room`]'s bound (version 2 began a checkpoint half a
+    /// log after the last one ended), so the bound is not asserted until
+    /// then.
+    inherited: bool,
     log_records: u64,
     /// Stripe slots each column has.
     slots: u64,
@@ -315,6 +325,7 @@ impl Tier {
             since_checkpoint: 0,
             complete_from: tail.complete_from,
             found_upto: tail.found_upto,
+            inherited: true,
             log_records,
             slots,
             lowering: None,
@@ -805,7 +816,7 @@ impl Tier {
     /// no later than the one its log ends inside would have.
     fn assert_room(&self, seq: u64) {
         assert!(
-            self.complete_from == 0 || seq < self.complete_from + self.log_records,
+            self.inherited || seq < self.complete_from.saturating_add(self.log_records),
             "record {seq} would overwrite the checkpoint at {} in a log of {} records",
             self.complete_from,
             self.log_records
@@ -949,7 +960,9 @@ impl Tier {
         if seq < self.found_upto {
             self.map.number_above(self.found_upto);
             self.checkpointing = Some(NextPart { part: 0, after: 0 });
+            return;
         }
+        self.inherited = false;
     }
 
     /// The record of the first stripes is durable: their blocks not
