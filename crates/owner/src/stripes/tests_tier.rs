@@ -1116,3 +1116,78 @@ fn parts_left_past_a_resumed_checkpoint_are_never_followed() {
         "{next:?}"
     );
 }
+
+/// A log left by version 2's rule (a checkpoint began half a log after the
+/// last one *ended*), ending amid a checkpoint that, resumed, runs past
+/// the newest complete one's place: the new owner goes on as version 2
+/// did, without the bound's assertion, until its own first checkpoint
+/// is complete; the log then replays to the map.
+#[test]
+fn a_log_of_version_2_rules_is_carried_on_without_the_bound() {
+    let mut ring = Ring(vec![None; CYCLE_LOG as usize]);
+    let mut map = StripeMap::default();
+    let mut log = StripeMap::default().checkpoint(VOLUME, 1);
+    for s in 0..5u64 {
+        let blocks: Vec<u64> = match s {
+            4 => (248..310).collect(),
+            _ => (0..248).filter(|b| b % 4 == s).collect(),
+        };
+        log.push(MapRecord::Stripe {
+            volume: VOLUME,
+            seq: 2 + s,
+            stripe_seq: 1 + s,
+            slot: s,
+            blocks,
+        });
+    }
+    let walk = |m: &StripeMap, first: u64, upto: u32| {
+        let mut parts = Vec::new();
+        let mut after = Some(0);
+        while let (Some(a), true) = (after, parts.len() as u32 <= upto) {
+            let part = parts.len() as u32;
+            let (rec, next) = m.checkpoint_part((VOLUME, first + u64::from(part), part), a, 2);
+            parts.push(rec);
+            after = next;
+        }
+        parts
+    };
+    for r in &log {
+        map.apply(r).unwrap();
+    }
+    // The complete checkpoint at 7 (125 parts, to 131), then records to
+    // 288, a checkpoint begun at 289 (half a log after 131), 21 parts
+    // of it durable.
+    log.extend(walk(&map, 7, u32::MAX));
+    for seq in 132..289u64 {
+        let r = MapRecord::Stripe {
+            volume: VOLUME,
+            seq,
+            stripe_seq: seq,
+            slot: 5 - (seq % 2),
+            blocks: (248..310).collect(),
+        };
+        map.apply(&r).unwrap();
+        log.push(r);
+    }
+    log.extend(walk(&map, 289, 20));
+    ring.write(&log);
+    let recovered = StripeMap::recover(&ring.records()).unwrap();
+    assert_eq!(recovered.log_tail().resume.map(|(p, _)| p), Some(21));
+    let mut t = cycle_tier(recovered);
+    // Its parts run to 413, past 7 + 314: no assertion yet.
+    loop {
+        let recs = t.next_records();
+        let Some(MapRecord::Checkpoint { last, .. }) = recs.last().cloned() else {
+            panic!("not a checkpoint part: {recs:?}");
+        };
+        ring.write(&recs);
+        t.record_durable().unwrap();
+        if last {
+            break;
+        }
+    }
+    let blocks = |m: &StripeMap| m.from_block(0).collect::<Vec<_>>();
+    let replayed = StripeMap::replay(&ring.records()).unwrap();
+    assert_eq!(replayed.log_tail().complete_from, 289);
+    assert_eq!(blocks(&replayed), blocks(&map));
+}
