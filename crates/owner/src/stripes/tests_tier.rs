@@ -778,16 +778,7 @@ fn a_whole_volume_zeroing_holds_only_the_blocks_on_the_leg_and_unmaps_in_steps()
 #[test]
 fn a_checkpoint_of_many_parts_goes_out_in_bounded_writes_within_the_log() {
     const LOG: u64 = 300;
-    let empty = MapRecord::Checkpoint {
-        volume: VOLUME,
-        seq: 290,
-        part: 0,
-        last: true,
-        last_stripe_seq: 0,
-        after: Some(0),
-        runs: Vec::new(),
-    };
-    let mut before = vec![empty];
+    let mut before = StripeMap::default().checkpoint(VOLUME, 290);
     for s in 0..4u64 {
         // Blocks b with b % 4 == s: each block a run of its own.
         let blocks: Vec<u64> = (0..248).filter(|b| b % 4 == s).collect();
@@ -800,16 +791,7 @@ fn a_checkpoint_of_many_parts_goes_out_in_bounded_writes_within_the_log() {
         });
     }
     let map = StripeMap::replay(&before).unwrap();
-    let mut t = Tier::new(
-        VOLUME,
-        BLOCKS * 4096,
-        columns(),
-        map,
-        Vec::new(),
-        (LOG, SLOTS),
-    );
-    t.runs_per_part = 2;
-    t.parts_per_write = 16;
+    let mut t = parted_tier(map, LOG);
     let mut writes: Vec<Vec<MapRecord>> = Vec::new();
     let mut direct = None;
     let after = loop {
@@ -834,7 +816,7 @@ fn a_checkpoint_of_many_parts_goes_out_in_bounded_writes_within_the_log() {
         assert!(recs.iter().zip(first..).all(|(r, s)| r.seq() == s));
         let end = t.log_offset(first) + recs.len() as u64 * 4096;
         assert!(
-            end <= BLOCKS * 4096 + LOG * 4096,
+            end <= (CYCLE_BLOCKS + LOG) * 4096,
             "a write past the log's end"
         );
         t.record_durable().unwrap();
@@ -894,14 +876,40 @@ const CYCLE_LOG: u64 = 2 * 125 + 64;
 /// Blocks of the cycle test's volume.
 const CYCLE_BLOCKS: u64 = 400;
 
+/// The cycle test's map as stripe records at seqs 2 to 6: 248 blocks in
+/// four stripes, each block a run of its own, and a stripe of 62 more.
+fn cycle_stripes() -> Vec<MapRecord> {
+    let stripe = |s: u64| {
+        let blocks: Vec<u64> = match s {
+            4 => (248..310).collect(),
+            _ => (0..248).filter(|b| b % 4 == s).collect(),
+        };
+        MapRecord::Stripe {
+            volume: VOLUME,
+            seq: 2 + s,
+            stripe_seq: 1 + s,
+            slot: s,
+            blocks,
+        }
+    };
+    (0..5).map(stripe).collect()
+}
+
 fn cycle_tier(map: StripeMap) -> Tier {
+    parted_tier(map, CYCLE_LOG)
+}
+
+/// A tier of [`CYCLE_BLOCKS`] whose checkpoints take two runs per part
+/// and 16 parts per write, in a log of `log_records`.
+fn parted_tier(map: StripeMap, log_records: u64) -> Tier {
+    let bytes = CYCLE_BLOCKS * 4096;
     let mut t = Tier::new(
         VOLUME,
-        CYCLE_BLOCKS * 4096,
+        bytes,
         columns(),
         map,
         Vec::new(),
-        (CYCLE_LOG, SLOTS),
+        (log_records, SLOTS),
     );
     t.runs_per_part = 2;
     t.parts_per_write = 16;
@@ -935,28 +943,8 @@ fn cycle_step(t: &mut Tier, ring: &mut Ring) -> Vec<MapRecord> {
 #[test]
 fn checkpoint_cycles_and_crashes_amid_them_never_overwrite_the_complete_one() {
     let mut ring = Ring(vec![None; CYCLE_LOG as usize]);
-    let mut before = vec![MapRecord::Checkpoint {
-        volume: VOLUME,
-        seq: 1,
-        part: 0,
-        last: true,
-        last_stripe_seq: 0,
-        after: Some(0),
-        runs: Vec::new(),
-    }];
-    for s in 0..5u64 {
-        let blocks: Vec<u64> = match s {
-            4 => (248..310).collect(),
-            _ => (0..248).filter(|b| b % 4 == s).collect(),
-        };
-        before.push(MapRecord::Stripe {
-            volume: VOLUME,
-            seq: 2 + s,
-            stripe_seq: 1 + s,
-            slot: s,
-            blocks,
-        });
-    }
+    let mut before = StripeMap::default().checkpoint(VOLUME, 1);
+    before.extend(cycle_stripes());
     ring.write(&before);
     let mut t = cycle_tier(StripeMap::recover(&ring.records()).unwrap());
     // Three cycles: every write replays (`cycle_step`).
@@ -1034,24 +1022,14 @@ fn checkpoint_cycles_and_crashes_amid_them_never_overwrite_the_complete_one() {
 /// crash in between replays the older parts as records of the same map.
 #[test]
 fn parts_left_past_a_resumed_checkpoint_are_never_followed() {
-    let before = vec![
-        MapRecord::Checkpoint {
-            volume: VOLUME,
-            seq: 1,
-            part: 0,
-            last: true,
-            last_stripe_seq: 0,
-            after: Some(0),
-            runs: Vec::new(),
-        },
-        MapRecord::Stripe {
-            volume: VOLUME,
-            seq: 2,
-            stripe_seq: 1,
-            slot: 0,
-            blocks: (0..62).map(|b| b * 2).collect(),
-        },
-    ];
+    let mut before = StripeMap::default().checkpoint(VOLUME, 1);
+    before.extend([MapRecord::Stripe {
+        volume: VOLUME,
+        seq: 2,
+        stripe_seq: 1,
+        slot: 0,
+        blocks: (0..62).map(|b| b * 2).collect(),
+    }]);
     let map = StripeMap::replay(&before).unwrap();
     // The old writer: one run per part from seq 3; parts 0 to 9 durable,
     // part 10 torn, 11 to 30 durable.
@@ -1127,19 +1105,7 @@ fn a_log_of_version_2_rules_is_carried_on_without_the_bound() {
     let mut ring = Ring(vec![None; CYCLE_LOG as usize]);
     let mut map = StripeMap::default();
     let mut log = StripeMap::default().checkpoint(VOLUME, 1);
-    for s in 0..5u64 {
-        let blocks: Vec<u64> = match s {
-            4 => (248..310).collect(),
-            _ => (0..248).filter(|b| b % 4 == s).collect(),
-        };
-        log.push(MapRecord::Stripe {
-            volume: VOLUME,
-            seq: 2 + s,
-            stripe_seq: 1 + s,
-            slot: s,
-            blocks,
-        });
-    }
+    log.extend(cycle_stripes());
     let walk = |m: &StripeMap, first: u64, upto: u32| {
         let mut parts = Vec::new();
         let mut after = Some(0);
