@@ -256,18 +256,23 @@ impl StripeMap {
         self.by_live.iter().map(|&(l, s)| (s, l))
     }
 
+    /// `rec`'s seq, if it comes after every record applied.
+    fn in_order(&self, rec: &MapRecord) -> Result<u64, MapError> {
+        match rec.seq() {
+            seq if seq > self.last_record_seq => Ok(seq),
+            got => Err(MapError::OutOfOrder {
+                last: self.last_record_seq,
+                got,
+            }),
+        }
+    }
+
     /// Applies one durable record. A stripe record maps its blocks to its
     /// slot (a block mapped elsewhere moves), an unmap record forgets
     /// blocks; a checkpoint part adds its entries. Records apply in seq
     /// order, each once.
     pub fn apply(&mut self, rec: &MapRecord) -> Result<(), MapError> {
-        let seq = rec.seq();
-        if seq <= self.last_record_seq {
-            return Err(MapError::OutOfOrder {
-                last: self.last_record_seq,
-                got: seq,
-            });
-        }
+        let seq = self.in_order(rec)?;
         match rec {
             MapRecord::Stripe {
                 stripe_seq,
@@ -403,15 +408,22 @@ impl StripeMap {
     /// once: a writer takes the parts one by one
     /// ([`StripeMap::checkpoint_part`]).
     pub fn checkpoint(&self, volume: u64, seq: u64) -> Vec<MapRecord> {
+        self.checkpoint_in_parts_of(volume, seq, format::RUNS_PER_CHECKPOINT_PART)
+    }
+
+    /// [`StripeMap::checkpoint`] in parts of `runs_per_part` runs.
+    pub(super) fn checkpoint_in_parts_of(
+        &self,
+        volume: u64,
+        seq: u64,
+        runs_per_part: usize,
+    ) -> Vec<MapRecord> {
         let mut parts = Vec::new();
         let mut after = Some(0);
         while let Some(a) = after {
             let part = parts.len() as u32;
-            let (rec, next) = self.checkpoint_part(
-                (volume, seq + u64::from(part), part),
-                a,
-                format::RUNS_PER_CHECKPOINT_PART,
-            );
+            let at = (volume, seq + u64::from(part), part);
+            let (rec, next) = self.checkpoint_part(at, a, runs_per_part);
             parts.push(rec);
             after = next;
         }
@@ -421,9 +433,9 @@ impl StripeMap {
     /// Part `part` (record seq `seq`) of the checkpoint of volume
     /// `volume`: the next `runs_per_part` runs from block `after` (where
     /// the part before ended; at most `RUNS_PER_CHECKPOINT_PART`), and
-    /// where this part ends, for the next part, `None` for the last part. Walks only the blocks it
-    /// takes, and one more: a checkpoint of a large map costs each loop
-    /// event one part. The map must not change between the parts of one
+    /// where this part ends, for the next part, `None` for the last part.
+    /// Walks only the blocks it takes, and one more: a checkpoint of a
+    /// large map costs each loop event one part. The map must not change between the parts of one
     /// checkpoint (the writer records nothing else meanwhile).
     pub fn checkpoint_part(
         &self,
@@ -471,13 +483,7 @@ impl StripeMap {
     /// what the map holds already, so only its seq is taken (a part of a
     /// large map is not mapped again block by block).
     pub fn checkpoint_part_durable(&mut self, rec: &MapRecord) -> Result<(), MapError> {
-        let seq = rec.seq();
-        if seq <= self.last_record_seq {
-            return Err(MapError::OutOfOrder {
-                last: self.last_record_seq,
-                got: seq,
-            });
-        }
+        let seq = self.in_order(rec)?;
         let MapRecord::Checkpoint { runs, .. } = rec else {
             unreachable!("a checkpoint part that is not one: {rec:?}");
         };
@@ -534,13 +540,10 @@ impl StripeMap {
     /// above every record found ([`crate::stripes::Tier`]).
     pub fn recover(records: &[MapRecord]) -> Result<StripeMap, MapError> {
         let mut map = StripeMap::replay(records)?;
-        let past = by_seq(records)
-            .into_iter()
-            .filter(|&(seq, _)| seq > map.last_record_seq);
-        if past
-            .into_iter()
-            .any(|(_, r)| !matches!(r, MapRecord::Checkpoint { .. }))
-        {
+        let mut past = records
+            .iter()
+            .filter(|r| (map.last_record_seq + 1..u64::MAX).contains(&r.seq()));
+        if past.any(|r| !matches!(r, MapRecord::Checkpoint { .. })) {
             // Not a torn write of parts (no writer of this format leaves
             // that): the old rule, numbering above every record found,
             // and a new checkpoint first.

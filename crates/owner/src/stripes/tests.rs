@@ -581,19 +581,7 @@ pub(super) fn scattered_map(stripes: u64, holes: u64) -> StripeMap {
 
 /// The parts of a checkpoint walked one by one, `runs_per_part` runs each.
 fn walked(m: &StripeMap, first_seq: u64, runs_per_part: usize) -> Vec<MapRecord> {
-    let mut parts = Vec::new();
-    let mut from = Some(0);
-    while let Some(f) = from {
-        let part = parts.len() as u32;
-        let (rec, next) = m.checkpoint_part(
-            (VOLUME, first_seq + u64::from(part), part),
-            f,
-            runs_per_part,
-        );
-        parts.push(rec);
-        from = next;
-    }
-    parts
+    m.checkpoint_in_parts_of(VOLUME, first_seq, runs_per_part)
 }
 
 proptest! {

@@ -1033,14 +1033,7 @@ fn parts_left_past_a_resumed_checkpoint_are_never_followed() {
     let map = StripeMap::replay(&before).unwrap();
     // The old writer: one run per part from seq 3; parts 0 to 9 durable,
     // part 10 torn, 11 to 30 durable.
-    let mut old = Vec::new();
-    let mut after = Some(0);
-    while let Some(a) = after {
-        let part = old.len() as u32;
-        let (rec, next) = map.checkpoint_part((VOLUME, 3 + u64::from(part), part), a, 1);
-        old.push(rec);
-        after = next;
-    }
+    let old = map.checkpoint_in_parts_of(VOLUME, 3, 1);
     let mut log = before.clone();
     log.extend(old[..10].iter().cloned());
     log.extend(old[11..31].iter().cloned());
@@ -1106,24 +1099,13 @@ fn a_log_of_version_2_rules_is_carried_on_without_the_bound() {
     let mut map = StripeMap::default();
     let mut log = StripeMap::default().checkpoint(VOLUME, 1);
     log.extend(cycle_stripes());
-    let walk = |m: &StripeMap, first: u64, upto: u32| {
-        let mut parts = Vec::new();
-        let mut after = Some(0);
-        while let (Some(a), true) = (after, parts.len() as u32 <= upto) {
-            let part = parts.len() as u32;
-            let (rec, next) = m.checkpoint_part((VOLUME, first + u64::from(part), part), a, 2);
-            parts.push(rec);
-            after = next;
-        }
-        parts
-    };
     for r in &log {
         map.apply(r).unwrap();
     }
     // The complete checkpoint at 7 (125 parts, to 131), then records to
     // 288, a checkpoint begun at 289 (half a log after 131), 21 parts
     // of it durable.
-    log.extend(walk(&map, 7, u32::MAX));
+    log.extend(map.checkpoint_in_parts_of(VOLUME, 7, 2));
     for seq in 132..289u64 {
         let r = MapRecord::Stripe {
             volume: VOLUME,
@@ -1135,7 +1117,11 @@ fn a_log_of_version_2_rules_is_carried_on_without_the_bound() {
         map.apply(&r).unwrap();
         log.push(r);
     }
-    log.extend(walk(&map, 289, 20));
+    log.extend(
+        map.checkpoint_in_parts_of(VOLUME, 289, 2)
+            .into_iter()
+            .take(21),
+    );
     ring.write(&log);
     let recovered = StripeMap::recover(&ring.records()).unwrap();
     assert_eq!(recovered.log_tail().resume.map(|(p, _)| p), Some(21));
