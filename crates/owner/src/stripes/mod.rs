@@ -20,6 +20,7 @@
 //! - a new owner starts from [`StripeMap::recover`] and first finishes
 //!   the checkpoint the log ends inside, or writes one.
 
+mod blocks;
 mod columns;
 mod format;
 #[cfg(test)]
@@ -57,7 +58,7 @@ pub struct Loc {
 /// map (a volume of a TiB has 268 million blocks in 4 million slots).
 #[derive(Debug, Clone, Default)]
 pub struct StripeMap {
-    blocks: BTreeMap<u64, Loc>,
+    blocks: blocks::BlockMap,
     /// Live (mapped) blocks per slot; a slot absent here is free.
     live: BTreeMap<u64, u32>,
     /// `(live, slot)` of every used slot: the emptiest first.
@@ -126,12 +127,73 @@ pub enum MapError {
     SlotInUse { seq: u64, slot: u64, live: u32 },
     #[error("no complete checkpoint among the map records")]
     NoCheckpoint,
+    #[error("map record {seq} names a {what} outside the volume's capacity leg")]
+    Outside { seq: u64, what: &'static str },
+}
+
+/// What a volume's map records may name: its blocks, its capacity leg's
+/// slots, and a stripe's data blocks. A replayed record past them (a
+/// log that is not this volume's, or a writer's bug) is refused before
+/// anything is built from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MapBounds {
+    pub blocks: u64,
+    pub slots: u64,
+    pub blocks_per_stripe: u64,
+}
+
+impl MapBounds {
+    /// Loose bounds, for tests of the log alone (a replay under them
+    /// may still allocate for up to 2^32 slots).
+    pub const ANY: MapBounds = MapBounds {
+        blocks: u64::MAX - 1,
+        slots: 1 << 32,
+        blocks_per_stripe: format::MAX_SUMMARY_BLOCKS as u64,
+    };
+
+    /// The bounds of a volume of `volume_bytes` on columns `c`.
+    pub fn of(c: &Columns, volume_bytes: u64) -> MapBounds {
+        MapBounds {
+            blocks: volume_bytes.div_ceil(BLOCK_BYTES as u64),
+            slots: c.column_bytes(volume_bytes) / UNIT_BYTES,
+            blocks_per_stripe: c.blocks_per_stripe() as u64,
+        }
+    }
+
+    /// What `rec` names past these bounds, if anything.
+    fn outside(&self, rec: &MapRecord) -> Option<&'static str> {
+        let stripe = |slot: u64, blocks: &[u64]| {
+            let past = |&b: &u64| b != PAD_BLOCK && b >= self.blocks;
+            match () {
+                _ if slot >= self.slots => Some("slot"),
+                _ if blocks.len() as u64 > self.blocks_per_stripe => Some("stripe of more blocks"),
+                _ if blocks.iter().any(past) => Some("block"),
+                _ => None,
+            }
+        };
+        match rec {
+            MapRecord::Stripe { slot, blocks, .. } => stripe(*slot, blocks),
+            MapRecord::Stripes { stripes, .. } => {
+                stripes.iter().find_map(|s| stripe(s.slot, &s.blocks))
+            }
+            MapRecord::Unmap { .. } => None,
+            MapRecord::Checkpoint { runs, .. } => runs.iter().find_map(|r| {
+                let len = u64::from(r.len);
+                match () {
+                    _ if r.slot >= self.slots => Some("slot"),
+                    _ if u64::from(r.index) + len > self.blocks_per_stripe => Some("stripe index"),
+                    _ if r.block.saturating_add(len) > self.blocks => Some("block"),
+                    _ => None,
+                }
+            }),
+        }
+    }
 }
 
 impl StripeMap {
     /// Where block `block` is, if destaged.
     pub fn get(&self, block: u64) -> Option<Loc> {
-        self.blocks.get(&block).copied()
+        self.blocks.get(block)
     }
 
     /// Blocks destaged and mapped.
@@ -165,7 +227,7 @@ impl StripeMap {
                     slot,
                     index: i as u16,
                 };
-                if b != PAD_BLOCK && self.blocks.get(&b) == Some(&loc) {
+                if b != PAD_BLOCK && self.blocks.get(b) == Some(loc) {
                     out.push((b, loc));
                 }
             }
@@ -178,9 +240,9 @@ impl StripeMap {
         if first >= end {
             return None;
         }
-        let mut r = self.blocks.range(first..end);
-        let lo = *r.next()?.0;
-        let hi = r.next_back().map_or(lo, |(&b, _)| b);
+        let mut r = self.blocks.range(first, end);
+        let lo = r.next()?.0;
+        let hi = r.next_back().map_or(lo, |(b, _)| b);
         Some((lo, hi))
     }
 
@@ -189,13 +251,13 @@ impl StripeMap {
         if first >= end {
             return Vec::new();
         }
-        self.blocks.range(first..end).map(|(&b, _)| b).collect()
+        self.blocks.range(first, end).map(|(b, _)| b).collect()
     }
 
     /// The mapped blocks from block `first` on, in order, with where each
     /// is.
     pub fn from_block(&self, first: u64) -> impl Iterator<Item = (u64, Loc)> + '_ {
-        self.blocks.range(first..).map(|(&b, &l)| (b, l))
+        self.blocks.range(first, u64::MAX)
     }
 
     /// The same numbering with no block mapped: what an empty checkpoint
@@ -289,10 +351,10 @@ impl StripeMap {
                 // Only the mapped blocks of the range: a whole-volume trim
                 // is one record, not a walk over every block number.
                 let end = first.saturating_add(*count);
-                let mapped: Vec<u64> = self.blocks.range(*first..end).map(|(&b, _)| b).collect();
+                let mapped: Vec<u64> = self.blocks.range(*first, end).map(|(b, _)| b).collect();
                 let mut left = SlotCounts::default();
                 for b in mapped {
-                    if let Some(old) = self.blocks.remove(&b) {
+                    if let Some(old) = self.blocks.remove(b) {
                         left.add(old.slot);
                     }
                 }
@@ -449,9 +511,9 @@ impl StripeMap {
         );
         let mut runs: Vec<Run> = Vec::with_capacity(runs_per_part);
         let mut next = None;
-        for (&b, l) in self.blocks.range(after..) {
+        for (b, l) in self.blocks.range(after, u64::MAX) {
             if let Some(r) = runs.last_mut() {
-                if format::run_goes_on(r, b, l) {
+                if format::run_goes_on(r, b, &l) {
                     r.len += 1;
                     continue;
                 }
@@ -490,7 +552,7 @@ impl StripeMap {
         if cfg!(debug_assertions) {
             for r in runs {
                 for i in 0..r.len {
-                    let at = self.blocks.get(&(r.block + u64::from(i)));
+                    let at = self.blocks.get(r.block + u64::from(i));
                     assert_eq!(
                         at.map(|l| (l.slot, u32::from(l.index))),
                         Some((r.slot, u32::from(r.index) + i)),
@@ -508,6 +570,12 @@ impl StripeMap {
     /// after it in seq order up to the first missing seq (a record never
     /// made durable; nothing after it was acknowledged to the map).
     pub fn replay(records: &[MapRecord]) -> Result<StripeMap, MapError> {
+        StripeMap::replay_within(records, MapBounds::ANY)
+    }
+
+    /// [`StripeMap::replay`] of a volume's records, each replayed one
+    /// checked against `bounds` first.
+    pub fn replay_within(records: &[MapRecord], bounds: MapBounds) -> Result<StripeMap, MapError> {
         let by_seq = by_seq(records);
         let start = newest_checkpoint(&by_seq).ok_or(MapError::NoCheckpoint)?;
         let mut map = StripeMap {
@@ -517,6 +585,9 @@ impl StripeMap {
         for (want, (&seq, r)) in (start..).zip(by_seq.range(start..)) {
             if seq != want {
                 break;
+            }
+            if let Some(what) = bounds.outside(r) {
+                return Err(MapError::Outside { seq, what });
             }
             map.apply(r)?;
         }
@@ -539,7 +610,13 @@ impl StripeMap {
     /// checkpoint (written by another binary), its next checkpoint goes
     /// above every record found ([`crate::stripes::Tier`]).
     pub fn recover(records: &[MapRecord]) -> Result<StripeMap, MapError> {
-        let mut map = StripeMap::replay(records)?;
+        StripeMap::recover_within(records, MapBounds::ANY)
+    }
+
+    /// [`StripeMap::recover`] of a volume's records, checked against
+    /// `bounds` ([`StripeMap::replay_within`]).
+    pub fn recover_within(records: &[MapRecord], bounds: MapBounds) -> Result<StripeMap, MapError> {
+        let mut map = StripeMap::replay_within(records, bounds)?;
         let mut past = records
             .iter()
             .filter(|r| (map.last_record_seq + 1..u64::MAX).contains(&r.seq()));
@@ -570,7 +647,7 @@ impl StripeMap {
     fn check(&self) {
         if cfg!(debug_assertions) {
             let mut live: BTreeMap<u64, u32> = BTreeMap::new();
-            for l in self.blocks.values() {
+            for (_, l) in self.blocks.iter() {
                 *live.entry(l.slot).or_default() += 1;
             }
             assert_eq!(live, self.live, "live counts out of step with the map");
@@ -586,7 +663,7 @@ impl StripeMap {
             let slots: Vec<u64> = used.into_iter().collect();
             let mut found = self.blocks_in(&slots);
             found.sort_unstable();
-            let all: Vec<(u64, Loc)> = self.blocks.iter().map(|(&b, &l)| (b, l)).collect();
+            let all: Vec<(u64, Loc)> = self.blocks.iter().collect();
             assert_eq!(found, all, "the blocks of the used slots are not the map's");
         }
     }

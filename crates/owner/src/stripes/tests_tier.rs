@@ -504,7 +504,13 @@ impl Sim {
             }
         }
         let records: Vec<MapRecord> = self.log.iter().flatten().cloned().collect();
-        let map = Tier::recover_map(&records).unwrap();
+        // The volume's own bounds: every record the tier wrote is within them.
+        let bounds = MapBounds {
+            blocks: BLOCKS,
+            slots: SLOTS,
+            blocks_per_stripe: PER,
+        };
+        let map = Tier::recover_map(&records, bounds).unwrap();
         let pending = classify(&map, self.perf.keys().copied(), |b| self.perf[&b] == 0);
         self.tier = tier(map, pending);
         if self.lowering {
@@ -712,10 +718,80 @@ fn a_log_without_a_checkpoint_is_refused() {
         count: 1,
     };
     assert_eq!(
-        Tier::recover_map(&[rec]).unwrap_err(),
+        Tier::recover_map(&[rec], MapBounds::ANY).unwrap_err(),
         TierError::NoCheckpoint
     );
-    assert!(Tier::recover_map(&[]).unwrap().is_empty());
+    assert!(Tier::recover_map(&[], MapBounds::ANY).unwrap().is_empty());
+}
+
+/// A replayed record naming a slot past the capacity leg's, a block past
+/// the volume's end or an index past a stripe's blocks (a log that is
+/// not this volume's) is refused with what it names, before any of it
+/// is mapped; within the bounds the same log replays.
+#[test]
+fn a_record_outside_the_volume_is_refused_before_it_is_mapped() {
+    let c = Columns::new(Geometry::of(shoal_model::StripeGeometry::RAID5_NARROW).unwrap());
+    let bounds = MapBounds::of(&c, 64 << 20);
+    assert_eq!(bounds.blocks, 16_384);
+    let checkpoint = StripeMap::default().checkpoint(VOLUME, 1);
+    let stripe = |slot: u64, blocks: Vec<u64>| MapRecord::Stripe {
+        volume: VOLUME,
+        seq: 2,
+        stripe_seq: 1,
+        slot,
+        blocks,
+    };
+    let run = |block: u64, slot: u64, index: u16| MapRecord::Checkpoint {
+        volume: VOLUME,
+        seq: 1,
+        part: 0,
+        last: true,
+        last_stripe_seq: 0,
+        after: Some(0),
+        runs: vec![Run {
+            block,
+            len: 2,
+            slot,
+            index,
+        }],
+    };
+    let cases = [
+        (stripe(bounds.slots, vec![0]), "slot"),
+        (stripe(0, vec![0, bounds.blocks]), "block"),
+        (stripe(0, vec![0; 63]), "stripe of more blocks"),
+    ];
+    for (rec, what) in cases {
+        let log = [checkpoint[0].clone(), rec];
+        let e = Tier::recover_map(&log, bounds).unwrap_err();
+        assert_eq!(e, TierError::Map(MapError::Outside { seq: 2, what }));
+    }
+    // A slot no map holds is refused even without a volume's bounds.
+    let log = [checkpoint[0].clone(), stripe(u64::MAX - 1, vec![0])];
+    let e = Tier::recover_map(&log, MapBounds::ANY).unwrap_err();
+    assert_eq!(
+        e,
+        TierError::Map(MapError::Outside {
+            seq: 2,
+            what: "slot"
+        })
+    );
+    for (rec, what) in [
+        (run(bounds.blocks - 1, 0, 0), "block"),
+        (run(0, bounds.slots, 0), "slot"),
+        (run(0, 0, 61), "stripe index"),
+    ] {
+        let e = Tier::recover_map(&[rec], bounds).unwrap_err();
+        assert_eq!(e, TierError::Map(MapError::Outside { seq: 1, what }));
+    }
+    let fine = [
+        checkpoint[0].clone(),
+        stripe(bounds.slots - 1, vec![bounds.blocks - 1]),
+    ];
+    let map = Tier::recover_map(&fine, bounds).unwrap();
+    assert_eq!(
+        map.get(bounds.blocks - 1).map(|l| l.slot),
+        Some(bounds.slots - 1)
+    );
 }
 
 /// The blocks a new owner takes as pending: unmapped ones, and mapped

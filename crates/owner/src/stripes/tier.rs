@@ -334,11 +334,14 @@ impl Tier {
 
     /// The map `records` (every valid record read from the log) leave for
     /// a new owner: empty when there are none (a new volume).
-    pub fn recover_map(records: &[MapRecord]) -> Result<StripeMap, TierError> {
+    pub fn recover_map(
+        records: &[MapRecord],
+        bounds: super::MapBounds,
+    ) -> Result<StripeMap, TierError> {
         if records.is_empty() {
             return Ok(StripeMap::default());
         }
-        match StripeMap::recover(records) {
+        match StripeMap::recover_within(records, bounds) {
             Err(super::MapError::NoCheckpoint) => Err(TierError::NoCheckpoint),
             r => Ok(r?),
         }

@@ -17,8 +17,8 @@ mod lower;
 use super::{BlockReads, ColumnError, ColumnSet, ColumnTarget};
 use crate::status::TierStatus;
 use crate::stripes::{
-    classify, log_records_for, summary_of, Applied, MapRecord, Source, Ticket, Tier,
-    BLOCKS_PER_UNIT, BLOCK_BYTES,
+    classify, log_records_for, summary_of, Applied, Columns, MapBounds, MapRecord, Source, Ticket,
+    Tier, BLOCKS_PER_UNIT, BLOCK_BYTES,
 };
 use crate::{Control, Op, Owner, OwnerConfig, OwnerError, View};
 use bytes::{Bytes, BytesMut};
@@ -147,7 +147,10 @@ impl TieredOwner {
         let first_view = view.clone();
         let leg = Owner::start_mirror(cfg, view, generation, control).await?;
         let taken = async {
-            let map = read_map(&leg, (v.id, v.size), timeout).await?;
+            let g = shoal_erasure::Geometry::of(geometry)
+                .map_err(|e| OwnerError::Unavailable(e.to_string()))?;
+            let bounds = MapBounds::of(&Columns::new(g), v.size);
+            let map = read_map(&leg, (v.id, v.size), bounds, timeout).await?;
             // A column is created only while no stripe is mapped (a new
             // capacity leg): one its node lost once stripes were written
             // stays out, to be rebuilt, rather than come back empty and
@@ -368,11 +371,12 @@ fn in_sync_copies(view: &View) -> Vec<(String, u64)> {
 async fn read_map(
     leg: &Owner,
     (volume, size): (u64, u64),
+    bounds: MapBounds,
     timeout: Duration,
 ) -> Result<crate::stripes::StripeMap, OwnerError> {
     reconciled(leg, timeout * RECONCILE_WAIT_TIMEOUTS).await?;
     let records = read_log(leg, volume, size, log_records_for(size)).await?;
-    Tier::recover_map(&records).map_err(|e| OwnerError::Unavailable(e.to_string()))
+    Tier::recover_map(&records, bounds).map_err(|e| OwnerError::Unavailable(e.to_string()))
 }
 
 /// What a new owner serves from: the map from the log, and the pending
