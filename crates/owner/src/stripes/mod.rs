@@ -34,7 +34,7 @@ mod tier;
 pub use columns::{summary_of, Columns, StripeError, Unit, BLOCK_BYTES, UNIT_BYTES};
 pub use tier::{
     classify, log_records_for, Applied, Destage, DirectFailed, Source, Ticket, Tier, TierError,
-    Zeroing, CLEAN_RESERVE_SLOTS, MAX_DIRECT_STRIPES, UNMAP_RECORD_MAPPED_BLOCKS,
+    WrittenScan, Zeroing, CLEAN_RESERVE_SLOTS, MAX_DIRECT_STRIPES, UNMAP_RECORD_MAPPED_BLOCKS,
 };
 
 pub use format::{

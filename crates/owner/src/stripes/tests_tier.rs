@@ -549,6 +549,15 @@ impl Sim {
             .filter(|&b| self.tier.source(b) != Source::Zeros)
             .count() as u64;
         prop_assert_eq!(self.tier.written_blocks(), holding);
+        // The same a few pending blocks at a time, as the loop's ticks
+        // count it: one pass over the pending set, then the count.
+        let mut scan = WrittenScan::default();
+        let steps = self.tier.pending_blocks().div_ceil(3).max(1);
+        for _ in 1..steps {
+            prop_assert_eq!(self.tier.scan_written(&mut scan, 3), None);
+        }
+        prop_assert_eq!(self.tier.scan_written(&mut scan, 3), Some(holding));
+        prop_assert_eq!(scan, WrittenScan::default());
         for b in 0..BLOCKS {
             let may = self.may_read(b);
             prop_assert!(

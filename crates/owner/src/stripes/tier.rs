@@ -173,6 +173,14 @@ pub enum TierError {
     Map(#[from] super::MapError),
 }
 
+/// Where a [`Tier::scan_written`] pass stands: the next pending block to
+/// walk, and the sum so far of what pending blocks add to the mapped ones.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WrittenScan {
+    from: u64,
+    delta: i64,
+}
+
 /// The tier's state for one owned volume.
 #[derive(Debug, Clone)]
 pub struct Tier {
@@ -385,6 +393,31 @@ impl Tier {
             }
         }
         n
+    }
+
+    /// [`Tier::written_blocks`] a part at a time: walks at most
+    /// `max_blocks` pending blocks from where `scan` stopped, and answers
+    /// once a pass over the whole pending set is done. A loop event never
+    /// walks more than that, however many blocks a column out of service
+    /// keeps on the performance leg. Blocks staged or destaged during a
+    /// pass of several calls make its answer that far from exact; the next
+    /// pass catches up.
+    pub fn scan_written(&self, scan: &mut WrittenScan, max_blocks: usize) -> Option<u64> {
+        assert!(max_blocks > 0, "a scan of no blocks never ends");
+        for (walked, (&b, p)) in self.pending.range(scan.from..).enumerate() {
+            if walked == max_blocks {
+                scan.from = b;
+                return None;
+            }
+            match (p.zero, self.map.get(b).is_some()) {
+                (true, true) => scan.delta -= 1,
+                (false, false) => scan.delta += 1,
+                _ => {}
+            }
+        }
+        let n = (self.map.len() as i64 + scan.delta).max(0) as u64;
+        *scan = WrittenScan::default();
+        Some(n)
     }
 
     /// Whether a whole stripe of pending blocks may be destaged now. Stops

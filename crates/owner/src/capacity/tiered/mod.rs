@@ -49,6 +49,12 @@ const IDLE_DESTAGE_MS: u64 = 200;
 /// writes at the rates this owner sustains. Past it, destage reads the
 /// leg.
 const WRITE_CACHE_BYTES: usize = 64 << 20;
+/// Pending blocks a tick walks for the volume's written blocks: a few
+/// milliseconds of the loop at most (a map lookup each), where a column
+/// out of service can keep millions of blocks pending. A pass over 10
+/// million takes some two minutes of ticks; the count shown is the last
+/// pass's.
+const WRITTEN_SCAN_BLOCKS: usize = 16_384;
 
 /// Interval between tries to bring a column out of service back, in
 /// milliseconds: a restarted node answers within a few, and a dead one
@@ -217,6 +223,7 @@ impl TieredOwner {
             stripes_written: 0,
             direct_stripes: 0,
             written_blocks: 0,
+            written_scan: Default::default(),
             heal,
             cache: WriteCache::default(),
             copied_peer: None,
@@ -534,6 +541,8 @@ struct Loop {
     direct_stripes: u64,
     /// `Tier::written_blocks` as of the last tick.
     written_blocks: u64,
+    /// Where the ticks' count of written blocks stands.
+    written_scan: crate::stripes::WrittenScan,
     /// Staged blocks' data by block, with the write that put it there
     /// (at most [`WRITE_CACHE_BYTES`]): what a destage of that write
     /// takes instead of reading the leg.
@@ -653,8 +662,12 @@ impl Loop {
                     self.idle = !std::mem::take(&mut self.busy);
                     self.revive_columns();
                     self.heal_tick();
-                    let written = self.view().written_blocks();
-                    self.written_blocks = written;
+                    let mut scan = self.written_scan;
+                    let written = self.view().scan_written(&mut scan, WRITTEN_SCAN_BLOCKS);
+                    self.written_scan = scan;
+                    if let Some(n) = written {
+                        self.written_blocks = n;
+                    }
                     true
                 }
                 Ev::Stop => false,
