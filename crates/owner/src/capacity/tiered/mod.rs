@@ -22,6 +22,7 @@ use crate::stripes::{
 };
 use crate::{Control, Op, Owner, OwnerConfig, OwnerError, View};
 use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
 use shoal_model::{ComponentRole, ComponentState, Generation};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -32,6 +33,11 @@ type Reply = oneshot::Sender<Result<Bytes, OwnerError>>;
 
 /// Bytes of the map log read at a time when an owner starts.
 const LOG_READ_BYTES: u64 = 1 << 20;
+/// Blocks a new owner reads back from its performance leg per request,
+/// looking for mapped blocks that read as zeros: 1 MiB.
+const RECOVER_READ_BLOCKS: u64 = 256;
+/// Of those requests, in flight at once: 8 MiB buffered at most.
+const RECOVER_READS_IN_FLIGHT: usize = 8;
 /// How long a new owner waits for the leg's reconcile, in I/O timeouts:
 /// it copies a few regions a dead owner left in flight, far less.
 const RECONCILE_WAIT_TIMEOUTS: u32 = 20;
@@ -398,13 +404,7 @@ async fn recover(
 ) -> Result<(ColumnSet, Tier), OwnerError> {
     let log_records = log_records_for(size);
     let allocated = allocated_blocks(copies, size, timeout, auth).await?;
-    let mut mapped_zeros = BTreeSet::new();
-    for &b in allocated.iter().filter(|&&b| map.get(b).is_some()) {
-        let d = leg.read(b * BLOCK_BYTES as u64, BLOCK_BYTES as u32).await?;
-        if d.iter().all(|&x| x == 0) {
-            mapped_zeros.insert(b);
-        }
-    }
+    let mapped_zeros = mapped_zeros(leg, &map, &allocated).await?;
     let pending = classify(&map, allocated, |b| mapped_zeros.contains(&b));
     let slots = set.columns().column_bytes(size) / crate::stripes::UNIT_BYTES;
     let tier = Tier::new(
@@ -416,6 +416,47 @@ async fn recover(
         (log_records, slots),
     );
     Ok((set, tier))
+}
+
+/// Of the blocks `allocated` on the performance leg, those the map holds
+/// and the leg reads as zeros (step 5 of "A new owner"), read back in
+/// runs of neighbours, a few runs at a time: after a column was out of
+/// service, millions of blocks can be both, and one read each, one
+/// after the other, would hold the volume's takeover for minutes.
+async fn mapped_zeros(
+    leg: &Owner,
+    map: &crate::stripes::StripeMap,
+    allocated: &[u64],
+) -> Result<BTreeSet<u64>, OwnerError> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for &b in allocated.iter().filter(|&&b| map.get(b).is_some()) {
+        match runs.last_mut() {
+            Some((f, n)) if *f + *n == b && *n < RECOVER_READ_BLOCKS => *n += 1,
+            _ => runs.push((b, 1)),
+        }
+    }
+    let block = BLOCK_BYTES as u64;
+    let reads = futures::stream::iter(runs).map(|(first, n)| async move {
+        let d = leg.read(first * block, (n * block) as u32).await?;
+        match d.len() as u64 == n * block {
+            true => Ok((first, d)),
+            false => Err(OwnerError::Unavailable(format!(
+                "the performance leg answered {} bytes for {n} blocks at block {first}",
+                d.len()
+            ))),
+        }
+    });
+    let mut reads = std::pin::pin!(reads.buffered(RECOVER_READS_IN_FLIGHT));
+    let mut zeros = BTreeSet::new();
+    while let Some(r) = reads.next().await {
+        let (first, d) = r?;
+        for (i, c) in d.chunks(BLOCK_BYTES).enumerate() {
+            if c.iter().all(|&x| x == 0) {
+                zeros.insert(first + i as u64);
+            }
+        }
+    }
+    Ok(zeros)
 }
 
 /// Waits until the leg's copies agree again (what a dead owner left in
