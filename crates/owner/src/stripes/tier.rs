@@ -189,6 +189,10 @@ pub struct Tier {
     columns: Columns,
     map: StripeMap,
     pending: BTreeMap<u64, Pending>,
+    /// Of those, the blocks with data whose write is done: what a stripe
+    /// may take (kept with every change of `pending`, so that asking
+    /// after every event never walks it).
+    ready: usize,
     last_write: u64,
     /// The stripes begun and not yet recorded, in the order they began: a
     /// stripe is recorded after every one begun before it that names a
@@ -305,11 +309,13 @@ impl Tier {
                     },
                 )
             })
-            .collect();
+            .collect::<BTreeMap<u64, Pending>>();
+        let ready = pending.len();
         Tier {
             volume,
             volume_bytes,
             columns,
+            ready,
             map,
             pending,
             last_write: 0,
@@ -399,9 +405,11 @@ impl Tier {
     /// `max_blocks` pending blocks from where `scan` stopped, and answers
     /// once a pass over the whole pending set is done. A loop event never
     /// walks more than that, however many blocks a column out of service
-    /// keeps on the performance leg. Blocks staged or destaged during a
-    /// pass of several calls make its answer that far from exact; the next
-    /// pass catches up.
+    /// keeps on the performance leg. A block destaged during a pass of
+    /// several calls may count twice (walked while pending, then among
+    /// the mapped), one unmapped not at all: the answer is that far from
+    /// exact (up to the blocks destaged during the pass, never past the
+    /// volume's blocks), and a pass over a quiet tier is exact.
     pub fn scan_written(&self, scan: &mut WrittenScan, max_blocks: usize) -> Option<u64> {
         assert!(max_blocks > 0, "a scan of no blocks never ends");
         for (walked, (&b, p)) in self.pending.range(scan.from..).enumerate() {
@@ -415,7 +423,10 @@ impl Tier {
                 _ => {}
             }
         }
-        let n = (self.map.len() as i64 + scan.delta).max(0) as u64;
+        // Blocks destaged or unmapped during a pass of several calls are
+        // counted on both sides or on neither: never past the volume.
+        let blocks = self.volume_bytes.div_ceil(BLOCK_BYTES as u64);
+        let n = ((self.map.len() as i64 + scan.delta).max(0) as u64).min(blocks);
         *scan = WrittenScan::default();
         Some(n)
     }
@@ -425,9 +436,27 @@ impl Tier {
     /// past the writes still in flight and one stripe of blocks, not the
     /// whole performance leg.
     pub fn stripe_destageable(&self) -> bool {
-        let per = self.columns.blocks_per_stripe();
-        let ready = self.pending.values().filter(|p| !p.zero && p.done);
-        ready.take(per).count() == per
+        self.ready >= self.columns.blocks_per_stripe()
+    }
+
+    /// Whether pending block `p` may go into a stripe.
+    fn is_ready(p: &Pending) -> bool {
+        !p.zero && p.done
+    }
+
+    /// `pending.insert`, with the count of ready blocks.
+    fn pending_insert(&mut self, b: u64, p: Pending) {
+        self.ready += usize::from(Self::is_ready(&p));
+        if let Some(old) = self.pending.insert(b, p) {
+            self.ready -= usize::from(Self::is_ready(&old));
+        }
+    }
+
+    /// `pending.remove`, with the count of ready blocks.
+    fn pending_remove(&mut self, b: u64) -> Option<Pending> {
+        let old = self.pending.remove(&b)?;
+        self.ready -= usize::from(Self::is_ready(&old));
+        Some(old)
     }
 
     /// Where block `block` is to be read from now.
@@ -457,7 +486,7 @@ impl Tier {
                 done: false,
                 under: None,
             };
-            self.pending.insert(b, p);
+            self.pending_insert(b, p);
         }
         self.check();
         self.last_write
@@ -468,6 +497,9 @@ impl Tier {
     pub fn staged(&mut self, first: u64, count: u64, seq: u64) {
         for (_, p) in self.pending.range_mut(first..first.saturating_add(count)) {
             if p.seq == seq {
+                if !p.zero && !p.done {
+                    self.ready += 1;
+                }
                 p.done = true;
             }
         }
@@ -487,7 +519,7 @@ impl Tier {
         // an earlier zeroing left there.
         let mut under: BTreeMap<u64, u64> = BTreeMap::new();
         for b in pending {
-            if let Some(p) = self.pending.remove(&b) {
+            if let Some(p) = self.pending_remove(b) {
                 match p.zero {
                     false => under.insert(b, p.seq),
                     true => p.under.and_then(|u| under.insert(b, u)),
@@ -538,7 +570,7 @@ impl Tier {
                 done: true,
                 under: under.get(&b).copied(),
             };
-            self.pending.insert(b, p);
+            self.pending_insert(b, p);
         }
         self.last_ticket += 1;
         self.unmaps.push_back((lo, hi - lo + 1, self.last_ticket));
@@ -1021,7 +1053,7 @@ impl Tier {
                 // it read; a direct write's, every older one.
                 let replaced = |p: &Pending| seq != CLEANED && !p.zero && p.seq <= seq;
                 if self.pending.get(&b).is_some_and(replaced) {
-                    self.pending.remove(&b);
+                    self.pending_remove(b);
                     trimmed.insert(b);
                 }
                 // Zeroed since, over data older than this stripe's: that
@@ -1097,7 +1129,7 @@ impl Tier {
             .collect();
         let mut trims: Vec<(u64, u64)> = Vec::new();
         for b in zeroed {
-            self.pending.remove(&b);
+            self.pending_remove(b);
             push_run(&mut trims, b);
         }
         trims
@@ -1229,6 +1261,8 @@ impl Tier {
         if !cfg!(debug_assertions) {
             return;
         }
+        let ready = self.pending.values().filter(|p| Self::is_ready(p)).count();
+        assert_eq!(ready, self.ready, "the count of ready pending blocks");
         for (&b, p) in &self.pending {
             if p.zero {
                 let covered = self.unmaps.iter().any(|&(f, n, _)| (f..f + n).contains(&b));

@@ -206,6 +206,9 @@ impl TieredOwner {
     ) -> TieredOwner {
         let (tx, rx) = mpsc::unbounded_channel();
         let status = Arc::new(Mutex::new(TierStatus::default()));
+        // Counted whole once, at the takeover (which walks the leg's
+        // blocks anyway); the ticks then count it a part at a time.
+        let written_blocks = tier.written_blocks();
         let (set, tier) = (Arc::new(set), Arc::new(RwLock::new(tier)));
         let reading = Arc::new(SlotReads::default());
         let lp = Loop {
@@ -228,7 +231,7 @@ impl TieredOwner {
             status: status.clone(),
             stripes_written: 0,
             direct_stripes: 0,
-            written_blocks: 0,
+            written_blocks,
             written_scan: Default::default(),
             heal,
             cache: WriteCache::default(),
