@@ -431,10 +431,10 @@ impl Tier {
         Some(n)
     }
 
-    /// Whether a whole stripe of pending blocks may be destaged now. Stops
-    /// counting at a stripe's worth: asked after every event, it walks
-    /// past the writes still in flight and one stripe of blocks, not the
-    /// whole performance leg.
+    /// Whether a whole stripe of pending blocks may be destaged now: asked
+    /// after every event, so a count kept with the pending set, never a
+    /// walk of it (a zeroing can leave millions of zeroed blocks pending
+    /// ahead of the ready ones).
     pub fn stripe_destageable(&self) -> bool {
         self.ready >= self.columns.blocks_per_stripe()
     }
