@@ -390,15 +390,8 @@ impl Tier {
     /// or written and not mapped yet (for capacity reports; walks the
     /// pending set).
     pub fn written_blocks(&self) -> u64 {
-        let mut n = self.map.len() as u64;
-        for (&b, p) in &self.pending {
-            match (p.zero, self.map.get(b).is_some()) {
-                (true, true) => n -= 1,
-                (false, false) => n += 1,
-                _ => {}
-            }
-        }
-        n
+        let whole = self.scan_written(&mut WrittenScan::default(), usize::MAX);
+        whole.expect("a scan without a limit walks the whole pending set")
     }
 
     /// [`Tier::written_blocks`] a part at a time: walks at most

@@ -409,7 +409,8 @@ async fn recover(
     let allocated = allocated_blocks(copies, size, timeout, auth).await?;
     let mapped_zeros = mapped_zeros(leg, &map, &allocated).await?;
     let pending = classify(&map, allocated, |b| mapped_zeros.contains(&b));
-    let slots = set.columns().column_bytes(size) / crate::stripes::UNIT_BYTES;
+    // The slots replay checked the map against (`MapBounds`).
+    let slots = MapBounds::of(set.columns(), size).slots;
     let tier = Tier::new(
         volume,
         size,
