@@ -291,6 +291,33 @@ impl StripeMap {
             .unwrap_or(u64::MAX)
     }
 
+    /// The first of `run` free slots in a row, none in `avoid`, among the
+    /// `window` slots from the lowest free one not in `avoid`: walks the
+    /// free slots there, never the used ones (a direct write's stripes in
+    /// consecutive slots go as one write to each column).
+    pub fn free_run_avoiding(&self, avoid: &BTreeSet<u64>, run: u64, window: u64) -> Option<u64> {
+        assert!(run > 0, "a run of no slots");
+        let lowest = self.free_slot_avoiding(avoid);
+        let end = lowest.saturating_add(window);
+        let free = self.holes.range(lowest..).copied();
+        let above = self.high.max(lowest)..end;
+        let (mut start, mut len) = (lowest, 0u64);
+        for s in free.chain(above).take_while(|&s| s < end) {
+            if avoid.contains(&s) {
+                len = 0;
+                continue;
+            }
+            if len == 0 || start + len != s {
+                (start, len) = (s, 0);
+            }
+            len += 1;
+            if len == run {
+                return Some(start);
+            }
+        }
+        None
+    }
+
     /// The stripe seq the next stripe takes.
     pub fn next_stripe_seq(&self) -> u64 {
         self.last_stripe_seq + 1
@@ -445,10 +472,12 @@ impl StripeMap {
             self.live.remove(&slot);
             self.slot_blocks.remove(&slot);
             self.holes.insert(slot);
-            // The highest used slot emptied: lower the mark past the
-            // free slots under it.
-            while self.high > 0 && self.holes.remove(&(self.high - 1)) {
-                self.high -= 1;
+            if slot + 1 == self.high {
+                // The highest used slot emptied: the mark drops to the
+                // next used one, the free slots between leave the holes
+                // at once (a whole-volume unmap frees millions).
+                self.high = self.live.keys().next_back().map_or(0, |&s| s + 1);
+                drop(self.holes.split_off(&self.high));
             }
             return;
         }

@@ -730,3 +730,37 @@ fn parts_split_two_ways_do_not_mix_into_a_checkpoint() {
         );
     }
 }
+
+proptest! {
+    /// A run of free slots is the first the plain walk over every slot
+    /// finds, from the lowest free one not avoided, within the window;
+    /// and the free-slot mark drops past every free slot at once when the
+    /// highest used slots empty.
+    #[test]
+    fn a_run_of_free_slots_is_the_first_a_walk_of_every_slot_finds(
+        used in prop::collection::btree_set(0u64..40, 0..30),
+        emptied in prop::collection::btree_set(0u64..40, 0..30),
+        avoid in prop::collection::btree_set(0u64..50, 0..6),
+        run in 1u64..5,
+        window in 1u64..60,
+    ) {
+        let mut m = StripeMap::default();
+        let mut seq = 0;
+        for &slot in &used {
+            seq += 1;
+            m.apply(&stripe_record(seq, slot, vec![slot])).unwrap();
+        }
+        for &slot in emptied.intersection(&used) {
+            seq += 1;
+            m.apply(&MapRecord::Unmap { volume: VOLUME, seq, first: slot, count: 1 }).unwrap();
+        }
+        m.check();
+        let free = |s: u64| m.live(s) == 0 && !avoid.contains(&s);
+        let lowest = (0..).find(|&s| free(s)).unwrap();
+        prop_assert_eq!(m.free_slot_avoiding(&avoid), lowest);
+        let end = lowest + window;
+        let expected = (lowest..end)
+            .find(|&s| s + run <= end && (s..s + run).all(free));
+        prop_assert_eq!(m.free_run_avoiding(&avoid, run, window), expected);
+    }
+}

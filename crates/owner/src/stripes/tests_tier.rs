@@ -61,6 +61,8 @@ enum Step {
     RehydrateRead(usize),
     /// The blocks read come back: each still mapped there is staged.
     RehydrateWrite,
+    /// The reads of blocks back from the stripes fail.
+    RehydrateFail,
     /// The empty checkpoint is asked for.
     Forget,
     /// The map log is trimmed, once the map is forgotten.
@@ -85,6 +87,7 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
         1 => Just(Step::Lower),
         2 => (1usize..40).prop_map(Step::RehydrateRead),
         2 => Just(Step::RehydrateWrite),
+        1 => Just(Step::RehydrateFail),
         1 => Just(Step::Forget),
         1 => Just(Step::TrimLog),
     ];
@@ -152,10 +155,15 @@ fn tier(map: StripeMap, pending: Vec<u64>) -> Tier {
         (LOG_RECORDS, SLOTS),
     );
     t.unmap_record_blocks = UNMAP_STEP_BLOCKS;
+    t.rehydrate_walk_blocks = REHYDRATE_WALK_BLOCKS;
     t.runs_per_part = RUNS_PER_PART;
     t.parts_per_write = PARTS_PER_WRITE;
     t
 }
+
+/// [`Tier::rehydrate_walk_blocks`] in the sim: a walk of the map takes
+/// several looks, and blocks mapped behind it are looked at again.
+const REHYDRATE_WALK_BLOCKS: usize = 9;
 
 /// [`Tier::unmap_record_blocks`] in the sim.
 const UNMAP_STEP_BLOCKS: u64 = 5;
@@ -190,7 +198,12 @@ impl Sim {
 
     fn rehydrate_read(&mut self, n: usize) {
         let skip: BTreeSet<u64> = self.rehydrating.iter().map(|r| r.0).collect();
-        for (b, loc) in self.tier.to_rehydrate(n, &skip) {
+        let look = self.tier.to_rehydrate(n, &skip).blocks;
+        let distinct: BTreeSet<u64> = look.iter().map(|&(b, _)| b).collect();
+        assert_eq!(distinct.len(), look.len(), "a block found twice in one look");
+        assert!(distinct.is_disjoint(&skip), "a block found while its read is in flight");
+        assert!(look.len() <= n, "a look past its batch");
+        for (b, loc) in look {
             let data = self.stripes[&loc.slot][&loc.index];
             self.rehydrating.push((b, loc, data));
         }
@@ -212,8 +225,15 @@ impl Sim {
         }
     }
 
+    /// The reads back in flight fail: the owner hands them back.
+    fn rehydrate_fail(&mut self) {
+        for (b, _, _) in std::mem::take(&mut self.rehydrating) {
+            self.tier.rehydrate_failed(b);
+        }
+    }
+
     fn forget(&mut self) {
-        let asked = self.tier.forget_map();
+        let asked = self.tier.forget_map(self.rehydrating.len());
         assert!(!asked || self.lowering);
     }
 
@@ -631,6 +651,7 @@ proptest! {
                 Step::Lower => sim.lower(),
                 Step::RehydrateRead(n) => sim.rehydrate_read(n),
                 Step::RehydrateWrite => sim.rehydrate_write(),
+                Step::RehydrateFail => sim.rehydrate_fail(),
                 Step::Forget => sim.forget(),
                 Step::TrimLog => sim.trim_log(),
             }
@@ -674,6 +695,20 @@ proptest! {
         let in_stripes = (0..BLOCKS).filter(|&b| matches!(sim.tier.source(b), Source::Stripe(_)));
         let nonzero = (0..BLOCKS).filter(|&b| sim.read(b) != 0).count();
         prop_assert!(in_stripes.count() >= nonzero);
+    }
+}
+
+proptest! {
+    /// Two stripes' blocks share none exactly when the merge says so.
+    #[test]
+    fn disjoint_stripes_are_those_sharing_no_block(
+        a in proptest::collection::btree_set(0u64..300, 0..70),
+        b in proptest::collection::btree_set(0u64..300, 0..70),
+    ) {
+        let pairs = |s: &BTreeSet<u64>| s.iter().map(|&x| (x, 7)).collect::<Vec<_>>();
+        let expected = a.intersection(&b).next().is_none();
+        prop_assert_eq!(super::tier::disjoint(&pairs(&a), &pairs(&b)), expected);
+        prop_assert_eq!(super::tier::disjoint(&pairs(&b), &pairs(&a)), expected);
     }
 }
 

@@ -52,6 +52,13 @@ pub const DIRECT_RUN_SCAN_SLOTS: u64 = 4096;
 /// and acknowledged after the last.
 pub const UNMAP_RECORD_MAPPED_BLOCKS: u64 = 65_536;
 
+/// Map entries one look for blocks to read back while lowering
+/// ([`Tier::to_rehydrate`]) walks at most: a few milliseconds of the
+/// loop however large the map, when most of it is already on the leg
+/// (a 100 GiB volume's map has 26 million entries). The owner asks again
+/// at once when a look stopped there.
+pub const REHYDRATE_WALK_BLOCKS: usize = 16_384;
+
 /// Records the map log keeps beyond two whole checkpoints, so that small
 /// volumes write a checkpoint only every few dozen records.
 ///
@@ -113,6 +120,9 @@ pub struct Destage {
     /// acknowledgement waits for.
     pub ticket: Option<Ticket>,
     written: bool,
+    /// The bytes its entry takes in a stripes record (computed once, at
+    /// its start: asked after every event while it waits).
+    record_bytes: usize,
 }
 
 /// A write straight to the capacity leg whose stripe could not be
@@ -248,6 +258,23 @@ pub struct Tier {
     /// Lowering to RAID-1: no stripe is begun, and the owner reads every
     /// mapped block back to the performance leg ([`Tier::lower`]).
     lowering: Option<Lowering>,
+    /// While lowering: blocks to look at again, wherever the walk of the
+    /// map is: those a stripe recorded since mapped (perhaps behind the
+    /// walk, their pending data trimmed), and those whose read back
+    /// failed.
+    recheck: BTreeSet<u64>,
+    /// [`REHYDRATE_WALK_BLOCKS`] (fewer in tests).
+    pub(super) rehydrate_walk_blocks: usize,
+}
+
+/// What one look for blocks to read back found ([`Tier::to_rehydrate`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Rehydrate {
+    /// Blocks to read back, each from where the map has it.
+    pub blocks: Vec<(u64, Loc)>,
+    /// The walk of the map stopped at its bound, not at the batch's: ask
+    /// again now.
+    pub more: bool,
 }
 
 /// The next part of a checkpoint being written.
@@ -261,9 +288,10 @@ struct NextPart {
 /// Where the lowering of the volume to RAID-1 is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Lowering {
-    /// Mapped blocks are read back to the leg; `cursor`: where the next
-    /// batch starts looking.
-    Rehydrating { cursor: u64 },
+    /// Mapped blocks are read back to the leg; `cursor`: where the one
+    /// walk of the map goes on (None: it has walked the whole map). Blocks
+    /// it passed that need a read since are in [`Tier::recheck`].
+    Rehydrating { cursor: Option<u64> },
     /// Every mapped block is pending on the leg: the empty checkpoint
     /// that forgets the map is the next record (or in flight).
     Forgetting,
@@ -343,6 +371,8 @@ impl Tier {
             log_records,
             slots,
             lowering: None,
+            recheck: BTreeSet::new(),
+            rehydrate_walk_blocks: REHYDRATE_WALK_BLOCKS,
         }
     }
 
@@ -532,12 +562,11 @@ impl Tier {
             .filter(|&b| self.map.get(b).is_some())
             .collect();
         for d in &self.stripes {
-            held.extend(
-                d.blocks
-                    .iter()
-                    .map(|&(b, _)| b)
-                    .filter(|b| (first..end).contains(b)),
-            );
+            // A stripe's blocks are in order: those in the range are one
+            // slice of them, found by halving.
+            let from = d.blocks.partition_point(|&(b, _)| b < first);
+            let to = d.blocks.partition_point(|&(b, _)| b < end);
+            held.extend(d.blocks[from..to].iter().map(|&(b, _)| b));
         }
         held.sort_unstable();
         held.dedup();
@@ -651,28 +680,25 @@ impl Tier {
     /// free one. A write's stripes in consecutive slots go as one write to
     /// each column.
     fn direct_slot(&self, busy: &BTreeSet<u64>, (after, run): (Option<u64>, u64)) -> Option<u64> {
-        let flying: BTreeSet<u64> = self.stripes.iter().map(|d| d.slot).collect();
-        let taken = |s: u64| self.map.live(s) > 0 || busy.contains(&s) || flying.contains(&s);
+        let mut avoid = busy.clone();
+        avoid.extend(self.stripes.iter().map(|d| d.slot));
+        let taken = |s: u64| self.map.live(s) > 0 || avoid.contains(&s);
         let next = after.and_then(|s| s.checked_add(1));
         if let Some(s) = next.filter(|&s| s < self.slots && !taken(s)) {
             return Some(s);
         }
-        let lowest = self.free_slot(busy)?;
-        if run > 1 {
-            let end = self.slots.min(lowest.saturating_add(DIRECT_RUN_SCAN_SLOTS));
-            let (mut start, mut len) = (lowest, 0);
-            for s in lowest..end {
-                if taken(s) {
-                    (start, len) = (s + 1, 0);
-                    continue;
-                }
-                len += 1;
-                if len == run {
-                    return Some(start);
-                }
-            }
+        let lowest = self.map.free_slot_avoiding(&avoid);
+        if lowest >= self.slots {
+            return None;
         }
-        Some(lowest)
+        let run_start = (run > 1)
+            .then(|| {
+                self.map
+                    .free_run_avoiding(&avoid, run, DIRECT_RUN_SCAN_SLOTS)
+            })
+            .flatten()
+            .filter(|&s| s.saturating_add(run) <= self.slots);
+        Some(run_start.unwrap_or(lowest))
     }
 
     /// The lowest slot free in the map, not in `busy` (reads in flight)
@@ -692,7 +718,14 @@ impl Tier {
         ticket: Option<Ticket>,
     ) -> Option<&Destage> {
         self.last_stripe_seq = self.last_stripe_seq.max(self.map.next_stripe_seq() - 1) + 1;
+        assert!(
+            blocks.windows(2).all(|w| w[0].0 < w[1].0),
+            "a stripe's blocks in ascending order, each once"
+        );
+        let numbers: Vec<u64> = blocks.iter().map(|&(b, _)| b).collect();
+        let record_bytes = StripeEntry::encoded_bytes(&numbers);
         self.stripes.push_back(Destage {
+            record_bytes,
             blocks,
             slot,
             stripe_seq: self.last_stripe_seq,
@@ -915,8 +948,36 @@ impl Tier {
     /// any order, so one slow column write holds back only the stripes of
     /// the same blocks begun after it; a stripe of the same blocks begun
     /// later must map them later.
+    ///
+    /// Asked after every event while no record is in flight, so it costs
+    /// nothing while no stripe is written, looks no further than the last
+    /// written one, and compares two stripes' blocks only when their
+    /// bounds overlap (a direct write's stripes are disjoint runs).
     fn recordable(&self) -> Option<Vec<u64>> {
-        let mut held: std::collections::HashSet<u64> = std::collections::HashSet::new();
+        let last = self.stripes.iter().rposition(|d| d.written)?;
+        let mut held: Vec<&Destage> = Vec::new();
+        let mut slots = Vec::new();
+        let mut bytes = 0;
+        for d in self.stripes.iter().take(last + 1) {
+            let fits = slots.is_empty() || bytes + d.record_bytes <= super::STRIPES_PAYLOAD_BYTES;
+            if d.written && fits && held.iter().all(|h| disjoint(&h.blocks, &d.blocks)) {
+                bytes += d.record_bytes;
+                slots.push(d.slot);
+            } else {
+                held.push(d);
+            }
+        }
+        let slots = (!slots.is_empty()).then_some(slots);
+        #[cfg(debug_assertions)]
+        assert_eq!(slots, self.recordable_by_set(), "the recordable stripes");
+        slots
+    }
+
+    /// [`Tier::recordable`] the plain way, every block of every stripe
+    /// held back in one set: what debug builds check it against.
+    #[cfg(debug_assertions)]
+    fn recordable_by_set(&self) -> Option<Vec<u64>> {
+        let mut held = std::collections::HashSet::new();
         let mut slots = Vec::new();
         let mut bytes = 0;
         for d in &self.stripes {
@@ -1061,6 +1122,10 @@ impl Tier {
                 if self.direct.get(&b) == Some(&seq) {
                     self.direct.remove(&b);
                 }
+                if self.lowering.is_some() {
+                    // Mapped here now, perhaps behind the walk.
+                    self.recheck.insert(b);
+                }
             }
             acknowledged.extend(d.ticket);
         }
@@ -1135,7 +1200,7 @@ impl Tier {
     /// forgotten ([`Tier::forget_map`]).
     pub fn lower(&mut self) {
         if self.lowering.is_none() {
-            self.lowering = Some(Lowering::Rehydrating { cursor: 0 });
+            self.lowering = Some(Lowering::Rehydrating { cursor: Some(0) });
         }
     }
 
@@ -1170,45 +1235,83 @@ impl Tier {
         (self.volume_bytes, self.log_records * BLOCK_BYTES as u64)
     }
 
-    /// Up to `max` mapped blocks whose newest data is in a stripe only
-    /// (not pending, not in `skip`: reads in flight), with where each is,
-    /// in block order from where the last batch stopped, wrapping once.
+    /// Up to `max` mapped blocks whose newest data is in a stripe only,
+    /// with where each is: first those to look at again, then the next of
+    /// the one walk of the map, which goes on from where the last look
+    /// stopped, at most [`Tier::rehydrate_walk_blocks`] entries a look.
     /// The owner reads each and stages it on the leg as a write, if the
     /// block still maps there when the data comes back
-    /// (`Tier::source` unchanged).
-    pub fn to_rehydrate(
-        &mut self,
-        max: usize,
-        skip: &std::collections::BTreeSet<u64>,
-    ) -> Vec<(u64, Loc)> {
+    /// ([`Tier::rehydrated`]); a read that fails it hands back
+    /// ([`Tier::rehydrate_failed`]).
+    ///
+    /// Skipped: blocks pending on the leg, being zeroed (an unmap waits:
+    /// the zeroing is newer), with a write straight to the capacity leg in
+    /// flight (its stripe's record may come after the read back, which
+    /// would then stage the older data over it; the record has the block
+    /// looked at again), and those in `skip` (reads in flight; looked at
+    /// again when they were to be, else their outcome says).
+    pub fn to_rehydrate(&mut self, max: usize, skip: &BTreeSet<u64>) -> Rehydrate {
         let Some(Lowering::Rehydrating { cursor }) = self.lowering else {
-            return Vec::new();
+            return Rehydrate::default();
         };
-        // Not a block a write straight to the capacity leg is in flight
-        // for: its stripe's record may come after the read-back, which
-        // would then stage the older data over it.
-        // Nor a block an unmap waits for: its zeroing is newer.
-        let wanted = |&(b, _): &(u64, Loc)| {
-            !self.pending.contains_key(&b)
-                && !skip.contains(&b)
-                && !self.direct.contains_key(&b)
-                && !self.unmap_waits(b)
-        };
-        let found: Vec<(u64, Loc)> = self
-            .map
-            .from_block(cursor)
-            .filter(wanted)
-            .chain(
-                self.map
-                    .from_block(0)
-                    .take_while(|&(b, _)| b < cursor)
-                    .filter(wanted),
-            )
-            .take(max)
-            .collect();
-        let next = found.last().map_or(0, |&(b, _)| b + 1);
+        let mut found = Vec::new();
+        let mut walked = 0;
+        let mut again = Vec::new();
+        while found.len() < max && walked < self.rehydrate_walk_blocks {
+            let Some(b) = self.recheck.pop_first() else {
+                break;
+            };
+            walked += 1;
+            match (skip.contains(&b), self.map.get(b)) {
+                (true, _) => again.push(b),
+                (false, Some(loc)) if self.to_read_back(b) => found.push((b, loc)),
+                _ => {}
+            }
+        }
+        self.recheck.extend(again);
+        // A block looked at again may lie ahead of the walk: found once.
+        let rechecked: BTreeSet<u64> = found.iter().map(|&(b, _)| b).collect();
+        let mut next = None;
+        if let Some(from) = cursor {
+            for (b, loc) in self.map.from_block(from) {
+                if found.len() == max || walked == self.rehydrate_walk_blocks {
+                    next = Some(b);
+                    break;
+                }
+                walked += 1;
+                if !skip.contains(&b) && !rechecked.contains(&b) && self.to_read_back(b) {
+                    found.push((b, loc));
+                }
+            }
+        }
         self.lowering = Some(Lowering::Rehydrating { cursor: next });
-        found
+        let more = found.len() < max && (next.is_some() || walked == self.rehydrate_walk_blocks);
+        Rehydrate {
+            blocks: found,
+            more,
+        }
+    }
+
+    /// Whether mapped block `b` is to be read back: its newest data is in
+    /// its stripe only, and no write straight to the capacity leg of it is
+    /// in flight.
+    fn to_read_back(&self, b: u64) -> bool {
+        !self.pending.contains_key(&b) && !self.direct.contains_key(&b) && !self.unmap_waits(b)
+    }
+
+    /// Block `b`'s read back failed: it is looked at again.
+    pub fn rehydrate_failed(&mut self, b: u64) {
+        if matches!(self.lowering, Some(Lowering::Rehydrating { .. })) {
+            self.recheck.insert(b);
+        }
+    }
+
+    /// Whether the walk of the map is done and nothing waits to be looked
+    /// at again: every mapped block has been read back (or its read is in
+    /// flight), or is pending, or is being zeroed.
+    pub fn rehydrate_done(&self) -> bool {
+        matches!(self.lowering, Some(Lowering::Rehydrating { cursor: None }))
+            && self.recheck.is_empty()
     }
 
     /// Whether block `b`, read back from `loc` for the lowering, is to be
@@ -1228,19 +1331,34 @@ impl Tier {
     /// since), no unmap waits and no stripe or record is in flight:
     /// from that record on, the map log says what an empty one says.
     /// Answers whether it is queued (or already done).
-    pub fn forget_map(&mut self) -> bool {
+    ///
+    /// `reading_back`: the owner's blocks read back not yet staged (reads
+    /// in flight, stagings not done); none may be. Every other block is
+    /// known on the leg without a walk: the walk of the map is done, and
+    /// every block mapped or handed back since was looked at again
+    /// ([`Tier::rehydrate_done`]).
+    pub fn forget_map(&mut self, reading_back: usize) -> bool {
         match self.lowering {
             Some(Lowering::Rehydrating { .. }) => {}
             Some(_) => return true,
             None => return false,
         }
-        let on_leg = |b: &u64| self.pending.get(b).is_some_and(|p| !p.zero);
         let quiet = self.stripes.is_empty()
             && self.unmaps.is_empty()
             && self.in_flight.is_empty()
             && self.checkpointing.is_none();
-        if !quiet || !self.map.from_block(0).all(|(b, _)| on_leg(&b)) {
+        if !quiet || reading_back > 0 || !self.rehydrate_done() {
             return false;
+        }
+        // What the walk and the blocks looked at again make sure of,
+        // checked whole in debug builds (the tier simulation).
+        if cfg!(debug_assertions) {
+            let on_leg = |b: &u64| self.pending.get(b).is_some_and(|p| !p.zero);
+            let missed = self.map.from_block(0).find(|(b, _)| !on_leg(b));
+            assert_eq!(
+                missed, None,
+                "a mapped block not on the leg at the map's forgetting"
+            );
         }
         self.lowering = Some(Lowering::Forgetting);
         true
@@ -1300,6 +1418,27 @@ impl Tier {
 /// The block numbers of a stripe, in its order.
 fn block_numbers(d: &Destage) -> Vec<u64> {
     d.blocks.iter().map(|&(b, _)| b).collect()
+}
+
+/// Whether two stripes' blocks (each in ascending order) name no block
+/// in common: their bounds first, then a merge of the two.
+pub(super) fn disjoint(a: &[(u64, u64)], b: &[(u64, u64)]) -> bool {
+    let (Some(af), Some(al), Some(bf), Some(bl)) = (a.first(), a.last(), b.first(), b.last())
+    else {
+        return true;
+    };
+    if al.0 < bf.0 || bl.0 < af.0 {
+        return true;
+    }
+    let (mut i, mut j) = (0, 0);
+    while let (Some(x), Some(y)) = (a.get(i), b.get(j)) {
+        match x.0.cmp(&y.0) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => return false,
+        }
+    }
+    true
 }
 
 /// Adds block `b` (above every block in `runs`) to `runs`.

@@ -61,10 +61,8 @@ pub(super) struct Lowering {
     writing: usize,
     /// No read back before this (after one failed).
     quiet_until: Option<Instant>,
-    /// The last look for blocks to read back found none: every mapped
-    /// block is on the leg or being zeroed (and stays so: nothing is
-    /// destaged while lowering).
-    exhausted: bool,
+    /// An event to look on is queued ([`Ev::ReadBackLook`]): at most one.
+    look_queued: bool,
 }
 
 /// The columns a change of `view` drops when it lowers the volume to
@@ -94,7 +92,7 @@ impl Loop {
                     reading: BTreeSet::new(),
                     writing: 0,
                     quiet_until: None,
-                    exhausted: false,
+                    look_queued: false,
                 });
                 true
             }
@@ -112,13 +110,10 @@ impl Loop {
         if l.step != Step::ReadingBack {
             return;
         }
-        if l.exhausted
-            && l.reading.is_empty()
-            && l.writing == 0
-            && self.view().stripes_in_flight() == 0
-        {
+        let reading_back = l.reading.len() + l.writing;
+        if reading_back == 0 && self.view().stripes_in_flight() == 0 {
             // Queues the empty checkpoint once every block is on the leg.
-            self.tier().forget_map();
+            self.tier().forget_map(reading_back);
         }
         let forgotten = self.view().forgotten_at();
         if let Some(at) = forgotten {
@@ -128,6 +123,13 @@ impl Loop {
             return;
         }
         self.read_back();
+    }
+
+    /// The queued event to look on arrived (the pump that follows looks).
+    pub(super) fn read_back_look(&mut self) {
+        if let Some(l) = &mut self.lowering {
+            l.look_queued = false;
+        }
     }
 
     /// Sends the next reads of blocks that are in a stripe only.
@@ -140,12 +142,18 @@ impl Loop {
         if room < REHYDRATE_BLOCKS_IN_FLIGHT / 2 {
             return;
         }
-        let batch = self
+        let look = self
             .tier
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .to_rehydrate(room, &l.reading);
-        l.exhausted = batch.is_empty() && l.reading.is_empty();
+        if look.more && !l.look_queued {
+            // The walk stopped at its bound: the next look comes after
+            // the events already queued, not only with the next one.
+            l.look_queued = true;
+            let _ = self.tx.send(Ev::ReadBackLook);
+        }
+        let batch = look.blocks;
         if batch.is_empty() {
             return;
         }
@@ -193,6 +201,7 @@ impl Loop {
                 Ok(d) => d,
                 Err(e) => {
                     failures += 1;
+                    self.tier().rehydrate_failed(b);
                     tracing::debug!(block = b, error = %e, "block not read back; tried again");
                     continue;
                 }

@@ -127,6 +127,9 @@ enum Ev {
     ReadBack(Vec<lower::ReadBack>, Vec<usize>),
     /// A staging of blocks read back ended.
     ReadBackStaged(Result<(), OwnerError>),
+    /// The look for blocks to read back stopped at its walk's bound: the
+    /// pump after this event looks on.
+    ReadBackLook,
     /// The map log was trimmed (or not).
     LogTrimmed(Result<(), OwnerError>),
     /// The directory answered the lowering's commit.
@@ -616,6 +619,7 @@ impl Ev {
                 | Ev::Trimmed(_)
                 | Ev::Merged { .. }
                 | Ev::Unlock(_)
+                | Ev::ReadBackLook
         )
     }
 }
@@ -693,6 +697,10 @@ impl Loop {
                     true
                 }
                 Ev::ReadBackStaged(r) => self.read_back_staged(r),
+                Ev::ReadBackLook => {
+                    self.read_back_look();
+                    true
+                }
                 Ev::LogTrimmed(r) => self.log_trimmed(r),
                 Ev::Lowered(r) => self.lowered(r),
                 Ev::RebuildAsked(r) => {
@@ -1144,10 +1152,10 @@ impl Loop {
     fn zero_blocks(&mut self, first: u64, count: u64) -> Vec<Wait> {
         self.cache.forget(first, count);
         let z = self.tier().zero(first, count);
-        let mut waits: Vec<Wait> = z
-            .trim_now
-            .iter()
-            .map(|&(f, n)| Wait::Leg(self.trim(f, n)))
+        let mut waits: Vec<Wait> = self
+            .trim_runs(&z.trim_now)
+            .into_iter()
+            .map(Wait::Leg)
             .collect();
         if let Some(t) = z.ticket {
             let (tx, rx) = oneshot::channel();
