@@ -220,6 +220,8 @@ enum TokenCmd {
 
 #[derive(Subcommand)]
 enum VolumeCmd {
+    /// Create a volume: its size and policy (copies, witnesses or
+    /// stripes placed on distinct fault domains, the space checked first).
     Create {
         name: String,
         /// Size: bytes or K, M, G, T.
@@ -233,12 +235,15 @@ enum VolumeCmd {
         #[arg(long)]
         json: bool,
     },
+    /// The volumes: size, policy, owner and health.
     List {
         #[command(flatten)]
         target: Target,
         #[arg(long)]
         json: bool,
     },
+    /// A volume: its layout, where every component is, its capacity and
+    /// any change in progress.
     Show {
         name: String,
         #[command(flatten)]
@@ -293,6 +298,8 @@ enum VolumeCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Delete a volume and its data on every device; refused while
+    /// clients are connected, unless --force.
     Delete {
         name: String,
         /// Delete even with clients connected.
@@ -1015,6 +1022,27 @@ async fn volume(v: VolumeCmd) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    /// Every command says what it does: none shows the text of the
+    /// arguments it shares (clap gives a command without a doc comment of
+    /// its own the doc comment of a struct it flattens).
+    #[test]
+    fn every_command_has_its_own_help() {
+        use clap::CommandFactory;
+        fn walk(c: &clap::Command, path: &str, bad: &mut Vec<String>) {
+            for sub in c.get_subcommands().filter(|s| s.get_name() != "help") {
+                let path = format!("{path} {}", sub.get_name());
+                let about = sub.get_about().map(|a| a.to_string()).unwrap_or_default();
+                if about.is_empty() || about.starts_with("How commands find the cluster") {
+                    bad.push(format!("{path}: {about:?}"));
+                }
+                walk(sub, &path, bad);
+            }
+        }
+        let mut bad = Vec::new();
+        walk(&super::Cli::command(), "shoal", &mut bad);
+        assert!(bad.is_empty(), "commands without their own help: {bad:#?}");
+    }
+
     #[test]
     fn node_maintenance_and_node_remove_are_the_maintenance_commands() {
         let v = |a: &[&str]| -> Vec<std::ffi::OsString> { a.iter().map(Into::into).collect() };

@@ -200,8 +200,15 @@ impl Sim {
         let skip: BTreeSet<u64> = self.rehydrating.iter().map(|r| r.0).collect();
         let look = self.tier.to_rehydrate(n, &skip).blocks;
         let distinct: BTreeSet<u64> = look.iter().map(|&(b, _)| b).collect();
-        assert_eq!(distinct.len(), look.len(), "a block found twice in one look");
-        assert!(distinct.is_disjoint(&skip), "a block found while its read is in flight");
+        assert_eq!(
+            distinct.len(),
+            look.len(),
+            "a block found twice in one look"
+        );
+        assert!(
+            distinct.is_disjoint(&skip),
+            "a block found while its read is in flight"
+        );
         assert!(look.len() <= n, "a look past its batch");
         for (b, loc) in look {
             let data = self.stripes[&loc.slot][&loc.index];
