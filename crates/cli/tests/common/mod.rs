@@ -546,7 +546,10 @@ impl Cluster {
         for i in 1..=self.nodes {
             let p = self.node_dir(i).join("node.log");
             let t = std::fs::read_to_string(&p).unwrap_or_default();
-            let tail: Vec<&str> = t.lines().rev().take(30).collect();
+            // The directory's retries to a dead peer repeat every half
+            // second and would fill the tail: the node's own lines only.
+            let own = t.lines().filter(|l| !l.contains("openraft::"));
+            let tail: Vec<&str> = own.rev().take(40).collect();
             s.push_str(&format!("--- node {i} ---\n"));
             for l in tail.into_iter().rev() {
                 s.push_str(l);
