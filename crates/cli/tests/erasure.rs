@@ -825,4 +825,18 @@ fn raid1_to_raid5_to_raid6_and_back_to_raid1_under_fio_verify() {
         }
     });
     fio_verify_only(&c.uri(5, "p"), "32M");
+    // Each change of kind (RAID-1 <-> erasure-coded) restarted the owner
+    // on its node, which started the next without waiting out the
+    // previous one's read lease: it had ended in the same process.
+    // (No node restarts here: every owner started without waiting is one
+    // that followed its own on the node.)
+    let logs = whole_logs(&c);
+    let restarts = logs
+        .matches("layout changed kind: its owner restarts")
+        .count();
+    let unwaited = logs.matches("ran in this process and has stopped").count();
+    assert!(
+        restarts >= 2 && unwaited >= restarts,
+        "{restarts} restarts, {unwaited} without waiting"
+    );
 }

@@ -129,6 +129,10 @@ fn owner_and_leader_kill_pause_io_but_lose_nothing() {
     let served = c.metric(&[client], "shoal_nbd_writes_total");
     let fio = fio_write_verify(&c.uri(client, "v"), "64M");
     wait_writes(&c, client, served, WRITES_BEFORE_FAULT);
+    // One fault at a time: both copies in sync when the leader goes (it
+    // may own the volume too; a copy that fell behind under this load,
+    // seen once in CI, would leave none to serve from).
+    c.wait_healthy("v", HEAL);
     c.signal(leader, "KILL");
     finish(fio);
     c.up();

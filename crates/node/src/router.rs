@@ -24,6 +24,12 @@ const RETRY_PAUSE: Duration = Duration::from_millis(200);
 /// is a directory write, and a volume whose copies keep refusing must not
 /// cost one per client retry.
 const START_RETRY_PAUSE: Duration = Duration::from_secs(2);
+/// How long a claim waits for this node's own previous owner of the
+/// volume, told to stop, to have ended every loop (a few milliseconds
+/// normally): then no lease of it can serve a read, and the new owner
+/// starts without waiting the lease out (about 2 s). Past it, the lease
+/// is waited out as for an owner elsewhere.
+const OWN_STOP_WAIT: Duration = Duration::from_millis(500);
 /// Timeout of a forwarded request: covers the owner's own replica timeout.
 const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -48,6 +54,11 @@ pub struct Router {
     pub dir: Directory,
     cfg: OwnerConfig,
     owners: Mutex<HashMap<VolumeId, Owner>>,
+    /// The last owner that ran here of each volume, once out of `owners`
+    /// (stopped, deposed, or its layout changed kind): a claim from its
+    /// generation need not wait out its lease once it has ended
+    /// ([`shoal_owner::OwnerEnd`], which holds none of its state).
+    retired: Mutex<HashMap<VolumeId, shoal_owner::OwnerEnd>>,
     claim_locks: Mutex<HashMap<VolumeId, Arc<tokio::sync::Mutex<()>>>>,
     peers: tokio::sync::Mutex<HashMap<String, Arc<Peer>>>,
     /// The key that wraps encrypted volumes' data keys (`--key-file`).
@@ -266,6 +277,7 @@ impl Router {
             cfg,
             cluster_key,
             owners: Mutex::new(HashMap::new()),
+            retired: Mutex::new(HashMap::new()),
             claim_locks: Mutex::new(HashMap::new()),
             peers: tokio::sync::Mutex::new(HashMap::new()),
             failed_starts: Mutex::new(HashMap::new()),
@@ -280,11 +292,61 @@ impl Router {
         match m.get(&v) {
             Some(o) if o.is_running() => Some(o.clone()),
             Some(_) => {
-                m.remove(&v);
+                if let Some(o) = m.remove(&v) {
+                    self.retire(v, o);
+                }
                 None
             }
             None => None,
         }
+    }
+
+    /// A forwarded request for a volume the directory says this node owns,
+    /// whose owner here ended (a change of its layout's kind restarts it):
+    /// the volume is claimed again here, at once, without waiting out the
+    /// ended owner's lease, rather than by the forwarding node, which
+    /// would have to. None when that is not the case or the claim fails
+    /// (the forwarding node then claims as before).
+    async fn claim_again_here(&self, volume: VolumeId) -> Option<Owner> {
+        let generation = {
+            let state = self.dir.state();
+            let v = state.volumes.get(&volume)?;
+            let ours = v.owner == Some(self.node);
+            let retired = self.retired.lock().ok()?;
+            let ended_here = retired.get(&volume)?.generation() == v.generation;
+            (ours && ended_here).then_some(v.generation)?
+        };
+        self.claim(volume, generation).await.ok()?;
+        self.local_owner(volume)
+    }
+
+    /// Keeps owner `o` of `volume`, out of service here, for the next claim
+    /// ([`Router::retired`]).
+    fn retire(&self, volume: VolumeId, o: Owner) {
+        if let Ok(mut r) = self.retired.lock() {
+            r.insert(volume, o.end());
+        }
+    }
+
+    /// Whether the owner of `volume` at generation `generation` ran here
+    /// and has ended every loop, waiting up to [`OWN_STOP_WAIT`] for it.
+    async fn own_owner_stopped(&self, volume: VolumeId, generation: Generation) -> bool {
+        let retired = self
+            .retired
+            .lock()
+            .ok()
+            .and_then(|r| r.get(&volume).cloned());
+        let Some(o) = retired.filter(|o| o.generation() == generation) else {
+            return false;
+        };
+        let until = Instant::now() + OWN_STOP_WAIT;
+        while !o.has_ended() {
+            if Instant::now() >= until {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        true
     }
 
     /// The IOPS limit of every volume owned here now, with what it held
@@ -365,7 +427,11 @@ impl Router {
         let Ok(mut m) = self.owners.lock() else {
             return;
         };
-        m.retain(|vid, o| hand_view(state, *vid, o));
+        m.retain(|vid, o| hand_view(state, *vid, o, |o| self.retire(*vid, o.clone())));
+        drop(m);
+        if let Ok(mut r) = self.retired.lock() {
+            r.retain(|vid, _| state.volumes.contains_key(vid));
+        }
     }
 
     async fn peer(&self, addr: &str) -> Result<Arc<Peer>, RpcError> {
@@ -409,6 +475,11 @@ impl Router {
                 v.generation
             ));
         }
+        // This node's own owner of that generation, ended: no lease of it
+        // can serve a read (a policy change between RAID-1 and an
+        // erasure-coded layout restarts the owner here).
+        let own_stopped =
+            v.owner == Some(self.node) && self.own_owner_stopped(volume, expected).await;
         let (gen, previous_owner_gone) = match self
             .dir
             .propose(Command::ClaimOwner {
@@ -433,7 +504,7 @@ impl Router {
         // The local copy of the directory may lag behind the claim.
         view.volume.generation = gen;
         view.volume.owner = Some(self.node);
-        view.previous_owner_gone = previous_owner_gone;
+        view.previous_owner_gone = previous_owner_gone || own_stopped;
         let control = Arc::new(DirControl {
             dir: self.dir.clone(),
             node: self.node,
@@ -449,7 +520,9 @@ impl Router {
         if let Ok(mut m) = self.owners.lock() {
             // What the directory changed while the owner started (a change
             // begun meanwhile) reached no owner: it gets it now.
-            if hand_view(&self.dir.state(), volume, &owner) {
+            if hand_view(&self.dir.state(), volume, &owner, |o| {
+                self.retire(volume, o.clone())
+            }) {
                 m.insert(volume, owner);
             }
         }
@@ -638,8 +711,10 @@ impl Router {
                             return Err(f);
                         }
                         if matches!(e, OwnerError::Deposed | OwnerError::Stopped) {
-                            if let Ok(mut m) = self.owners.lock() {
-                                m.remove(&volume);
+                            let removed =
+                                self.owners.lock().ok().and_then(|mut m| m.remove(&volume));
+                            if let Some(o) = removed {
+                                self.retire(volume, o);
                             }
                             *last = "owner deposed".into();
                         } else {
@@ -748,10 +823,24 @@ impl Router {
                 owner = self.local_owner(volume);
             }
         }
+        if owner.is_none() {
+            owner = self.claim_again_here(volume).await;
+        }
         let Some(o) = owner else {
             return Err(RemoteError::NotOwner { volume });
         };
-        let bounded = tokio::time::timeout(self.cfg.io_wait, o.execute(to_owner_op(op, payload)));
+        let served = async {
+            match o.execute(to_owner_op(op, payload.clone())).await {
+                // Stopped under the request by a change of the layout's
+                // kind: served by its successor here.
+                Err(OwnerError::Stopped) => match self.claim_again_here(volume).await {
+                    Some(o) => o.execute(to_owner_op(op, payload)).await,
+                    None => Err(OwnerError::Stopped),
+                },
+                answer => answer,
+            }
+        };
+        let bounded = tokio::time::timeout(self.cfg.io_wait, served);
         let Ok(answer) = bounded.await else {
             return Err(RemoteError::Unavailable(format!(
                 "the owner could not serve within {:?}",
@@ -773,13 +862,22 @@ impl Router {
 /// volume's layout changed kind (a change of policy between RAID-1 and an
 /// erasure-coded layout committed: the next I/O claims the volume again
 /// with the owner of its new kind).
-fn hand_view(state: &ClusterState, volume: VolumeId, o: &Owner) -> bool {
+///
+/// `retire` is handed an owner that stops before it is told to, so that
+/// a request it fails as stopped finds it retired ([`Router::retired`]).
+fn hand_view(
+    state: &ClusterState,
+    volume: VolumeId,
+    o: &Owner,
+    retire: impl FnOnce(&Owner),
+) -> bool {
     match view_of(state, volume) {
         Some(view) if view.volume.stripe.is_some() != o.is_tiered() => {
             tracing::info!(
                 volume,
                 "the volume's layout changed kind: its owner restarts"
             );
+            retire(o);
             o.stop();
             false
         }
@@ -788,6 +886,7 @@ fn hand_view(state: &ClusterState, volume: VolumeId, o: &Owner) -> bool {
             o.is_running()
         }
         None => {
+            retire(o);
             o.stop();
             false
         }

@@ -100,9 +100,11 @@ pub struct View {
     /// Static limit of the copy rate of resyncs and rebuilds, in bytes per
     /// second (None: as fast as the copies go).
     pub resync_bytes_per_s: Option<u64>,
-    /// The previous owner is certainly gone (its node has started again
-    /// since it claimed the volume): no read lease it granted can still
-    /// run, so a new owner need not wait out what the copies report.
+    /// The previous owner is certainly gone: its node has started again
+    /// since it claimed the volume, or it ran in this process and every
+    /// loop of it has ended ([`OwnerEnd::has_ended`]). No read lease it
+    /// holds can still serve a read, so a new owner need not wait out what
+    /// the copies report.
     pub previous_owner_gone: bool,
 }
 
@@ -409,6 +411,47 @@ pub struct Owner {
     status: event_loop::SharedStatus,
     /// The loop's generation now (raised by its reclaims).
     generation: Arc<std::sync::atomic::AtomicU64>,
+    /// Set once the RAID-1 loop has ended.
+    ended: Ended,
+}
+
+/// Set as the last act of a loop that has ended for good: its channel is
+/// closed (its handles refuse every operation), its lease over and its
+/// read route withdrawn, so it sends nothing any more (a read it sent
+/// before may still be on its way, concurrent with anything after).
+#[derive(Clone, Default, Debug)]
+pub(crate) struct Ended(Arc<std::sync::atomic::AtomicBool>);
+
+impl Ended {
+    pub(crate) fn set(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    fn is_set(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+/// What a node keeps of an owner it ran, once out of service
+/// ([`Owner::end`]): holds none of its state (an erasure-coded owner's map
+/// is hundreds of MB), only whether it has ended and its generation.
+#[derive(Clone, Debug)]
+pub struct OwnerEnd {
+    generation: Arc<std::sync::atomic::AtomicU64>,
+    loops: Vec<Ended>,
+}
+
+impl OwnerEnd {
+    /// The owner's last generation.
+    pub fn generation(&self) -> Generation {
+        self.generation.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Whether every loop of the owner has ended: no lease of it can
+    /// serve a read any more.
+    pub fn has_ended(&self) -> bool {
+        self.loops.iter().all(Ended::is_set)
+    }
 }
 
 impl Owner {
@@ -449,7 +492,9 @@ impl Owner {
         let status = event_loop::SharedStatus::default();
         let latency = Arc::new(pace::ClientLatency::default());
         let shared_generation = Arc::new(std::sync::atomic::AtomicU64::new(generation));
+        let ended = Ended::default();
         let shared = event_loop::Shared {
+            ended: ended.clone(),
             route: route.clone(),
             lease: lease.clone(),
             status: status.clone(),
@@ -468,7 +513,19 @@ impl Owner {
             latency,
             status,
             generation: shared_generation,
+            ended,
         })
+    }
+
+    /// What a node keeps of this owner once it is out of service: its
+    /// generation, and whether every loop of it has ended.
+    pub fn end(&self) -> OwnerEnd {
+        let mut loops = vec![self.ended.clone()];
+        loops.extend(self.tier.as_ref().map(|t| t.ended()));
+        OwnerEnd {
+            generation: self.generation.clone(),
+            loops,
+        }
     }
 
     /// The owner's generation now: the one it activated its copies

@@ -233,8 +233,8 @@ pub(crate) async fn start<C: Control>(
     let older_lease = if view.previous_owner_gone {
         tracing::info!(
             volume = vol.id,
-            "the previous owner's node has started again since it claimed the volume: \
-             no lease of it can run"
+            "the previous owner is gone (its node started again since it claimed the volume, \
+             or it ran in this process and has stopped): no lease of it can run"
         );
         Duration::ZERO
     } else {

@@ -78,6 +78,8 @@ pub(crate) struct Shared {
     /// The loop's generation, raised when it reclaims the volume: what
     /// the tiered loop of an erasure-coded volume proposes under.
     pub(crate) generation: Arc<std::sync::atomic::AtomicU64>,
+    /// Set once the loop has ended ([`crate::OwnerEnd`]).
+    pub(crate) ended: crate::Ended,
 }
 
 /// The loop serves a RAID-1 layout: of an erasure-coded volume, only its
@@ -313,6 +315,8 @@ pub(super) struct Loop<C: Control> {
     latency: Arc<crate::pace::ClientLatency>,
     /// `generation`, shared with the [`crate::Owner`] handles.
     shared_generation: Arc<std::sync::atomic::AtomicU64>,
+    /// Set as the loop's last act.
+    ended: crate::Ended,
     /// The adaptive pace of copies, fed those latencies every tick.
     adaptive: crate::pace::Adaptive,
     /// Bytes copied by the resync since the last tick.
@@ -391,6 +395,7 @@ impl<C: Control> Loop<C> {
             status: shared.status,
             latency: shared.latency,
             shared_generation: shared.generation,
+            ended: shared.ended,
             adaptive: Default::default(),
             copied_since_tick: 0,
             renewing: false,
@@ -421,6 +426,8 @@ impl<C: Control> Loop<C> {
         self.withdraw_route();
         self.lease.end();
         self.shutdown();
+        drop(rx);
+        self.ended.set();
         tracing::info!(volume = self.volume, "owner stopped");
     }
 

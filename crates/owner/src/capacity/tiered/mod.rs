@@ -74,6 +74,8 @@ pub struct TieredOwner {
     leg: Owner,
     status: Arc<Mutex<TierStatus>>,
     reads: StripeReads,
+    /// Set as the tiered loop's last act.
+    ended: crate::Ended,
 }
 
 /// What a handle needs to read destaged blocks without the loop: the
@@ -214,7 +216,9 @@ impl TieredOwner {
         let written_blocks = tier.written_blocks();
         let (set, tier) = (Arc::new(set), Arc::new(RwLock::new(tier)));
         let reading = Arc::new(SlotReads::default());
+        let ended = crate::Ended::default();
         let lp = Loop {
+            ended: ended.clone(),
             size,
             leg: leg.clone(),
             set: set.clone(),
@@ -262,6 +266,7 @@ impl TieredOwner {
             leg,
             status,
             reads: StripeReads { tier, set, reading },
+            ended,
         }
     }
 
@@ -338,6 +343,12 @@ impl TieredOwner {
 
     pub fn is_running(&self) -> bool {
         !self.tx.is_closed() && self.leg.is_running()
+    }
+
+    /// Set once the tiered loop has ended: it reads no stripe any more
+    /// ([`TieredOwner::read_stripes`] refuses once its channel closed).
+    pub(crate) fn ended(&self) -> crate::Ended {
+        self.ended.clone()
     }
 
     pub fn stop(&self) {
@@ -550,6 +561,8 @@ fn column_failure(e: ColumnError) -> OwnerError {
 }
 
 struct Loop {
+    /// Set as the loop's last act ([`TieredOwner::ended`]).
+    ended: crate::Ended,
     size: u64,
     leg: Owner,
     set: Arc<ColumnSet>,
@@ -740,6 +753,8 @@ impl Loop {
         for (_, r) in std::mem::take(&mut self.blocked) {
             let _ = r.send(Err(OwnerError::Deposed));
         }
+        drop(rx);
+        self.ended.set();
     }
 
     /// The tier's state, for the loop to read and change: locked for one

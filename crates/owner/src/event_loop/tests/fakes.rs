@@ -382,6 +382,7 @@ pub(super) async fn rig_sized(specs: &[Spec], size: u64) -> Rig {
         status: Default::default(),
         latency: Default::default(),
         generation: Arc::new(std::sync::atomic::AtomicU64::new(1)),
+        ended: Default::default(),
     };
     let (mut lp, rx) = Loop::new(cfg, dir.clone(), shared, 7, size, 1, replicas);
     lp.publish_route();
