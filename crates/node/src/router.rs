@@ -711,8 +711,18 @@ impl Router {
                             return Err(f);
                         }
                         if matches!(e, OwnerError::Deposed | OwnerError::Stopped) {
-                            let removed =
-                                self.owners.lock().ok().and_then(|mut m| m.remove(&volume));
+                            // The owner that failed, not one started since.
+                            let failed = o.end().generation();
+                            let removed = self.owners.lock().ok().and_then(|mut m| {
+                                let same = m
+                                    .get(&volume)
+                                    .is_some_and(|cur| cur.end().generation() == failed);
+                                if same {
+                                    m.remove(&volume)
+                                } else {
+                                    None
+                                }
+                            });
                             if let Some(o) = removed {
                                 self.retire(volume, o);
                             }
@@ -823,24 +833,24 @@ impl Router {
                 owner = self.local_owner(volume);
             }
         }
-        if owner.is_none() {
-            owner = self.claim_again_here(volume).await;
-        }
         let Some(o) = owner else {
+            // Claimed again here if its owner here ended, but this request
+            // is not served: the forwarding node gives it up as the claim
+            // moves the generation and sends it again, so serving this copy
+            // too could apply it after a later write.
+            self.claim_again_here(volume).await;
             return Err(RemoteError::NotOwner { volume });
         };
-        let served = async {
-            match o.execute(to_owner_op(op, payload.clone())).await {
+        let bounded = tokio::time::timeout(self.cfg.io_wait, async {
+            let answer = o.execute(to_owner_op(op, payload)).await;
+            if matches!(answer, Err(OwnerError::Stopped)) {
                 // Stopped under the request by a change of the layout's
-                // kind: served by its successor here.
-                Err(OwnerError::Stopped) => match self.claim_again_here(volume).await {
-                    Some(o) => o.execute(to_owner_op(op, payload)).await,
-                    None => Err(OwnerError::Stopped),
-                },
-                answer => answer,
+                // kind: its successor starts here (the request is sent
+                // again, as above).
+                self.claim_again_here(volume).await;
             }
-        };
-        let bounded = tokio::time::timeout(self.cfg.io_wait, served);
+            answer
+        });
         let Ok(answer) = bounded.await else {
             return Err(RemoteError::Unavailable(format!(
                 "the owner could not serve within {:?}",
@@ -883,7 +893,11 @@ fn hand_view(
         }
         Some(view) => {
             o.update(view);
-            o.is_running()
+            let running = o.is_running();
+            if !running {
+                retire(o);
+            }
+            running
         }
         None => {
             retire(o);
