@@ -305,19 +305,28 @@ impl Router {
     /// whose owner here ended (a change of its layout's kind restarts it):
     /// the volume is claimed again here, at once, without waiting out the
     /// ended owner's lease, rather than by the forwarding node, which
-    /// would have to. None when that is not the case or the claim fails
-    /// (the forwarding node then claims as before).
-    async fn claim_again_here(&self, volume: VolumeId) -> Option<Owner> {
+    /// would have to. Nothing when that is not the case; a claim that
+    /// fails leaves the forwarding node to claim as before.
+    async fn claim_again_here(&self, volume: VolumeId) {
         let generation = {
             let state = self.dir.state();
-            let v = state.volumes.get(&volume)?;
-            let ours = v.owner == Some(self.node);
-            let retired = self.retired.lock().ok()?;
-            let ended_here = retired.get(&volume)?.generation() == v.generation;
-            (ours && ended_here).then_some(v.generation)?
+            let Some(v) = state.volumes.get(&volume) else {
+                return;
+            };
+            let Ok(retired) = self.retired.lock() else {
+                return;
+            };
+            let ended_here = retired
+                .get(&volume)
+                .is_some_and(|o| o.generation() == v.generation);
+            if v.owner != Some(self.node) || !ended_here {
+                return;
+            }
+            v.generation
         };
-        self.claim(volume, generation).await.ok()?;
-        self.local_owner(volume)
+        if let Err(e) = self.claim(volume, generation).await {
+            tracing::debug!(volume, "not claimed again here: {e}");
+        }
     }
 
     /// Keeps owner `o` of `volume`, out of service here, for the next claim
@@ -712,11 +721,10 @@ impl Router {
                         }
                         if matches!(e, OwnerError::Deposed | OwnerError::Stopped) {
                             // The owner that failed, not one started since.
-                            let failed = o.end().generation();
+                            let failed = o.generation();
                             let removed = self.owners.lock().ok().and_then(|mut m| {
-                                let same = m
-                                    .get(&volume)
-                                    .is_some_and(|cur| cur.end().generation() == failed);
+                                let same =
+                                    m.get(&volume).is_some_and(|cur| cur.generation() == failed);
                                 if same {
                                     m.remove(&volume)
                                 } else {

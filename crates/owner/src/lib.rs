@@ -530,7 +530,7 @@ impl Owner {
 
     /// The owner's generation now: the one it activated its copies
     /// under, raised by each reclaim.
-    pub(crate) fn generation(&self) -> Generation {
+    pub fn generation(&self) -> Generation {
         self.generation.load(std::sync::atomic::Ordering::Acquire)
     }
 
