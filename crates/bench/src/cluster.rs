@@ -496,6 +496,8 @@ mod tests {
             wrapped_key: None,
             reconfig: None,
             wanted_policy: None,
+            grow_to: None,
+            map_log_at: None,
             stripe: None,
         };
         let health = if states.iter().all(|s| *s == ComponentState::Active) {

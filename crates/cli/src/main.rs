@@ -251,11 +251,16 @@ enum VolumeCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Grow a volume.
+    /// Grow a volume (an erasure-coded one once its owner has moved its map
+    /// log past the new end: the command waits for that).
     Resize {
         name: String,
         #[arg(long)]
         size: String,
+        /// How long to wait for an erasure-coded volume's growth (its
+        /// owner moves the map log, then commits the size): 90s, 30m.
+        #[arg(long, value_parser = parse_duration_s, default_value = "10m")]
+        timeout: u64,
         #[command(flatten)]
         target: Target,
     },
@@ -430,6 +435,10 @@ struct NodeFile {
 /// The longest I/O wait bound accepted, in seconds: beyond an hour a
 /// client is better told.
 const MAX_IO_WAIT_S: u64 = 3600;
+/// Interval of `volume resize`'s looks at an erasure-coded volume's
+/// growth, in milliseconds: a growth takes from a fraction of a second
+/// (a small map) to seconds.
+const GROW_POLL_MS: u64 = 200;
 
 /// `--io-wait`: a duration of 1 s to an hour.
 fn parse_io_wait_s(s: &str) -> Result<u64, String> {
@@ -942,10 +951,27 @@ async fn volume(v: VolumeCmd) -> Result<()> {
                 show::volume(&r);
             }
         }
-        VolumeCmd::Resize { name, size, target } => {
+        VolumeCmd::Resize {
+            name,
+            size,
+            timeout,
+            target,
+        } => {
             let size = parse_size(&size)?;
             let c = local::client(&target)?;
-            let r = c.resize_volume(&name, size).await?;
+            let mut r = c.resize_volume(&name, size).await?;
+            let bound = std::time::Duration::from_secs(timeout);
+            let start = std::time::Instant::now();
+            while r.volume.grow_to.is_some() {
+                if start.elapsed() > bound {
+                    bail!(
+                        "volume {name} is still growing to {size} bytes after {timeout} s \
+                         (`shoal volume show {name}` says when it is done)"
+                    );
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(GROW_POLL_MS)).await;
+                r = c.volume(&name).await?;
+            }
             show::volume(&r);
         }
         VolumeCmd::Set {

@@ -104,6 +104,13 @@ pub fn volume(r: &VolumeReport) {
     let v = &r.volume;
     println!("volume      {}", v.name);
     println!("size        {} ({} bytes)", human_size(v.size), v.size);
+    if let Some(to) = v.grow_to {
+        println!(
+            "growing to  {} ({to} bytes): its owner moves the map log past the new end, then \
+             commits the size",
+            human_size(to)
+        );
+    }
     println!("policy      {}", v.policy);
     if let Some(g) = v.stripe {
         println!(

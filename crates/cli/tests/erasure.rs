@@ -2,19 +2,21 @@
 //! (`docs/erasure-coding.md`): fio verify through NBD while the node of a
 //! stripe column (two for raid6) is killed -9, the column back in service
 //! and every staged block destaged once its node returns, every node
-//! killed at once while stripes are being destaged, and what the cluster
-//! refuses of such volumes.
+//! killed at once while stripes are being destaged, growth (`volume
+//! resize`) through kills of the owner, and what the cluster refuses of
+//! such volumes.
 
 mod common;
 
 use common::bitrot::{device_paths, find_blocks, flip_bit, wait_scrub_passes};
-use common::fio::{finish, fio_verify_only, fio_write_verify};
+use common::fio::{assert_fio_clean, finish, fio_verify_only, fio_write_verify};
 use common::ledger::{connect, Runs, Writer};
-use common::{components_of, require, sh, wait_for, Cluster};
+use common::{components_of, ok, require, run, sh, wait_for, Cluster};
 use shoal_nbd::codec::{Command as Nbd, Request, SimpleReply, SIMPLE_REPLY_LEN};
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::time::Duration;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 const HEAL: Duration = Duration::from_secs(120);
 /// Time allowed for a load to reach its goal on a slow machine.
@@ -42,12 +44,26 @@ fn nodes_of(c: &Cluster, vol: &str, role: &str) -> Vec<u32> {
 
 /// Makes node 1 the owner by doing I/O through it.
 fn own_from_node1(c: &Cluster, vol: &str) {
+    own_from(c, vol, 1);
+}
+
+/// Makes node `node` the owner of `vol` (which has none) by doing I/O
+/// through it.
+fn own_from(c: &Cluster, vol: &str, node: u32) {
     sh(&format!(
         "qemu-io -f raw -c 'write -P 7 0 4k' {}",
-        c.uri(1, vol)
+        c.uri(node, vol)
     ));
     let v = c.json(&["volume", "show", vol]);
-    assert_eq!(v["volume"]["owner"], 1, "{v}");
+    assert_eq!(v["volume"]["owner"], node, "{v}");
+}
+
+/// The node that owns `vol` now.
+fn owner_of(c: &Cluster, vol: &str) -> u32 {
+    let v = c.json(&["volume", "show", vol]);
+    v["volume"]["owner"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{vol} has no owner: {v}")) as u32
 }
 
 /// Waits until the owner on `owner` has every column in service and
@@ -97,8 +113,14 @@ fn refusals(c: &Cluster, vol: &str) {
     let v = c.json(&["volume", "show", vol]);
     assert_eq!(v["volume"]["policy"]["layout"], "Raid5", "{v}");
     assert_eq!(v["volume"]["reconfig"], serde_json::Value::Null, "{v}");
-    let e = c.shoal_fails(&["volume", "resize", vol, "--size", "512M"]);
-    assert!(e.contains("erasure-coded"), "{e}");
+    // Growing is built (`raid5_grows_under_fio_verify_and_through_a_kill_of_its_owner`);
+    // shrinking is refused, as for any volume, and leaves it as it is.
+    let before = v["volume"]["size"].as_u64().expect("size");
+    let e = c.shoal_fails(&["volume", "resize", vol, "--size", "128M"]);
+    assert!(e.contains("cannot shrink"), "{e}");
+    let v = c.json(&["volume", "show", vol]);
+    assert_eq!(v["volume"]["size"], before, "{v}");
+    assert!(v["volume"]["grow_to"].is_null(), "{v}");
 }
 
 /// Sends one request (with `data` for a write) and returns the reply's
@@ -839,4 +861,337 @@ fn raid1_to_raid5_to_raid6_and_back_to_raid1_under_fio_verify() {
         restarts >= 2 && unwaited >= restarts,
         "{restarts} restarts, {unwaited} without waiting"
     );
+}
+
+/// The regions of the growth test: the volume is created with one and
+/// grows by one at a time.
+const REGION: u64 = 64 << 20;
+
+/// fio's arguments for region `region` of `uri`: every 64 KiB block of it
+/// once, in an order fio repeats, with crc32c verify headers (bigger
+/// blocks than `common::fio`'s 4 KiB: a region is 64 MiB and the test
+/// passes over it several times).
+fn fio_region_args(uri: &str, region: u64) -> Vec<String> {
+    [
+        "--name=g".to_string(),
+        "--ioengine=nbd".to_string(),
+        format!("--uri={uri}"),
+        "--rw=randwrite".to_string(),
+        "--bs=64k".to_string(),
+        "--iodepth=8".to_string(),
+        format!("--offset={}", region * REGION),
+        format!("--size={REGION}"),
+        "--verify=crc32c".to_string(),
+        "--verify_fatal=1".to_string(),
+        "--verify_state_save=0".to_string(),
+        "--output-format=json".to_string(),
+    ]
+    .into()
+}
+
+/// Writes region `region` of `uri` whole with fio verify data and reads
+/// it back.
+fn write_region(uri: &str, region: u64) {
+    let child = Command::new("fio")
+        .args(fio_region_args(uri, region))
+        .arg("--do_verify=1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting fio");
+    finish(child);
+}
+
+/// Checks that regions `0..regions` of `uri` still hold what
+/// [`write_region`] wrote there (fio's verify pass alone).
+fn verify_regions(uri: &str, regions: u64) {
+    for region in 0..regions {
+        let out = ok(Command::new("fio")
+            .args(fio_region_args(uri, region))
+            .arg("--verify_only"));
+        assert_fio_clean(&out, false);
+    }
+}
+
+/// Checks that region `region` of `vol` reads as zeros through a new NBD
+/// connection to node `node` (never written: nothing of what the map log
+/// left there before a growth shows through).
+fn assert_region_zeros(c: &Cluster, node: u32, vol: &str, region: u64) {
+    let mut s = connect(&c.nbd_addr(node), vol);
+    let chunk = 1u32 << 20;
+    let start = region * REGION;
+    for offset in (start..start + REGION).step_by(chunk as usize) {
+        let (e, got) = ask(&mut s, Nbd::Read, offset, chunk, &[]);
+        assert_eq!(e, 0, "reading {vol} at {offset} through node {node}");
+        if let Some(at) = got.iter().position(|&b| b != 0) {
+            panic!(
+                "{vol}: byte {} of region {region}, never written, reads {:#x}, not zero",
+                offset + at as u64,
+                got[at]
+            );
+        }
+    }
+}
+
+/// The size a new NBD connection to node `node` sees of `vol`
+/// (`nbdinfo --size`).
+fn export_size(c: &Cluster, node: u32, vol: &str) -> Result<u64, String> {
+    let out = run(Command::new("timeout")
+        .args(["20", "nbdinfo", "--size"])
+        .arg(c.uri(node, vol)));
+    let text = String::from_utf8_lossy(&out.stdout);
+    match out.status.success() {
+        true => text
+            .trim()
+            .parse()
+            .map_err(|e| format!("nbdinfo --size said {text:?}: {e}")),
+        false => Err(format!(
+            "nbdinfo --size on node {node}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+    }
+}
+
+/// Waits until a new NBD connection to every node of `nodes` sees `vol`
+/// at `size` bytes (each node's directory has the commit of the growth).
+fn wait_export_size(c: &Cluster, nodes: &[u32], vol: &str, size: u64) {
+    wait_for(&format!("{vol} exported at {size} bytes"), HEAL, || {
+        for &n in nodes {
+            match export_size(c, n, vol)? {
+                s if s == size => {}
+                s => return Err(format!("node {n} exports {s} bytes")),
+            }
+        }
+        Ok(())
+    });
+}
+
+/// Waits until `vol` has an owner other than `gone` (killed); that owner.
+fn wait_new_owner(c: &Cluster, vol: &str, gone: u32) -> u32 {
+    wait_for(
+        &format!("a new owner of {vol} (not node {gone})"),
+        HEAL,
+        || {
+            let v = c.try_json(&["volume", "show", vol])?;
+            match v["volume"]["owner"].as_u64() {
+                Some(o) if o != u64::from(gone) => Ok(o as u32),
+                o => Err(format!("owner {o:?}; {}", components_of(&v))),
+            }
+        },
+    )
+}
+
+/// A `shoal` command started in the background against node `node`'s API
+/// (`--api`), not waited for; killed, if it still runs, when dropped (a
+/// test that fails leaves none behind).
+struct Background(Option<Child>);
+
+impl Background {
+    fn shoal(c: &Cluster, node: u32, args: &[&str]) -> Background {
+        let child = c
+            .cmd()
+            .args(args)
+            .args(["--api", &c.api(node)])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting shoal {args:?}: {e}"));
+        Background(Some(child))
+    }
+
+    /// Panics with its output if it has ended with a failure.
+    fn check_not_failed(&mut self) {
+        let child = self.0.as_mut().expect("a running command");
+        if let Ok(Some(status)) = child.try_wait() {
+            if !status.success() {
+                let out = self.0.take().expect("it").wait_with_output();
+                let out = out.expect("its output");
+                panic!(
+                    "background shoal failed: {status}\nstdout:\n{}\nstderr:\n{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+        }
+    }
+
+    /// Waits at most `timeout` for it to end, and for success; its stdout.
+    fn finish(mut self, what: &str, timeout: Duration) -> String {
+        wait_for(what, timeout, || {
+            let child = self.0.as_mut().expect("a running command");
+            match child.try_wait() {
+                Ok(Some(_)) => Ok(()),
+                Ok(None) => Err("still running".to_string()),
+                Err(e) => Err(e.to_string()),
+            }
+        });
+        let out = self.0.take().expect("it").wait_with_output();
+        let out = out.expect("its output");
+        assert!(
+            out.status.success(),
+            "{what}: {}\nstdout:\n{}\nstderr:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Polls `volume show` of `vol` as fast as it answers (not
+/// [`wait_for`]'s backing off: a growth takes moments) until it shows a
+/// growth to `to` in progress or already committed; that JSON. `resize`,
+/// the command that asked for it, must not have failed meanwhile.
+fn catch_growth(c: &Cluster, vol: &str, to: u64, resize: &mut Background) -> serde_json::Value {
+    let deadline = Instant::now() + LOAD;
+    loop {
+        let last = match c.try_json(&["volume", "show", vol]) {
+            Ok(v) if v["volume"]["grow_to"] == to || v["volume"]["size"] == to => return v,
+            Ok(v) => v.to_string(),
+            Err(e) => e,
+        };
+        resize.check_not_failed();
+        assert!(
+            Instant::now() < deadline,
+            "{vol} growing to {to}: not after {LOAD:?} (last: {last})"
+        );
+    }
+}
+
+/// What is refused of `vol` while it is being grown from `old` to `to`
+/// bytes with its owner just killed -9 (no new owner ends the growth for
+/// some seconds: the directory finds the node down first), and what a new
+/// NBD connection to node `node` sees meanwhile: the old size. Each claim
+/// is checked strictly if the growth was still in progress after it (a
+/// later `volume show` still has `grow_to`).
+fn while_growing(c: &Cluster, vol: &str, node: u32, old: u64, to: u64) {
+    // A policy change that would begin (a lowering to raid1) if the volume
+    // were not being grown.
+    let policy = c.shoal_fails(&["volume", "set-policy", vol, "--policy", "raid1 ftt=1"]);
+    assert!(policy.contains("being grown"), "set-policy: {policy}");
+    // Between the old size and the new: a second growth, to another size.
+    let between = ((old + to) / 2).to_string();
+    let resize = c.shoal_fails(&["volume", "resize", vol, "--size", &between]);
+    let size = export_size(c, node, vol);
+    let v = c.json(&["volume", "show", vol]);
+    if v["volume"]["grow_to"] == to {
+        assert!(resize.contains("being grown"), "resize: {resize}");
+        assert_eq!(size, Ok(old), "a new connection during the growth");
+        assert_eq!(v["volume"]["size"], old, "{v}");
+    } else {
+        eprintln!("the growth of {vol} was committed during the checks: {v}");
+        assert!(
+            resize.contains("being grown") || resize.contains("cannot shrink"),
+            "resize: {resize}"
+        );
+    }
+}
+
+/// A raid5 volume of 64 MiB, written whole by fio with verify data and
+/// destaged, grows to 128 MiB (`shoal volume resize` returns once the size
+/// is committed): the first 64 MiB verify, the new region reads as zeros
+/// and takes fio's writes, through new NBD connections that see the new
+/// size. Its owner is killed -9: the next owner serves both regions. Then
+/// it grows to 192 MiB with its owner stopped before the growth is
+/// recorded, then killed -9 (in progress: the set-policy and another
+/// resize meanwhile are refused, new connections see the old size): the
+/// next owner carries out the growth, the command returns, and
+/// everything written verifies, the new region zeros until fio writes it
+/// too.
+#[test]
+fn raid5_grows_under_fio_verify_and_through_a_kill_of_its_owner() {
+    require("fio");
+    require("nbdinfo");
+    require("qemu-io");
+    let c = Cluster::start(4);
+    let all: Vec<u32> = (1..=4).collect();
+    c.create_volume("g", "64M", "raid5");
+    // The owner on a node with a copy of the performance leg: killed, it
+    // takes a copy down, so the volume's caretaker claims it again
+    // without client I/O.
+    let owner = nodes_of(&c, "g", "Data")[0];
+    own_from(&c, "g", owner);
+    write_region(&c.uri(owner, "g"), 0);
+    wait_destaged(&c, owner, "g");
+
+    // b. Grown to 128 MiB: committed when the command returns.
+    c.shoal(&["volume", "resize", "g", "--size", "128M"]);
+    let v = c.json(&["volume", "show", "g"]);
+    assert_eq!(v["volume"]["size"], 2 * REGION, "{v}");
+    assert!(v["volume"]["grow_to"].is_null(), "{v}");
+
+    // c. New connections see 128 MiB; the old data verifies; the new
+    // region reads as zeros, then takes writes, through another node.
+    wait_export_size(&c, &all, "g", 2 * REGION);
+    let other = *all.iter().find(|&&n| n != owner).expect("another node");
+    verify_regions(&c.uri(other, "g"), 1);
+    assert_region_zeros(&c, other, "g", 1);
+    write_region(&c.uri(other, "g"), 1);
+    let owner = owner_of(&c, "g");
+    wait_destaged(&c, owner, "g");
+
+    // d. The owner killed -9: a new one serves both regions.
+    c.signal(owner, "KILL");
+    let next = wait_new_owner(&c, "g", owner);
+    c.up();
+    c.wait_healthy("g", HEAL);
+    wait_destaged(&c, next, "g");
+    verify_regions(&c.uri(owner, "g"), 2);
+
+    // e. Grown to 192 MiB with the owner stopped (SIGSTOP) before the
+    // growth is recorded, then killed -9: the next owner carries out the
+    // whole growth, and the command returns.
+    let victim = owner_of(&c, "g");
+    let api = *all.iter().find(|&&n| n != victim).expect("another node");
+    c.signal(victim, "STOP");
+    let mut resize = Background::shoal(&c, api, &["volume", "resize", "g", "--size", "192M"]);
+    let seen = catch_growth(&c, "g", 3 * REGION, &mut resize);
+    assert_eq!(seen["volume"]["grow_to"], 3 * REGION, "{seen}");
+    assert_eq!(seen["volume"]["size"], 2 * REGION, "{seen}");
+    c.signal(victim, "KILL");
+    let reader = *all.iter().find(|&&n| n != victim).expect("a live node");
+    // Still in progress once its owner is dead (it may have committed
+    // between that look and the kill): nothing ends it for a few seconds.
+    let now = c.json(&["volume", "show", "g"]);
+    if now["volume"]["grow_to"] == 3 * REGION {
+        while_growing(&c, "g", reader, 2 * REGION, 3 * REGION);
+    } else {
+        eprintln!("the growth to 192M was committed before the kill: {now}");
+    }
+    wait_for(
+        "the growth to 192M committed by the next owner",
+        HEAL,
+        || {
+            let v = c.try_json(&["volume", "show", "g"])?;
+            match v["volume"]["size"] == 3 * REGION && v["volume"]["grow_to"].is_null() {
+                true => Ok(()),
+                false => Err(format!(
+                    "size {}, grow_to {}, owner {}",
+                    v["volume"]["size"], v["volume"]["grow_to"], v["volume"]["owner"]
+                )),
+            }
+        },
+    );
+    resize.finish("shoal volume resize g --size 192M", LOAD);
+    // Read with the killed node still down (a stripe column may be out:
+    // degraded reads).
+    let live: Vec<u32> = all.iter().copied().filter(|&n| n != victim).collect();
+    wait_export_size(&c, &live, "g", 3 * REGION);
+    verify_regions(&c.uri(reader, "g"), 2);
+    assert_region_zeros(&c, reader, "g", 2);
+    c.up();
+    c.wait_healthy("g", HEAL);
+    wait_export_size(&c, &all, "g", 3 * REGION);
+    write_region(&c.uri(victim, "g"), 2);
+    wait_destaged(&c, owner_of(&c, "g"), "g");
+    verify_regions(&c.uri(reader, "g"), 3);
 }

@@ -41,11 +41,12 @@ pub const MAX_REASON_BYTES: usize = 256;
 /// kept one the larger of the two, so that both the commit and the abort
 /// only release space.
 pub fn reserved_for(v: &Volume, c: &Component) -> u64 {
-    let old = reservation(v.size, &v.policy);
+    let size = v.provisioned_size();
+    let old = reservation(size, &v.policy);
     let Some(r) = &v.reconfig else {
         return old;
     };
-    let new = reservation(v.size, &r.policy.unwrap_or(v.policy));
+    let new = reservation(size, &r.policy.unwrap_or(v.policy));
     if r.added.contains(&c.id) {
         new
     } else if r.remove.contains(&c.id) {
@@ -190,6 +191,14 @@ impl ClusterState {
         if v.reconfig.is_some() {
             return Err(input(format!(
                 "volume {} is already being reconfigured",
+                v.name
+            )));
+        }
+        if let Some(to) = v.grow_to {
+            // Its owner moves the map log and commits the size first; a
+            // column placed meanwhile would be sized for the old end.
+            return Err(input(format!(
+                "volume {} is being grown to {to} bytes: changes of its layout wait until that is done",
                 v.name
             )));
         }
@@ -342,8 +351,10 @@ impl ClusterState {
             after.stripe = crate::state::stripe_of(&after.policy, &leg)?;
         }
         if !after.policy.layout.is_erasure() {
-            // Lowered to RAID-1: the capacity leg is gone.
+            // Lowered to RAID-1: the capacity leg is gone, and the map log
+            // with it (trimmed by the owner before this commit).
             after.stripe = None;
+            after.map_log_at = None;
         }
         if after.wanted_policy == Some(after.policy) {
             after.wanted_policy = None;

@@ -210,6 +210,17 @@ pub enum Command {
         #[serde(default)]
         remove: Vec<ComponentId>,
     },
+    /// Ends an erasure-coded volume's growth (`Volume::grow_to`) under its
+    /// owner's generation: the volume takes the size it grew to, and its
+    /// map log lies at `map_log_at` (None: at the new end). Proposing it
+    /// again after a lost answer is safe: a growth already ended answers
+    /// Ok.
+    CommitGrowth {
+        volume: VolumeId,
+        generation: Generation,
+        size: u64,
+        map_log_at: Option<u64>,
+    },
     /// Drops a volume's wanted policy (`Volume::wanted_policy`): the
     /// volume keeps the policy it has and nothing begins its change
     /// again. No change when it has none.
@@ -517,11 +528,54 @@ impl ClusterState {
                     | Command::BeginReconfig { .. }
                     | Command::CommitReconfig { .. }
                     | Command::AbortReconfig { .. }
+                    | Command::CommitGrowth { .. }
             )
         {
             self.recount_provisioned();
         }
         r
+    }
+
+    /// Ends volume `id`'s growth under its owner's `generation`
+    /// ([`Command::CommitGrowth`]): its reservation moved when the growth
+    /// was recorded.
+    fn commit_growth(
+        &mut self,
+        id: VolumeId,
+        generation: Generation,
+        size: u64,
+        map_log_at: Option<u64>,
+    ) -> Result<Response, StateError> {
+        let v = self
+            .volumes
+            .get_mut(&id)
+            .ok_or(StateError::NoSuchVolumeId(id))?;
+        if v.generation != generation {
+            return Err(StateError::GenerationConflict {
+                current: v.generation,
+                owner: v.owner,
+            });
+        }
+        if v.grow_to.is_none() && v.size == size && v.map_log_at == map_log_at {
+            return Ok(Response::Ok); // proposed again after a lost answer
+        }
+        if v.grow_to != Some(size) {
+            return Err(input(format!(
+                "volume {} is not being grown to {size} bytes",
+                v.name
+            )));
+        }
+        if map_log_at.is_some_and(|at| at < size || !at.is_multiple_of(shoal_model::BLOCK_SIZE)) {
+            return Err(input(format!(
+                "a map log at byte {map_log_at:?} of volume {} would not lie past its end of {size} \
+                 bytes, on a block",
+                v.name
+            )));
+        }
+        v.size = size;
+        v.grow_to = None;
+        v.map_log_at = map_log_at;
+        Ok(Response::Ok)
     }
 
     /// `provisioned` of every device: the sizes of the data components on it.
@@ -532,7 +586,7 @@ impl ClusterState {
         for v in self.volumes.values() {
             for c in v.data_components() {
                 if let Some(d) = self.devices.get_mut(&c.device) {
-                    d.provisioned = d.provisioned.saturating_add(v.size);
+                    d.provisioned = d.provisioned.saturating_add(v.provisioned_size());
                 }
             }
         }
@@ -823,6 +877,8 @@ impl ClusterState {
                         wrapped_key: wrapped_key.clone(),
                         reconfig: None,
                         wanted_policy: None,
+                        grow_to: None,
+                        map_log_at: None,
                         stripe,
                     },
                 );
@@ -909,12 +965,13 @@ impl ClusterState {
                         "volume {name} is being reconfigured: resize it once that is done"
                     )));
                 }
-                if v.stripe.is_some() && *size != v.size {
-                    // Its map log lives past its end (docs/erasure-coding.md).
-                    return Err(input(format!(
-                        "volume {name} is erasure-coded ({}): growing it is not available yet",
-                        v.policy.layout
-                    )));
+                if let Some(to) = v.grow_to {
+                    return match *size == to {
+                        true => Ok(Response::Ok),
+                        false => Err(input(format!(
+                            "volume {name} is being grown to {to} bytes: resize it again once that is done"
+                        ))),
+                    };
                 }
                 if *size < v.size {
                     return Err(StateError::Shrink {
@@ -935,10 +992,21 @@ impl ClusterState {
                     }
                 }
                 if let Some(v) = self.volumes.get_mut(&id) {
-                    v.size = *size;
+                    match v.stripe.is_some() && *size > v.size {
+                        // Its owner moves the map log past the new end,
+                        // then commits the size (CommitGrowth).
+                        true => v.grow_to = Some(*size),
+                        false => v.size = *size,
+                    }
                 }
                 Ok(Response::Ok)
             }
+            Command::CommitGrowth {
+                volume,
+                generation,
+                size,
+                map_log_at,
+            } => self.commit_growth(*volume, *generation, *size, *map_log_at),
             Command::ClaimOwner {
                 volume,
                 node,
@@ -1238,6 +1306,74 @@ pub(crate) mod tests {
         );
     }
 
+    /// An erasure-coded volume's growth (volume `id`, 1 MiB, of `s`): the
+    /// resize records it, its owner commits it; meanwhile other sizes and
+    /// layout changes are refused, the devices hold room for the new size,
+    /// and only the owner's generation commits.
+    fn growth_of_an_erasure_coded_volume(mut s: ClusterState, id: VolumeId) {
+        let resize = |size: u64| Command::ResizeVolume {
+            name: "ec".into(),
+            size,
+        };
+        let commit = |generation, size, map_log_at| Command::CommitGrowth {
+            volume: id,
+            generation,
+            size,
+            map_log_at,
+        };
+        let v = s.volumes[&id].clone();
+        assert_eq!(v.size, 1 << 20);
+        let dev = v.data_components().next().unwrap().device;
+        let provisioned = s.devices[&dev].provisioned;
+        s.apply(&resize(4 << 20)).unwrap();
+        let v = s.volumes[&id].clone();
+        assert_eq!((v.size, v.grow_to), (1 << 20, Some(4 << 20)));
+        assert_eq!(s.devices[&dev].provisioned, provisioned + (3 << 20));
+        // The same size again is the growth in progress; others wait.
+        s.apply(&resize(4 << 20)).unwrap();
+        for size in [2 << 20, 8 << 20] {
+            let e = s.apply(&resize(size)).unwrap_err().to_string();
+            assert!(e.contains("being grown to 4194304 bytes"), "{e}");
+        }
+        let begin = Command::BeginReconfig {
+            volume: id,
+            generation: 0,
+            add: vec![],
+            remove: vec![],
+            policy: Some(Policy::default()),
+            reason: String::new(),
+            wanted: None,
+        };
+        let e = s.apply(&begin).unwrap_err().to_string();
+        assert!(e.contains("being grown"), "{e}");
+        // Only the owner's generation, the size recorded, a log past it.
+        let before = s.clone();
+        for (cmd, want) in [
+            (commit(1, 4 << 20, None), "generation"),
+            (commit(0, 2 << 20, None), "not being grown to 2097152"),
+            (commit(0, 4 << 20, Some(1 << 20)), "past its end"),
+            (commit(0, 4 << 20, Some((5 << 20) + 1)), "on a block"),
+        ] {
+            let e = s.apply(&cmd).unwrap_err().to_string();
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        assert_eq!(s, before);
+        s.apply(&commit(0, 4 << 20, Some(5 << 20))).unwrap();
+        let v = s.volumes[&id].clone();
+        assert_eq!(
+            (v.size, v.grow_to, v.map_log_at),
+            (4 << 20, None, Some(5 << 20))
+        );
+        assert_eq!(s.devices[&dev].provisioned, provisioned + (3 << 20));
+        // Proposed again after a lost answer: Ok, nothing changes.
+        let after = s.clone();
+        s.apply(&commit(0, 4 << 20, Some(5 << 20))).unwrap();
+        assert_eq!(s, after);
+        // Shrinking stays refused.
+        let e = s.apply(&resize(2 << 20)).unwrap_err().to_string();
+        assert!(e.contains("only grow"), "{e}");
+    }
+
     /// A RAID-5 volume records the geometry its stripe columns make; bad
     /// columns (a raid1 volume with one, positions missing or twice,
     /// columns sharing a node or carrying votes, a geometry the layout
@@ -1302,14 +1438,9 @@ pub(crate) mod tests {
         assert_eq!(v.stripe, Some(StripeGeometry::RAID5_NARROW));
         assert_eq!(v.stripe_components().count(), 3);
         assert_eq!(v.total_votes(), 3);
-        // Not yet: growing it, changing its policy. A column moves only
-        // one for one, to a node without another column.
-        let grow = Command::ResizeVolume {
-            name: "ec".into(),
-            size: 2 << 20,
-        };
-        let e = s.apply(&grow).unwrap_err().to_string();
-        assert!(e.contains("erasure-coded"), "{e}");
+        growth_of_an_erasure_coded_volume(s.clone(), id);
+        // A column moves only one for one, to a node without another
+        // column.
         let old = v.stripe_components().nth(1).unwrap().clone();
         let begin =
             |add: Vec<PlannedComponent>, remove: Vec<ComponentId>, policy: Option<Policy>| {

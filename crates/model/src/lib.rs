@@ -301,6 +301,26 @@ pub struct Volume {
     /// first step, the lowering to RAID-1, in progress); otherwise never.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wanted_policy: Option<Policy>,
+    /// An erasure-coded volume's growth in progress: the size it grows
+    /// to. `size` stays the old one (what clients see) until the owner has
+    /// moved the map log past the new end and commits it
+    /// (`docs/erasure-coding.md`, Growing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grow_to: Option<u64>,
+    /// Where an erasure-coded volume's map log begins on its performance
+    /// leg, in bytes, when not at the volume's end: a growth moves the log
+    /// past both the new end and the old log, so that the old log stays
+    /// whole until the new one holds a checkpoint. None: at `size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub map_log_at: Option<u64>,
+}
+
+impl Volume {
+    /// The size its devices hold room for: the size it grows to during a
+    /// growth, else its size.
+    pub fn provisioned_size(&self) -> u64 {
+        self.grow_to.map_or(self.size, |to| to.max(self.size))
+    }
 }
 
 /// A reconfiguration in progress (the one primitive behind rebuilds,
@@ -610,6 +630,8 @@ mod tests {
             wrapped_key: None,
             reconfig: None,
             wanted_policy: None,
+            grow_to: None,
+            map_log_at: None,
             stripe: None,
             id: 1,
             name: "v".into(),

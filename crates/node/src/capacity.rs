@@ -98,6 +98,8 @@ mod tests {
             problem: None,
             wrapped_key: None,
             wanted_policy: None,
+            grow_to: None,
+            map_log_at: None,
             reconfig: None,
             stripe,
         }

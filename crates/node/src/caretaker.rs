@@ -40,7 +40,8 @@ pub const CARE_INTERVAL_MS: u64 = 1000;
 
 /// Whether `v` needs an owner to heal: a component not active or on a
 /// node that is down (the directory marks nothing itself: an owner records
-/// the copy absent), or a change of layout in progress.
+/// the copy absent), a change of layout in progress, or a growth that
+/// its owner commits (an erasure-coded volume's, `Volume::grow_to`).
 pub fn needs_owner(state: &ClusterState, v: &Volume) -> bool {
     let up = |n: NodeId| {
         state
@@ -49,6 +50,7 @@ pub fn needs_owner(state: &ClusterState, v: &Volume) -> bool {
             .is_some_and(|n| n.state == NodeState::Up)
     };
     v.reconfig.is_some()
+        || v.grow_to.is_some()
         || v.components
             .iter()
             .any(|c| c.state != ComponentState::Active || !up(c.node))
@@ -267,6 +269,20 @@ mod tests {
         .unwrap();
         assert!(to_claim(&s, 3).is_empty());
         assert_eq!(to_claim(&s, 2), vec![v], "kept running by its caretaker");
+    }
+
+    /// A growth only an owner commits: its caretaker claims the volume.
+    #[test]
+    fn a_volume_being_grown_is_claimed_by_its_caretaker() {
+        let (mut s, v) = cluster();
+        let keeper = caretaker(&s, &s.volumes[&v]).unwrap();
+        if let Some(vol) = s.volumes.get_mut(&v) {
+            vol.grow_to = Some(vol.size * 2);
+        }
+        assert_eq!(to_claim(&s, keeper), vec![v]);
+        assert!((1..=3)
+            .filter(|&n| n != keeper)
+            .all(|n| to_claim(&s, n).is_empty()));
     }
 
     /// Volume `v`'s caretaker, generation and witness.

@@ -1348,6 +1348,8 @@ mod tests {
             wrapped_key: None,
             reconfig: None,
             wanted_policy: None,
+            grow_to: None,
+            map_log_at: None,
             stripe: None,
         };
         s.volumes.insert(v.id, v);

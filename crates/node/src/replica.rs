@@ -809,7 +809,17 @@ impl Replicas {
             }
             Request::ResizeComponent { component, size } => {
                 let d = self.device_of(component)?;
-                d.store.resize_component(component, size).map_err(remote)?;
+                // Grows only: volumes never shrink, and an owner that
+                // resizes on every activation (stripe columns) must not
+                // undo a later owner's growth with its older size.
+                let now = d
+                    .store
+                    .component(component)
+                    .map(|c| c.size)
+                    .ok_or(RemoteError::NoSuchComponent(component))?;
+                if size > now {
+                    d.store.resize_component(component, size).map_err(remote)?;
+                }
                 Self::durable(d, Response::Ok)
             }
             Request::Activate {
@@ -1256,6 +1266,34 @@ mod tests {
         barrier(&r, 2, 6).await;
         r.settle_marks();
         assert_eq!(tracked(&r).await, runs(&[]));
+    }
+
+    /// A resize grows a component and never shrinks it: an owner with
+    /// an older size (a column activated by a stale owner) cannot undo a
+    /// growth.
+    #[tokio::test]
+    async fn a_resize_grows_and_never_shrinks() {
+        let (_dir, r) = one_component();
+        let size = |r: &Replicas| r.device(1).unwrap().store.component(1).unwrap().size;
+        let resize = |size| Request::ResizeComponent { component: 1, size };
+        for (to, want) in [
+            (4 * MIB, 8 * MIB),
+            (16 * MIB, 16 * MIB),
+            (8 * MIB, 16 * MIB),
+        ] {
+            let resp = call(&r, resize(to), Bytes::new()).await;
+            assert!(matches!(resp, Response::Ok), "{resp:?}");
+            assert_eq!(size(&r), want, "resized to {to}");
+        }
+        let other = Request::ResizeComponent {
+            component: 2,
+            size: MIB,
+        };
+        let resp = call(&r, other, Bytes::new()).await;
+        assert!(
+            matches!(resp, Response::Err(RemoteError::NoSuchComponent(2))),
+            "{resp:?}"
+        );
     }
 
     #[tokio::test]

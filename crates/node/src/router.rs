@@ -113,6 +113,25 @@ impl Control for DirControl {
         self.dir.propose(cmd).await.map(|_| ()).map_err(control_err)
     }
 
+    async fn commit_growth(
+        &self,
+        volume: VolumeId,
+        generation: Generation,
+        size: u64,
+        map_log_at: Option<u64>,
+    ) -> Result<(), ControlError> {
+        self.dir
+            .propose(Command::CommitGrowth {
+                volume,
+                generation,
+                size,
+                map_log_at,
+            })
+            .await
+            .map(|_| ())
+            .map_err(control_err)
+    }
+
     async fn begin_rebuild(
         &self,
         volume: VolumeId,

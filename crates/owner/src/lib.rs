@@ -141,9 +141,15 @@ impl View {
         if stripes_only && self.volume.stripe.is_some() {
             self.volume.reconfig = None;
         }
-        // The map log lives past the volume's end, on this leg.
+        // The map log lives past the volume's end, on this leg: during a
+        // growth, at both its places (the new one past the old).
         if self.volume.stripe.is_some() {
-            self.volume.size += map_log_bytes(self.volume.size);
+            let v = &self.volume;
+            let log = match v.grow_to {
+                Some(to) => stripes::LogPlace::grown(v, to),
+                None => stripes::LogPlace::of(v),
+            };
+            self.volume.size = log.end();
         }
         self
     }
@@ -201,6 +207,18 @@ pub trait Control: Send + Sync + 'static {
         volume: VolumeId,
         generation: Generation,
         end: ChangeEnd,
+    ) -> impl Future<Output = Result<(), ControlError>> + Send;
+    /// Ends an erasure-coded volume's growth to `size` bytes
+    /// (`docs/erasure-coding.md`, Growing), its map log now at byte
+    /// `map_log_at` of the performance leg (None: at the new end),
+    /// accepted only under the current generation. Proposing it again
+    /// after a lost answer is safe.
+    fn commit_growth(
+        &self,
+        volume: VolumeId,
+        generation: Generation,
+        size: u64,
+        map_log_at: Option<u64>,
     ) -> impl Future<Output = Result<(), ControlError>> + Send;
     /// Begins a reconfiguration that rebuilds each of `components` on a
     /// device placement chooses (another fault domain), dropping them at
@@ -758,6 +776,8 @@ mod view_tests {
                 policy: None,
             }),
             wanted_policy: None,
+            grow_to: None,
+            map_log_at: None,
             stripe: Some(StripeGeometry::RAID5_NARROW),
         };
         let view = View {

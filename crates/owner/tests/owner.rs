@@ -90,6 +90,17 @@ impl Mem {
                 m.entry(component).or_insert((0, vec![0; size as usize]));
                 (Response::Ok, Bytes::new())
             }
+            // Grows only, as a node's replica.
+            Request::ResizeComponent { component, size } => {
+                let d = &mut m
+                    .get_mut(&component)
+                    .ok_or(RemoteError::NoSuchComponent(component))?
+                    .1;
+                if size as usize > d.len() {
+                    d.resize(size as usize, 0);
+                }
+                (Response::Ok, Bytes::new())
+            }
             Request::Activate {
                 component,
                 generation,
@@ -313,6 +324,12 @@ struct Dir {
     states: Mutex<Vec<(u64, ComponentState)>>,
     /// Answer nothing but "unavailable": the owner is cut off from it.
     unreachable: AtomicBool,
+    /// Growths committed: (size, map log place).
+    growths: Mutex<Vec<(u64, Option<u64>)>>,
+    /// Answer growth commits "unavailable" (counted), as a directory
+    /// without a leader would.
+    hold_growths: AtomicBool,
+    growths_held: AtomicU64,
 }
 
 impl Control for Dir {
@@ -351,6 +368,24 @@ impl Control for Dir {
         _end: ChangeEnd,
     ) -> Result<(), ControlError> {
         Err(ControlError::Refused("these tests change no layout".into()))
+    }
+
+    async fn commit_growth(
+        &self,
+        _v: VolumeId,
+        g: Generation,
+        size: u64,
+        map_log_at: Option<u64>,
+    ) -> Result<(), ControlError> {
+        if g != self.generation.load(Ordering::SeqCst) {
+            return Err(ControlError::Conflict);
+        }
+        if self.hold_growths.load(Ordering::SeqCst) {
+            self.growths_held.fetch_add(1, Ordering::SeqCst);
+            return Err(ControlError::Unavailable("no leader".into()));
+        }
+        self.growths.lock().unwrap().push((size, map_log_at));
+        Ok(())
     }
 
     async fn begin_rebuild(
@@ -425,6 +460,8 @@ fn view(addrs: &[String], up: [bool; 3], gen: Generation) -> View {
             wrapped_key: None,
             reconfig: None,
             wanted_policy: None,
+            grow_to: None,
+            map_log_at: None,
             stripe: None,
         },
         repair_delay: shoal_owner::DEFAULT_REPAIR_DELAY,
@@ -1473,4 +1510,112 @@ async fn reads_without_the_loop_race_destage_and_cleaner_safely() {
             "block {b}"
         );
     }
+}
+
+/// An erasure-coded volume grows: its owner grows the columns and the
+/// leg, moves the map log past the new end (a checkpoint there), trims
+/// the old log and commits; meanwhile the old end holds. An owner stopped
+/// with the commit unanswered leaves it to the next one, which finds the
+/// log moved, trims the old one again and commits; data written before
+/// and after reads back through a third owner of the grown volume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_erasure_coded_volume_grows_through_a_new_owner() {
+    let (mems, addrs, dir) = setup().await;
+    dir.generation.store(1, Ordering::SeqCst);
+    let o = Owner::start(cfg(), ec_view(&addrs, 1), 1, dir.clone())
+        .await
+        .unwrap();
+    const N: usize = 200;
+    let old: Vec<u8> = (0..N * 4096).map(|i| (i / 4096) as u8 | 1).collect();
+    let w = Op::Write {
+        offset: 0,
+        data: Bytes::from(old.clone()),
+    };
+    o.execute(w).await.unwrap();
+    eventually("destaged", || {
+        mems[0].data(1)[..N * 4096].iter().all(|&b| b == 0)
+    })
+    .await;
+    // The growth, its commit held: the log moves, the old one is trimmed.
+    dir.hold_growths.store(true, Ordering::SeqCst);
+    let mut v = ec_view(&addrs, 1);
+    v.volume.grow_to = Some(2 * SIZE);
+    o.update(v.clone());
+    eventually("the commit proposed", || {
+        dir.growths_held.load(Ordering::SeqCst) > 0
+    })
+    .await;
+    let log = shoal_owner::map_log_bytes(SIZE) as usize;
+    let s = SIZE as usize;
+    for (m, c) in [(0, 1), (1, 2)] {
+        let d = mems[m].data(c);
+        assert!(d.len() >= 2 * s + log, "copy {c} grown to {}", d.len());
+        assert!(
+            d[s..s + log].iter().all(|&b| b == 0),
+            "old log trimmed on {c}"
+        );
+        assert!(
+            d[2 * s..].iter().any(|&b| b != 0),
+            "a checkpoint at the new end on {c}"
+        );
+    }
+    let past = Op::Write {
+        offset: SIZE,
+        data: Bytes::from(vec![7; 4096]),
+    };
+    let e = o.execute(past.clone()).await.unwrap_err();
+    assert!(matches!(e, OwnerError::OutOfRange), "{e:?}");
+    // A new owner finds the log moved and commits.
+    o.stop();
+    eventually("stopped", || !o.is_running()).await;
+    // (The directory fences the stopped owner's commit, still retried.)
+    dir.generation.store(2, Ordering::SeqCst);
+    dir.hold_growths.store(false, Ordering::SeqCst);
+    let mut v2 = ec_view(&addrs, 2);
+    v2.volume.grow_to = Some(2 * SIZE);
+    let o2 = Owner::start(cfg(), v2, 2, dir.clone()).await.unwrap();
+    eventually("the growth committed", || {
+        dir.growths.lock().unwrap().as_slice() == [(2 * SIZE, None)]
+    })
+    .await;
+    // The new end is served (once the commit's answer is in).
+    let new: Vec<u8> = (0..N * 4096).map(|i| (i / 4096) as u8 | 0x80).collect();
+    let mut wrote = Err(OwnerError::OutOfRange);
+    for _ in 0..100 {
+        let w = Op::Write {
+            offset: SIZE,
+            data: Bytes::from(new.clone()),
+        };
+        wrote = o2.execute(w).await;
+        if wrote.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    wrote.unwrap();
+    let read = |o: Owner, offset: u64| async move {
+        o.execute(Op::Read {
+            offset,
+            len: (N * 4096) as u32,
+        })
+        .await
+        .unwrap()
+    };
+    assert_eq!(first_difference(&read(o2.clone(), 0).await, &old), None);
+    assert_eq!(first_difference(&read(o2.clone(), SIZE).await, &new), None);
+    // Destaged into the columns' new slots too, then a third owner of
+    // the grown volume reads both from the map at its new end.
+    eventually("destaged past the old end", || {
+        mems[0].data(1)[s..s + N * 4096].iter().all(|&b| b == 0)
+    })
+    .await;
+    o2.stop();
+    eventually("stopped", || !o2.is_running()).await;
+    dir.generation.store(3, Ordering::SeqCst);
+    let o3 = Owner::start(cfg(), ec_view_of(&addrs, 3, 2 * SIZE), 3, dir.clone())
+        .await
+        .unwrap();
+    assert_eq!(first_difference(&read(o3.clone(), 0).await, &old), None);
+    assert_eq!(first_difference(&read(o3.clone(), SIZE).await, &new), None);
+    o3.stop();
 }

@@ -177,6 +177,8 @@ pub(crate) fn volume_from(plan: &[Planned], policy: Policy, size: u64) -> Volume
         wrapped_key: None,
         reconfig: None,
         wanted_policy: None,
+        grow_to: None,
+        map_log_at: None,
         stripe: stripe_geometry(&policy, plan),
     }
 }

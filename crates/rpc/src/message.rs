@@ -20,7 +20,8 @@ pub enum Request {
     },
     /// Drop a component and free its space.
     DeleteComponent { component: ComponentId },
-    /// Grow a component.
+    /// Grow a component to `size` bytes; a component as large or larger
+    /// is left as it is (never shrunk).
     ResizeComponent { component: ComponentId, size: u64 },
     /// An owner of `generation` takes over the component: from now on the
     /// replica refuses anything older. Answered with [`Response::Activated`].

@@ -14,6 +14,7 @@ use futures::future::join_all;
 use shoal_erasure::{Codec, Geometry};
 use shoal_model::{ComponentId, DeviceId, Generation, StripeGeometry, VolumeId};
 use shoal_rpc::{Peer, PeerAuth, RemoteError, Request, RpcError};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -121,6 +122,9 @@ pub struct ColumnSet {
     auth: PeerAuth,
     /// By position: the connection of a column in service.
     peers: RwLock<Vec<Option<Arc<Peer>>>>,
+    /// Bytes each column has room for: a column taken back into service
+    /// is grown to it (one out of service during a growth missed it).
+    column_bytes: AtomicU64,
 }
 
 impl ColumnSet {
@@ -173,6 +177,7 @@ impl ColumnSet {
             targets: RwLock::new(targets),
             auth: auth.clone(),
             peers: RwLock::new(peers),
+            column_bytes: AtomicU64::new(size),
         };
         set.need(usize::from(geometry.data))?;
         Ok(set)
@@ -190,6 +195,29 @@ impl ColumnSet {
     pub fn in_service(&self) -> Vec<usize> {
         let peers = self.peers.read().unwrap_or_else(|e| e.into_inner());
         (0..peers.len()).filter(|&p| peers[p].is_some()).collect()
+    }
+
+    /// Grows every column to `column_bytes` (a growth of the volume): the
+    /// positions that failed, to be taken out of service (those out of
+    /// service already are grown when taken back).
+    pub async fn grow(&self, column_bytes: u64) -> Vec<usize> {
+        self.column_bytes.fetch_max(column_bytes, Ordering::SeqCst);
+        let tries = self.in_service().into_iter().map(|position| async move {
+            let done = match (self.peer(position), self.component(position)) {
+                (Ok(peer), Ok(component)) => {
+                    grow_one(&peer, component, column_bytes, self.timeout).await
+                }
+                _ => Err(RpcError::Closed),
+            };
+            match done {
+                Ok(()) => None,
+                Err(e) => {
+                    tracing::warn!(position, error = %e, "stripe column not grown: out of service");
+                    Some(position)
+                }
+            }
+        });
+        join_all(tries).await.into_iter().flatten().collect()
     }
 
     /// Takes column `position` out of service (it failed).
@@ -216,6 +244,10 @@ impl ColumnSet {
             generation: self.generation,
         };
         peer.call(&req, Bytes::new(), self.timeout)
+            .await
+            .map_err(|e| column_error(position, e))?;
+        let size = self.column_bytes.load(Ordering::SeqCst);
+        grow_one(&peer, t.component, size, self.timeout)
             .await
             .map_err(|e| column_error(position, e))?;
         let mut peers = self.peers.write().unwrap_or_else(|e| e.into_inner());
@@ -703,5 +735,21 @@ async fn activate_one(
         generation,
     };
     peer.call(&req, Bytes::new(), timeout).await?;
+    if !create {
+        // An owner before this one may have committed a growth while
+        // this column was out of service.
+        grow_one(&peer, t.component, size, timeout).await?;
+    }
     Ok(peer)
+}
+
+/// Grows `component` to at least `size` bytes (never shrinks it).
+async fn grow_one(
+    peer: &Peer,
+    component: ComponentId,
+    size: u64,
+    timeout: Duration,
+) -> Result<(), RpcError> {
+    let req = Request::ResizeComponent { component, size };
+    peer.call(&req, Bytes::new(), timeout).await.map(|_| ())
 }

@@ -33,8 +33,9 @@ mod tier;
 
 pub use columns::{summary_of, Columns, StripeError, Unit, BLOCK_BYTES, UNIT_BYTES};
 pub use tier::{
-    classify, log_records_for, Applied, Destage, DirectFailed, Source, Ticket, Tier, TierError,
-    WrittenScan, Zeroing, CLEAN_RESERVE_SLOTS, MAX_DIRECT_STRIPES, UNMAP_RECORD_MAPPED_BLOCKS,
+    classify, log_records_for, Applied, Destage, DirectFailed, Grown, LogPlace, Source, Ticket,
+    Tier, TierError, WrittenScan, Zeroing, CLEAN_RESERVE_SLOTS, MAX_DIRECT_STRIPES,
+    UNMAP_RECORD_MAPPED_BLOCKS,
 };
 
 pub use format::{

@@ -143,6 +143,14 @@ fn columns() -> Columns {
     Columns::new(Geometry::of(shoal_model::StripeGeometry::RAID5_NARROW).unwrap())
 }
 
+/// A log of `records` at the end of a volume of `blocks`.
+fn at_end(blocks: u64, records: u64) -> LogPlace {
+    LogPlace {
+        at: blocks * 4096,
+        records,
+    }
+}
+
 /// The sim's tier: an unmap is recorded in steps of a few mapped blocks,
 /// so that crashes fall between them.
 fn tier(map: StripeMap, pending: Vec<u64>) -> Tier {
@@ -152,7 +160,7 @@ fn tier(map: StripeMap, pending: Vec<u64>) -> Tier {
         columns(),
         map,
         pending,
-        (LOG_RECORDS, SLOTS),
+        (at_end(BLOCKS, LOG_RECORDS), SLOTS),
     );
     t.unmap_record_blocks = UNMAP_STEP_BLOCKS;
     t.rehydrate_walk_blocks = REHYDRATE_WALK_BLOCKS;
@@ -1029,15 +1037,13 @@ fn cycle_tier(map: StripeMap) -> Tier {
 /// A tier of [`CYCLE_BLOCKS`] whose checkpoints take two runs per part
 /// and 16 parts per write, in a log of `log_records`.
 fn parted_tier(map: StripeMap, log_records: u64) -> Tier {
+    placed_tier(map, at_end(CYCLE_BLOCKS, log_records))
+}
+
+/// [`parted_tier`] with its log at `log`.
+fn placed_tier(map: StripeMap, log: LogPlace) -> Tier {
     let bytes = CYCLE_BLOCKS * 4096;
-    let mut t = Tier::new(
-        VOLUME,
-        bytes,
-        columns(),
-        map,
-        Vec::new(),
-        (log_records, SLOTS),
-    );
+    let mut t = Tier::new(VOLUME, bytes, columns(), map, Vec::new(), (log, SLOTS));
     t.runs_per_part = 2;
     t.parts_per_write = 16;
     t
@@ -1173,7 +1179,7 @@ fn parts_left_past_a_resumed_checkpoint_are_never_followed() {
         columns(),
         recovered,
         Vec::new(),
-        (64, SLOTS),
+        (at_end(BLOCKS, 64), SLOTS),
     );
     t.runs_per_part = 40;
     // The rest (52 runs) in two parts: seqs 13 and 14, the last marked.
@@ -1269,4 +1275,103 @@ fn a_log_of_version_2_rules_is_carried_on_without_the_bound() {
     let replayed = StripeMap::replay(&ring.records()).unwrap();
     assert_eq!(replayed.log_tail().complete_from, 289);
     assert_eq!(blocks(&replayed), blocks(&map));
+}
+
+/// A growth moves the map log: its next records are a whole checkpoint
+/// at the new place, numbered above what a torn move left there; a crash
+/// after any write of it (the last one torn: every other part durable)
+/// leaves the map at the old place until that checkpoint is complete,
+/// and at the new one from then on; a move made again after a torn one
+/// completes over what that left. Only then does the tier give the old
+/// place to trim, and only after the growth's commit the new slots.
+#[test]
+fn a_moved_log_is_the_map_once_its_checkpoint_is_complete() {
+    let old = at_end(CYCLE_BLOCKS, CYCLE_LOG);
+    let mut here = Ring(vec![None; CYCLE_LOG as usize]);
+    let mut before = StripeMap::default().checkpoint(VOLUME, 1);
+    before.extend(cycle_stripes());
+    here.write(&before);
+    let mut t = placed_tier(StripeMap::recover(&here.records()).unwrap(), old);
+    for _ in 0..40 {
+        cycle_step(&mut t, &mut here);
+    }
+    let blocks = |m: &StripeMap| m.from_block(0).collect::<Vec<_>>();
+    let want = blocks(t.map());
+    // At the new end, past the old log, as `LogPlace::grown` places it.
+    let new = LogPlace {
+        at: 2 * CYCLE_BLOCKS * 4096,
+        records: CYCLE_LOG + 40,
+    };
+    assert!(new.at >= old.end());
+    let recover = |here: &Ring, moved: &Ring| {
+        Tier::recover_growing(&here.records(), &moved.records(), MapBounds::ANY).unwrap()
+    };
+    // A first move, torn after its second write.
+    let mut moved = Ring(vec![None; new.records as usize]);
+    let mut first = cycle_tier(StripeMap::recover(&here.records()).unwrap());
+    first.move_log(new, 0);
+    for w in 0..2 {
+        let recs = first.next_records();
+        assert!(recs
+            .iter()
+            .all(|r| matches!(r, MapRecord::Checkpoint { .. })));
+        let torn: Vec<MapRecord> = match w {
+            1 => recs.iter().step_by(2).cloned().collect(),
+            _ => recs,
+        };
+        moved.write(&torn);
+        first.record_durable().unwrap();
+        assert_eq!(first.log_moved(), None);
+    }
+    let g = recover(&here, &moved);
+    assert!(!g.moved);
+    assert_eq!(blocks(&g.map), want);
+    let torn_upto = g.torn_move_upto;
+    assert!(torn_upto > here.records().iter().map(MapRecord::seq).max().unwrap());
+    // The next owner moves it again, above what the torn move left; a
+    // crash after each write finds the map where the rule says.
+    let mut t = placed_tier(g.map, old);
+    t.move_log(new, torn_upto);
+    assert_eq!(t.log_place(), new);
+    let mut writes = 0;
+    while t.log_moved().is_none() {
+        let recs = t.next_records();
+        assert!(!recs.is_empty(), "the checkpoint stalled");
+        assert!(recs[0].seq() > torn_upto, "numbered above the torn move");
+        assert!(recs
+            .iter()
+            .all(|r| matches!(r, MapRecord::Checkpoint { .. })));
+        let last = matches!(recs.last(), Some(MapRecord::Checkpoint { last: true, .. }));
+        let mut torn = Ring(moved.0.clone());
+        torn.write(&recs.iter().step_by(2).cloned().collect::<Vec<_>>());
+        let g = recover(&here, &torn);
+        assert!(
+            !g.moved || recs.len() == 1,
+            "a torn last write completes nothing"
+        );
+        assert_eq!(blocks(&g.map), want);
+        moved.write(&recs);
+        t.record_durable().unwrap();
+        let g = recover(&here, &moved);
+        assert_eq!(g.moved, last, "moved once its last part is durable");
+        assert_eq!(blocks(&g.map), want);
+        writes += 1;
+    }
+    assert!(writes > 2, "a checkpoint of several writes ({writes})");
+    assert_eq!(t.log_moved(), Some(old));
+    // Records go on at the new place; the old one is no longer read.
+    let none = Ring(vec![None; CYCLE_LOG as usize]);
+    for _ in 0..10 {
+        cycle_step(&mut t, &mut moved);
+    }
+    let g = recover(&none, &moved);
+    assert!(g.moved);
+    assert_eq!(blocks(&g.map), blocks(t.map()));
+    // The commit: a volume twice as large, with more slots.
+    t.grown(2 * CYCLE_BLOCKS * 4096, 2 * SLOTS);
+    assert_eq!(t.log_moved(), None);
+    assert_eq!(t.volume_bytes(), 2 * CYCLE_BLOCKS * 4096);
+    for _ in 0..10 {
+        cycle_step(&mut t, &mut moved);
+    }
 }

@@ -253,6 +253,11 @@ pub struct Tier {
     /// then.
     inherited: bool,
     log_records: u64,
+    /// Where the map log begins on the performance leg, in bytes.
+    log_at: u64,
+    /// The map log being moved to a place past a growth's new end
+    /// ([`Tier::move_log`]).
+    log_move: Option<LogMove>,
     /// Stripe slots each column has.
     slots: u64,
     /// Lowering to RAID-1: no stripe is begun, and the owner reads every
@@ -275,6 +280,65 @@ pub struct Rehydrate {
     /// The walk of the map stopped at its bound, not at the batch's: ask
     /// again now.
     pub more: bool,
+}
+
+/// Where an erasure-coded volume's map log lies on its performance leg
+/// (`docs/erasure-coding.md`, The map log's size, and Growing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogPlace {
+    /// Its first byte on the leg.
+    pub at: u64,
+    /// Its length in records ([`log_records_for`] the volume's size).
+    pub records: u64,
+}
+
+impl LogPlace {
+    /// The byte past its end.
+    pub fn end(&self) -> u64 {
+        self.at + self.records * BLOCK_BYTES as u64
+    }
+
+    /// The log of volume `v` as the directory records it: at its end
+    /// unless a growth moved it further.
+    pub fn of(v: &shoal_model::Volume) -> LogPlace {
+        LogPlace {
+            at: v.map_log_at.unwrap_or(v.size),
+            records: log_records_for(v.size),
+        }
+    }
+
+    /// Where a growth of `v` to `to` bytes moves its log: past the new end
+    /// and past the log it has, which stays whole (the map's only
+    /// complete copy) until the new one holds a checkpoint.
+    pub fn grown(v: &shoal_model::Volume, to: u64) -> LogPlace {
+        LogPlace {
+            at: to.max(LogPlace::of(v).end()),
+            records: log_records_for(to),
+        }
+    }
+}
+
+/// What the two logs of a volume being grown give a new owner
+/// ([`Tier::recover_growing`]).
+#[derive(Debug)]
+pub struct Grown {
+    pub map: StripeMap,
+    /// The map came from the new place: the log has moved.
+    pub moved: bool,
+    /// Otherwise, the highest seq a torn move left at the new place: the
+    /// move made again numbers its records above it.
+    pub torn_move_upto: u64,
+}
+
+/// A move of the map log ([`Tier::move_log`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LogMove {
+    /// The first checkpoint at the new place is being written; `from`:
+    /// the old place, the map's until then.
+    Writing { from: LogPlace },
+    /// A checkpoint at the new place is complete: the old one may be
+    /// trimmed.
+    Done { from: LogPlace },
 }
 
 /// The next part of a checkpoint being written.
@@ -320,9 +384,11 @@ impl Tier {
         columns: Columns,
         map: StripeMap,
         pending: impl IntoIterator<Item = u64>,
-        (log_records, slots): (u64, u64),
+        (log, slots): (LogPlace, u64),
     ) -> Tier {
+        let log_records = log.records;
         assert!(log_records >= 4, "a map log of {log_records} records");
+        assert!(log.at >= volume_bytes, "a map log inside the volume");
         let tail = map.log_tail();
         let pending = pending
             .into_iter()
@@ -369,6 +435,8 @@ impl Tier {
             found_upto: tail.found_upto,
             inherited: true,
             log_records,
+            log_at: log.at,
+            log_move: None,
             slots,
             lowering: None,
             recheck: BTreeSet::new(),
@@ -389,6 +457,35 @@ impl Tier {
             Err(super::MapError::NoCheckpoint) => Err(TierError::NoCheckpoint),
             r => Ok(r?),
         }
+    }
+
+    /// The map of a volume being grown, from the records of its log's
+    /// place (`here`) and of the place the growth moves it to (`moved`):
+    /// every record at the new place is newer than every one at the old
+    /// (nothing is written there once the move begins), so a complete
+    /// checkpoint there is the map; else the old place's is, and the move
+    /// is made again above what it left.
+    pub fn recover_growing(
+        here: &[MapRecord],
+        moved: &[MapRecord],
+        bounds: super::MapBounds,
+    ) -> Result<Grown, TierError> {
+        match Tier::recover_map(moved, bounds) {
+            Ok(map) if !moved.is_empty() => {
+                return Ok(Grown {
+                    map,
+                    moved: true,
+                    torn_move_upto: 0,
+                })
+            }
+            Ok(_) | Err(TierError::NoCheckpoint) => {}
+            Err(e) => return Err(e),
+        }
+        Ok(Grown {
+            map: Tier::recover_map(here, bounds)?,
+            moved: false,
+            torn_move_upto: moved.iter().map(MapRecord::seq).max().unwrap_or(0),
+        })
     }
 
     pub fn volume(&self) -> u64 {
@@ -1029,7 +1126,7 @@ impl Tier {
     /// Where record `seq` goes on the performance leg: past the volume's
     /// end, in a circle of `log_records` blocks.
     pub fn log_offset(&self, seq: u64) -> u64 {
-        self.volume_bytes + (seq % self.log_records) * BLOCK_BYTES as u64
+        self.log_at + (seq % self.log_records) * BLOCK_BYTES as u64
     }
 
     /// The records in flight are durable: applies them, in order.
@@ -1079,6 +1176,9 @@ impl Tier {
     fn checkpoint_complete(&mut self, seq: u64, part: u32) {
         self.complete_from = seq - u64::from(part);
         self.since_checkpoint = u64::from(part) + 1;
+        if let Some(LogMove::Writing { from }) = self.log_move {
+            self.log_move = Some(LogMove::Done { from });
+        }
         if seq < self.found_upto {
             self.map.number_above(self.found_upto);
             self.checkpointing = Some(NextPart { part: 0, after: 0 });
@@ -1232,7 +1332,77 @@ impl Tier {
 
     /// The map log's place on the performance leg: (offset, bytes).
     pub fn log_range(&self) -> (u64, u64) {
-        (self.volume_bytes, self.log_records * BLOCK_BYTES as u64)
+        (self.log_at, self.log_records * BLOCK_BYTES as u64)
+    }
+
+    /// Where the map log lies now.
+    pub fn log_place(&self) -> LogPlace {
+        LogPlace {
+            at: self.log_at,
+            records: self.log_records,
+        }
+    }
+
+    /// Moves the map log to `to` (a growth's, past the new end and the
+    /// old log): its next records are a whole checkpoint there, numbered
+    /// above `above` (records a torn move may have left there) and every
+    /// record so far. Until that checkpoint is complete the old place
+    /// holds the map's only complete checkpoint and is left alone; then
+    /// [`Tier::log_moved`] gives it, to be trimmed. Called with no record
+    /// in flight, not while lowering.
+    pub fn move_log(&mut self, to: LogPlace, above: u64) {
+        assert!(self.in_flight.is_empty(), "the log moved under a record");
+        assert!(self.lowering.is_none(), "the log moved while lowering");
+        assert!(to.records >= 4, "a map log of {} records", to.records);
+        let from = self.log_place();
+        assert!(
+            to.at >= from.end() && to.at >= self.volume_bytes,
+            "a new log over the old one or the volume"
+        );
+        self.map.number_above(above.max(self.found_upto));
+        self.found_upto = self.found_upto.max(above);
+        self.log_at = to.at;
+        self.log_records = to.records;
+        // A checkpoint under way at the old place is abandoned: the new
+        // place's is whole, and a torn one there is what replay of the
+        // old place already handles.
+        self.checkpointing = Some(NextPart { part: 0, after: 0 });
+        self.since_checkpoint = 0;
+        self.complete_from = self.map.next_record_seq();
+        self.inherited = true;
+        self.log_move = Some(LogMove::Writing { from });
+        self.check();
+    }
+
+    /// The old place of a moved log, once a checkpoint at the new place
+    /// is complete (the old one is then to be trimmed).
+    pub fn log_moved(&self) -> Option<LogPlace> {
+        match self.log_move {
+            Some(LogMove::Done { from }) => Some(from),
+            _ => None,
+        }
+    }
+
+    /// The growth is committed: the volume is `volume_bytes` long with
+    /// `slots` stripe slots per column, its log where it was moved.
+    pub fn grown(&mut self, volume_bytes: u64, slots: u64) {
+        assert!(
+            volume_bytes >= self.volume_bytes && slots >= self.slots,
+            "a volume shrunk"
+        );
+        assert!(
+            self.log_at >= volume_bytes,
+            "the log at {} inside a volume of {volume_bytes} bytes",
+            self.log_at
+        );
+        assert!(
+            !matches!(self.log_move, Some(LogMove::Writing { .. })),
+            "grown before the log moved"
+        );
+        self.volume_bytes = volume_bytes;
+        self.slots = slots;
+        self.log_move = None;
+        self.check();
     }
 
     /// Up to `max` mapped blocks whose newest data is in a stripe only,
@@ -1409,6 +1579,10 @@ impl Tier {
             );
         }
         assert!(self.since_checkpoint <= self.log_records, "the log wrapped");
+        assert!(
+            self.log_at >= self.volume_bytes,
+            "the log inside the volume"
+        );
         if matches!(self.lowering, Some(Lowering::Forgotten { .. })) {
             assert!(self.map.is_empty(), "a map kept after it was forgotten");
         }

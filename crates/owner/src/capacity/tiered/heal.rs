@@ -30,7 +30,7 @@ const REBUILD_RETRY_S: u64 = 10;
 const BEGUN_WAIT_S: u64 = 5;
 /// Interval of retries of a commit or abort while the directory cannot
 /// decide, in milliseconds.
-const END_RETRY_MS: u64 = 500;
+pub(super) const END_RETRY_MS: u64 = 500;
 
 type Answer<T> = Pin<Box<dyn Future<Output = Result<T, ControlError>> + Send>>;
 
@@ -38,6 +38,12 @@ type Answer<T> = Pin<Box<dyn Future<Output = Result<T, ControlError>> + Send>>;
 pub(crate) trait ColumnControl: Send + Sync {
     fn begin_rebuild(&self, generation: Generation, column: ComponentId) -> Answer<()>;
     fn end_reconfig(&self, generation: Generation, end: ChangeEnd) -> Answer<()>;
+    fn commit_growth(
+        &self,
+        generation: Generation,
+        size: u64,
+        map_log_at: Option<u64>,
+    ) -> Answer<()>;
 }
 
 /// [`ColumnControl`] over the owner's [`Control`].
@@ -59,6 +65,20 @@ impl<C: Control> ColumnControl for Directory<C> {
     fn end_reconfig(&self, generation: Generation, end: ChangeEnd) -> Answer<()> {
         let (control, volume) = (self.control.clone(), self.volume);
         Box::pin(async move { control.end_reconfig(volume, generation, end).await })
+    }
+
+    fn commit_growth(
+        &self,
+        generation: Generation,
+        size: u64,
+        map_log_at: Option<u64>,
+    ) -> Answer<()> {
+        let (control, volume) = (self.control.clone(), self.volume);
+        Box::pin(async move {
+            control
+                .commit_growth(volume, generation, size, map_log_at)
+                .await
+        })
     }
 }
 
@@ -89,8 +109,9 @@ pub(super) struct Change {
 
 /// The loop's state of column healing.
 pub(super) struct Healing {
-    control: Arc<dyn ColumnControl>,
-    volume_bytes: u64,
+    pub(super) control: Arc<dyn ColumnControl>,
+    /// The volume's size, for a column rebuilt in place of a lost one.
+    pub(super) volume_bytes: u64,
     repair_delay: Duration,
     /// The directory's last view of the volume.
     view: Option<View>,

@@ -11,14 +11,15 @@
 //! its first and last blocks, which holds later writes to those blocks
 //! back until its whole blocks are written.
 
+mod grow;
 mod heal;
 mod lower;
 
 use super::{BlockReads, ColumnError, ColumnSet, ColumnTarget};
 use crate::status::TierStatus;
 use crate::stripes::{
-    classify, log_records_for, summary_of, Applied, Columns, MapBounds, MapRecord, Source, Ticket,
-    Tier, BLOCKS_PER_UNIT, BLOCK_BYTES,
+    classify, summary_of, Applied, Columns, LogPlace, MapBounds, MapRecord, Source, Ticket, Tier,
+    BLOCKS_PER_UNIT, BLOCK_BYTES,
 };
 use crate::{Control, Op, Owner, OwnerConfig, OwnerError, View};
 use bytes::{Bytes, BytesMut};
@@ -136,6 +137,13 @@ enum Ev {
     LogTrimmed(Result<(), OwnerError>),
     /// The directory answered the lowering's commit.
     Lowered(Result<(), crate::ControlError>),
+    /// A growth's columns and copies are grown; the columns that were
+    /// not (out of service).
+    GrowResized(Vec<usize>),
+    /// A growth's old map log was trimmed (or not).
+    GrowTrimmed(Result<(), OwnerError>),
+    /// The directory answered a growth's commit.
+    GrowCommitted(Result<(), crate::ControlError>),
     Tick,
     Stop,
 }
@@ -167,7 +175,8 @@ impl TieredOwner {
             let g = shoal_erasure::Geometry::of(geometry)
                 .map_err(|e| OwnerError::Unavailable(e.to_string()))?;
             let bounds = MapBounds::of(&Columns::new(g), v.size);
-            let map = read_map(&leg, (v.id, v.size), bounds, timeout).await?;
+            let found = read_map(&leg, &v, bounds, timeout).await?;
+            let map = found.map;
             // A column is created only while no stripe is mapped (a new
             // capacity leg): one its node lost once stripes were written
             // stays out, to be rebuilt, rather than come back empty and
@@ -182,16 +191,27 @@ impl TieredOwner {
             )
             .await
             .map_err(column_failure)?;
-            recover(&leg, set, map, (v.id, v.size), &copies, (timeout, &auth)).await
+            let log = (found.log, found.torn_move_upto);
+            recover(
+                &leg,
+                set,
+                map,
+                (v.id, v.size),
+                log.0,
+                &copies,
+                (timeout, &auth),
+            )
+            .await
+            .map(|(set, tier)| (set, tier, log.1))
         }
         .await;
         match taken {
-            Ok((set, tier)) => {
+            Ok((set, tier, torn_move_upto)) => {
                 let heal = heal::Healing::new(directory, &first_view);
                 Ok(TieredOwner::serve(
                     leg,
-                    (v.size, set, tier),
-                    heal,
+                    (v.size, set, tier, torn_move_upto),
+                    (heal, (timeout, auth)),
                     first_view,
                 ))
             }
@@ -205,8 +225,8 @@ impl TieredOwner {
     /// Starts the loop and its ticker.
     fn serve(
         leg: Owner,
-        (size, set, tier): (u64, ColumnSet, Tier),
-        heal: heal::Healing,
+        (size, set, tier, torn_move_upto): (u64, ColumnSet, Tier, u64),
+        (heal, peer_io): (heal::Healing, (Duration, shoal_rpc::PeerAuth)),
         view: View,
     ) -> TieredOwner {
         let (tx, rx) = mpsc::unbounded_channel();
@@ -246,6 +266,9 @@ impl TieredOwner {
             locks: Vec::new(),
             blocked: Default::default(),
             lowering: None,
+            growth: None,
+            torn_move_upto,
+            peer_io,
         };
         // A column change in progress (an earlier owner's) is carried
         // out again from the start.
@@ -396,17 +419,45 @@ fn in_sync_copies(view: &View) -> Vec<(String, u64)> {
         .collect()
 }
 
+/// What the map log gives a new owner.
+struct Found {
+    map: crate::stripes::StripeMap,
+    /// Where the log it was read from lies: its place, or during a growth
+    /// the new one once that holds a complete checkpoint.
+    log: LogPlace,
+    /// The highest seq of records at a growth's new place that holds no
+    /// complete checkpoint (a move torn by a crash): the move made again
+    /// numbers its records above them.
+    torn_move_upto: u64,
+}
+
 /// The map a new owner starts from, read from the log once the leg's
-/// copies agree (`docs/erasure-coding.md`, A new owner).
+/// copies agree (`docs/erasure-coding.md`, A new owner, and Growing).
 async fn read_map(
     leg: &Owner,
-    (volume, size): (u64, u64),
+    v: &shoal_model::Volume,
     bounds: MapBounds,
     timeout: Duration,
-) -> Result<crate::stripes::StripeMap, OwnerError> {
+) -> Result<Found, OwnerError> {
     reconciled(leg, timeout * RECONCILE_WAIT_TIMEOUTS).await?;
-    let records = read_log(leg, volume, size, log_records_for(size)).await?;
-    Tier::recover_map(&records, bounds).map_err(|e| OwnerError::Unavailable(e.to_string()))
+    let unavailable = |e: crate::stripes::TierError| OwnerError::Unavailable(e.to_string());
+    let here = LogPlace::of(v);
+    let records = read_log(leg, v.id, here).await?;
+    let Some(to) = v.grow_to else {
+        return Ok(Found {
+            map: Tier::recover_map(&records, bounds).map_err(unavailable)?,
+            log: here,
+            torn_move_upto: 0,
+        });
+    };
+    let moved = LogPlace::grown(v, to);
+    let moved_records = read_log(leg, v.id, moved).await?;
+    let g = Tier::recover_growing(&records, &moved_records, bounds).map_err(unavailable)?;
+    Ok(Found {
+        map: g.map,
+        log: if g.moved { moved } else { here },
+        torn_move_upto: g.torn_move_upto,
+    })
 }
 
 /// What a new owner serves from: the map from the log, and the pending
@@ -416,23 +467,16 @@ async fn recover(
     set: ColumnSet,
     map: crate::stripes::StripeMap,
     (volume, size): (u64, u64),
+    log: LogPlace,
     copies: &[(String, u64)],
     (timeout, auth): (Duration, &shoal_rpc::PeerAuth),
 ) -> Result<(ColumnSet, Tier), OwnerError> {
-    let log_records = log_records_for(size);
     let allocated = allocated_blocks(copies, size, timeout, auth).await?;
     let mapped_zeros = mapped_zeros(leg, &map, &allocated).await?;
     let pending = classify(&map, allocated, |b| mapped_zeros.contains(&b));
     // The slots replay checked the map against (`MapBounds`).
     let slots = MapBounds::of(set.columns(), size).slots;
-    let tier = Tier::new(
-        volume,
-        size,
-        *set.columns(),
-        map,
-        pending,
-        (log_records, slots),
-    );
+    let tier = Tier::new(volume, size, *set.columns(), map, pending, (log, slots));
     Ok((set, tier))
 }
 
@@ -492,16 +536,11 @@ async fn reconciled(leg: &Owner, bound: Duration) -> Result<(), OwnerError> {
     Ok(())
 }
 
-/// Every valid record of volume `volume`'s map log (past its end on the
-/// performance leg): blocks that are not records (never written, torn)
-/// are skipped.
-async fn read_log(
-    leg: &Owner,
-    volume: u64,
-    size: u64,
-    records: u64,
-) -> Result<Vec<MapRecord>, OwnerError> {
-    let bytes = records * BLOCK_BYTES as u64;
+/// Every valid record of volume `volume`'s map log at `log` (past its
+/// end on the performance leg): blocks that are not records (never
+/// written, torn) are skipped.
+async fn read_log(leg: &Owner, volume: u64, log: LogPlace) -> Result<Vec<MapRecord>, OwnerError> {
+    let (size, bytes) = (log.at, log.records * BLOCK_BYTES as u64);
     let mut found = Vec::new();
     let mut at = 0;
     while at < bytes {
@@ -618,6 +657,13 @@ struct Loop {
     blocked: std::collections::VecDeque<(Op, Reply)>,
     /// The lowering to RAID-1 in progress.
     lowering: Option<lower::Lowering>,
+    /// The growth in progress.
+    growth: Option<grow::Growth>,
+    /// [`Found::torn_move_upto`]: what a move of the log numbers above.
+    torn_move_upto: u64,
+    /// How long a node may take to answer, and how the owner proves
+    /// itself to it: for requests outside the loops' connections.
+    peer_io: (Duration, shoal_rpc::PeerAuth),
 }
 
 impl Ev {
@@ -702,6 +748,7 @@ impl Loop {
                 }
                 Ev::View(view) => {
                     let go_on = self.lower_view(&view);
+                    self.grow_view(&view);
                     self.heal_view(*view);
                     go_on
                 }
@@ -716,6 +763,12 @@ impl Loop {
                 }
                 Ev::LogTrimmed(r) => self.log_trimmed(r),
                 Ev::Lowered(r) => self.lowered(r),
+                Ev::GrowResized(failed) => {
+                    self.grow_resized(failed);
+                    true
+                }
+                Ev::GrowTrimmed(r) => self.grow_trimmed(r),
+                Ev::GrowCommitted(r) => self.grow_committed(r),
                 Ev::RebuildAsked(r) => {
                     self.rebuild_asked(r);
                     true
@@ -1207,6 +1260,7 @@ impl Loop {
     /// Starts what may start: the next record, the next destage.
     fn pump(&mut self) {
         self.lower_pump();
+        self.grow_pump();
         if !self.recording {
             let recs = self.tier().next_records();
             if !recs.is_empty() {

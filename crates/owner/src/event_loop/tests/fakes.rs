@@ -216,6 +216,18 @@ impl Control for FakeDir {
         Ok(())
     }
 
+    async fn commit_growth(
+        &self,
+        _volume: VolumeId,
+        _generation: Generation,
+        _size: u64,
+        _map_log_at: Option<u64>,
+    ) -> Result<(), ControlError> {
+        Err(ControlError::Refused(
+            "the RAID-1 loop's tests grow no erasure-coded volume".into(),
+        ))
+    }
+
     async fn begin_rebuild(
         &self,
         _volume: VolumeId,

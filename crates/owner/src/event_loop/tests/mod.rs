@@ -560,6 +560,8 @@ async fn a_newer_owner_in_the_view_stops_the_loop() {
         wrapped_key: None,
         reconfig: None,
         wanted_policy: None,
+        grow_to: None,
+        map_log_at: None,
         stripe: None,
     };
     assert_eq!(

@@ -61,6 +61,8 @@ fn view(rig: &Rig, extra: &[Component], reconfig: Option<Reconfig>, addr4: &str)
             wrapped_key: None,
             reconfig,
             wanted_policy: None,
+            grow_to: None,
+            map_log_at: None,
             stripe: None,
         },
         targets,
