@@ -468,6 +468,7 @@ fn check_column_moves(v: &Volume, b: &Begin<'_>) -> Result<(), StateError> {
     }
     // A RAID-1 volume becoming RAID-5/6: a whole capacity leg added.
     if let (None, Some(p)) = (v.stripe, b.policy.filter(|p| p.layout.is_erasure())) {
+        shoal_model::check_erasure_volume_size(v.size).map_err(input)?;
         let leg: Vec<PlannedComponent> = added.iter().map(|c| (*c).clone()).collect();
         if removed.is_empty() && added.len() == b.add.len() {
             let spread = v.components.iter().all(|c| position(c.role).is_none());

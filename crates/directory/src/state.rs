@@ -556,8 +556,10 @@ impl ClusterState {
                 owner: v.owner,
             });
         }
-        if v.grow_to.is_none() && v.size == size && v.map_log_at == map_log_at {
-            return Ok(Response::Ok); // proposed again after a lost answer
+        if v.size == size && v.map_log_at == map_log_at {
+            // Proposed again after a lost answer (a next growth may have
+            // been recorded since).
+            return Ok(Response::Ok);
         }
         if v.grow_to != Some(size) {
             return Err(input(format!(
@@ -830,6 +832,9 @@ impl ClusterState {
                     ));
                 }
                 check_volume_size(*size).map_err(input)?;
+                if policy.layout.is_erasure() {
+                    shoal_model::check_erasure_volume_size(*size).map_err(input)?;
+                }
                 if self.volume_by_name(name).is_some() {
                     return Err(StateError::NameTaken(name.clone()));
                 }
@@ -972,6 +977,19 @@ impl ClusterState {
                             "volume {name} is being grown to {to} bytes: resize it again once that is done"
                         ))),
                     };
+                }
+                if v.stripe.is_some() && *size > v.size {
+                    // The new log goes past the new end or past the old
+                    // log (`Volume::map_log_at`), both bounded.
+                    shoal_model::check_erasure_volume_size(*size).map_err(input)?;
+                    let log = v.map_log_at.unwrap_or(0);
+                    if log > shoal_model::MAX_ERASURE_VOLUME_SIZE {
+                        return Err(input(format!(
+                            "volume {name}'s map log lies at byte {log}, past the farthest a growth \
+                             moves it ({}): lower it to RAID-1 and grow it then",
+                            shoal_model::MAX_ERASURE_VOLUME_SIZE
+                        )));
+                    }
                 }
                 if *size < v.size {
                     return Err(StateError::Shrink {
@@ -1369,9 +1387,23 @@ pub(crate) mod tests {
         let after = s.clone();
         s.apply(&commit(0, 4 << 20, Some(5 << 20))).unwrap();
         assert_eq!(s, after);
-        // Shrinking stays refused.
+        // Shrinking stays refused; so is a size the map log could not
+        // follow past.
         let e = s.apply(&resize(2 << 20)).unwrap_err().to_string();
         assert!(e.contains("only grow"), "{e}");
+        let huge = shoal_model::MAX_ERASURE_VOLUME_SIZE + 4096;
+        let e = s.apply(&resize(huge)).unwrap_err().to_string();
+        assert!(e.contains("erasure-coded volume"), "{e}");
+        assert_eq!(s, after);
+        // Even with a next growth recorded since, the first one's commit
+        // proposed again answers Ok.
+        s.apply(&resize(8 << 20)).unwrap();
+        let next = s.clone();
+        s.apply(&commit(0, 4 << 20, Some(5 << 20))).unwrap();
+        assert_eq!(s, next);
+        s.apply(&commit(0, 8 << 20, None)).unwrap();
+        let v = s.volumes[&id].clone();
+        assert_eq!((v.size, v.grow_to, v.map_log_at), (8 << 20, None, None));
     }
 
     /// A RAID-5 volume records the geometry its stripe columns make; bad

@@ -541,6 +541,8 @@ pub enum InputError {
     BadSize(String),
     #[error("volume size {0} is larger than the largest volume, {MAX_VOLUME_SIZE} bytes (4 PiB less 1 MiB)")]
     TooLarge(u64),
+    #[error("an erasure-coded volume of {0} bytes is larger than the largest, {MAX_ERASURE_VOLUME_SIZE} bytes (1 PiB less 256 KiB): its map log lies past its end")]
+    ErasureTooLarge(u64),
     #[error("volume name {0:?} is reserved")]
     ReservedName(String),
 }
@@ -549,6 +551,24 @@ pub enum InputError {
 /// far past any device, and small enough that block numbers and byte
 /// offsets never overflow in the store, which keeps components to it.
 pub const MAX_VOLUME_SIZE: u64 = (u32::MAX as u64) << 20;
+
+/// Largest erasure-coded volume in bytes, and the farthest its map log
+/// may lie (`Volume::map_log_at`) when it grows: a quarter of
+/// [`MAX_VOLUME_SIZE`]. Its performance leg holds the map log past its
+/// end (about 1.1% of the size more, and during a growth the old log
+/// too), and no component may pass [`MAX_VOLUME_SIZE`]: a growth whose
+/// new log could not be placed would never end.
+pub const MAX_ERASURE_VOLUME_SIZE: u64 = MAX_VOLUME_SIZE / 4;
+
+/// Checks the size of an erasure-coded volume (as [`check_volume_size`],
+/// and at most [`MAX_ERASURE_VOLUME_SIZE`]).
+pub fn check_erasure_volume_size(size: u64) -> Result<(), InputError> {
+    check_volume_size(size)?;
+    match size > MAX_ERASURE_VOLUME_SIZE {
+        true => Err(InputError::ErasureTooLarge(size)),
+        false => Ok(()),
+    }
+}
 
 /// Checks a volume name: it is also the NBD export name.
 pub fn check_volume_name(name: &str) -> Result<(), InputError> {

@@ -691,8 +691,11 @@ async fn resize(
             size: req.size,
         })
         .await?;
+    // Applied here: the size, or an erasure-coded volume's growth to it
+    // recorded (its owner commits the size later).
     wait_for(&h, |s| {
-        s.volume_by_name(&name).is_some_and(|v| v.size >= req.size)
+        s.volume_by_name(&name)
+            .is_some_and(|v| v.size >= req.size || v.grow_to == Some(req.size))
     })
     .await;
     show_report(&h, &name, &headers).await

@@ -812,14 +812,7 @@ impl Replicas {
                 // Grows only: volumes never shrink, and an owner that
                 // resizes on every activation (stripe columns) must not
                 // undo a later owner's growth with its older size.
-                let now = d
-                    .store
-                    .component(component)
-                    .map(|c| c.size)
-                    .ok_or(RemoteError::NoSuchComponent(component))?;
-                if size > now {
-                    d.store.resize_component(component, size).map_err(remote)?;
-                }
+                d.store.grow_component(component, size).map_err(remote)?;
                 Self::durable(d, Response::Ok)
             }
             Request::Activate {

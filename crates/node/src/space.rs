@@ -30,7 +30,9 @@ pub fn update(state: &ClusterState, replicas: &Replicas) {
         // promised from the volume's creation.
         let mut m = Reservations::new();
         for v in state.volumes.values() {
-            let r = shoal_directory::state::reservation(v.size, &v.policy);
+            // During a growth, for the size it grows to (reserved when the
+            // growth was recorded).
+            let r = shoal_directory::state::reservation(v.provisioned_size(), &v.policy);
             if r == 0 {
                 continue;
             }

@@ -246,15 +246,30 @@ impl ColumnSet {
         peer.call(&req, Bytes::new(), self.timeout)
             .await
             .map_err(|e| column_error(position, e))?;
-        let size = self.column_bytes.load(Ordering::SeqCst);
+        let mut size = self.column_bytes.load(Ordering::SeqCst);
         grow_one(&peer, t.component, size, self.timeout)
             .await
             .map_err(|e| column_error(position, e))?;
-        let mut peers = self.peers.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = peers.get_mut(position) {
-            *p = Some(Arc::new(peer));
+        let peer = Arc::new(peer);
+        {
+            let mut peers = self.peers.write().unwrap_or_else(|e| e.into_inner());
+            if let Some(p) = peers.get_mut(position) {
+                *p = Some(peer.clone());
+            }
         }
-        Ok(())
+        // A growth that began meanwhile grew the columns in service
+        // before this one was: grown here, as the size it set.
+        loop {
+            let now = self.column_bytes.load(Ordering::SeqCst);
+            if now <= size {
+                return Ok(());
+            }
+            size = now;
+            if let Err(e) = grow_one(&peer, t.component, size, self.timeout).await {
+                self.set_out(position);
+                return Err(column_error(position, e));
+            }
+        }
     }
 
     /// Whether every column is in service: only then is a stripe written.

@@ -1467,12 +1467,8 @@ impl LogStore {
                         got: volume,
                     });
                 }
-                let cur = c.size;
                 drop(st);
-                if size > cur {
-                    return self.resize_component(id, size);
-                }
-                return Ok(());
+                return self.grow_component(id, size);
             }
             if st.comps.len() >= self.sb.max_components as usize {
                 return Err(StoreError::TableFull);
@@ -1499,6 +1495,32 @@ impl LogStore {
                     tracked: Default::default(),
                 },
             );
+        }
+        self.sync()
+    }
+
+    /// Grows the logical size to `size`, leaving a component as large or
+    /// larger as it is: the size is compared and changed under one lock,
+    /// so two growths at once never shrink it.
+    pub fn grow_component(&self, id: u64, size: u64) -> Result<()> {
+        if size > MAX_SIZE {
+            return Err(StoreError::OutOfRange {
+                id,
+                offset: 0,
+                len: size,
+                size: MAX_SIZE,
+            });
+        }
+        self.fail_check()?;
+        {
+            let mut st = self.lock_state();
+            let c = st.comps.get(&id).ok_or(StoreError::NoSuchComponent(id))?;
+            let (old, volume, generation) = (c.size, c.volume, c.generation);
+            if size <= old {
+                return Ok(());
+            }
+            self.ensure_space(&mut st, 1, 3, Need::Freeing)?;
+            self.log_put(&mut st, id, volume, size, generation)?;
         }
         self.sync()
     }

@@ -566,6 +566,16 @@ fn trim_zeroes_delete_and_shrink_free_space() {
     );
     assert_eq!(read_vec(&s, 1, 5 * B + 100, 4096), vec![0u8; 4096]);
     assert!(s.read(1, 20 * B, &mut [0u8; 1]).is_err());
+    // A growth never shrinks: smaller or equal leaves the size and data.
+    s.grow_component(1, 10 * B).unwrap();
+    assert_eq!(s.component(1).unwrap().size, 20 * B);
+    s.grow_component(1, 24 * B).unwrap();
+    assert_eq!(s.component(1).unwrap().size, 24 * B);
+    assert_eq!(read_vec(&s, 1, 23 * B, 4096), vec![0u8; 4096]);
+    assert!(matches!(
+        s.grow_component(9, B),
+        Err(StoreError::NoSuchComponent(9))
+    ));
     // Zeroing to the end of the component frees the partial last block.
     s.resize_component(1, 5 * B + 100).unwrap();
     s.write_zeroes(1, 5 * B, 100).unwrap();

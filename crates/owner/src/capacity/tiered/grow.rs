@@ -60,10 +60,12 @@ impl Loop {
     pub(super) fn grow_view(&mut self, view: &View) {
         let v = &view.volume;
         if let Some(g) = &self.growth {
-            if g.step == Step::Committing && v.grow_to.is_none() && v.size == g.to {
-                self.grown();
+            // The size committed (a next growth may be recorded already,
+            // in the same view): this one ends, that one begins.
+            if g.step != Step::Committing || v.size < g.to {
+                return;
             }
-            return;
+            self.grown();
         }
         let Some(to) = v.grow_to.filter(|&to| to > self.size) else {
             return;
@@ -214,6 +216,11 @@ impl Loop {
         match r {
             Ok(()) => {
                 self.grown();
+                // A next growth recorded in a view that came before this
+                // answer begins now.
+                if let Some(view) = self.heal.view.clone() {
+                    self.grow_view(&view);
+                }
                 true
             }
             Err(e) => {
