@@ -205,6 +205,11 @@ impl ClusterState {
         if b.add.is_empty() && b.remove.is_empty() && b.policy.is_none() {
             return Err(input("a reconfiguration changes something"));
         }
+        if b.wanted.or(b.policy).is_some_and(|p| p.layout.is_erasure()) {
+            // Refused at the first step of a change towards RAID-5/6, not
+            // after a whole copy was added for it.
+            shoal_model::check_erasure_volume_size(v.size).map_err(input)?;
+        }
         if b.add.len() > MAX_RECONFIG_ADDS || b.reason.len() > MAX_REASON_BYTES {
             return Err(input(format!(
                 "a reconfiguration adds at most {MAX_RECONFIG_ADDS} components, and its reason \

@@ -1603,6 +1603,55 @@ pub(crate) mod tests {
         assert!(id2 > id);
     }
 
+    /// A RAID-1 volume larger than an erasure-coded one may be is refused
+    /// a change towards RAID-5/6 at its first step (here a raise; a
+    /// change through raid1 ftt=2 names it as wanted), a RAID-1 change
+    /// is not.
+    #[test]
+    fn a_volume_too_large_for_erasure_coding_is_refused_its_first_step() {
+        let (mut s, devs) = cluster();
+        let size = shoal_model::MAX_ERASURE_VOLUME_SIZE + 4096;
+        let Ok(Response::Id(id)) = s.apply(&Command::CreateVolume {
+            name: "huge".into(),
+            size,
+            policy: "raid1 ftt=1".parse().unwrap(),
+            wrapped_key: None,
+            components: planned(&devs),
+        }) else {
+            panic!("a thin RAID-1 volume of {size} bytes was refused");
+        };
+        let e = s
+            .apply(&Command::CreateVolume {
+                name: "huge5".into(),
+                size,
+                policy: "raid5".parse().unwrap(),
+                wrapped_key: None,
+                components: planned(&devs),
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("erasure-coded volume of"), "{e}");
+        let step = |policy: &str, wanted: Option<&str>| Command::BeginReconfig {
+            volume: id,
+            generation: 0,
+            add: vec![],
+            remove: vec![],
+            policy: Some(policy.parse().unwrap()),
+            reason: String::new(),
+            wanted: wanted.map(|w| w.parse().unwrap()),
+        };
+        let before = s.clone();
+        for cmd in [
+            step("raid5", None),
+            step("raid1 ftt=1 iops=5", Some("raid6")),
+        ] {
+            let e = s.apply(&cmd).unwrap_err().to_string();
+            assert!(e.contains("erasure-coded volume of"), "{e}");
+            assert_eq!(s, before);
+        }
+        s.apply(&step("raid1 ftt=1 iops=5", None)).unwrap();
+    }
+
     #[test]
     fn reservations_must_fit_the_free_space() {
         let (mut s, devs) = cluster();

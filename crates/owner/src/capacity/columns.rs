@@ -125,6 +125,11 @@ pub struct ColumnSet {
     /// Bytes each column has room for: a column taken back into service
     /// is grown to it (one out of service during a growth missed it).
     column_bytes: AtomicU64,
+    /// Held while a growth raises `column_bytes` and takes the columns in
+    /// service to grow, and while a column is taken back into service at
+    /// the size it was grown to: either the growth grows it, or it is
+    /// grown to the new size before it serves.
+    growing: std::sync::Mutex<()>,
 }
 
 impl ColumnSet {
@@ -178,6 +183,7 @@ impl ColumnSet {
             auth: auth.clone(),
             peers: RwLock::new(peers),
             column_bytes: AtomicU64::new(size),
+            growing: std::sync::Mutex::new(()),
         };
         set.need(usize::from(geometry.data))?;
         Ok(set)
@@ -201,8 +207,12 @@ impl ColumnSet {
     /// positions that failed, to be taken out of service (those out of
     /// service already are grown when taken back).
     pub async fn grow(&self, column_bytes: u64) -> Vec<usize> {
-        self.column_bytes.fetch_max(column_bytes, Ordering::SeqCst);
-        let tries = self.in_service().into_iter().map(|position| async move {
+        let positions = {
+            let _held = self.growing.lock().unwrap_or_else(|e| e.into_inner());
+            self.column_bytes.fetch_max(column_bytes, Ordering::SeqCst);
+            self.in_service()
+        };
+        let tries = positions.into_iter().map(|position| async move {
             let done = match (self.peer(position), self.component(position)) {
                 (Ok(peer), Ok(component)) => {
                     grow_one(&peer, component, column_bytes, self.timeout).await
@@ -247,28 +257,22 @@ impl ColumnSet {
             .await
             .map_err(|e| column_error(position, e))?;
         let mut size = self.column_bytes.load(Ordering::SeqCst);
-        grow_one(&peer, t.component, size, self.timeout)
-            .await
-            .map_err(|e| column_error(position, e))?;
-        let peer = Arc::new(peer);
-        {
-            let mut peers = self.peers.write().unwrap_or_else(|e| e.into_inner());
-            if let Some(p) = peers.get_mut(position) {
-                *p = Some(peer.clone());
-            }
-        }
-        // A growth that began meanwhile grew the columns in service
-        // before this one was: grown here, as the size it set.
         loop {
+            grow_one(&peer, t.component, size, self.timeout)
+                .await
+                .map_err(|e| column_error(position, e))?;
+            let _held = self.growing.lock().unwrap_or_else(|e| e.into_inner());
             let now = self.column_bytes.load(Ordering::SeqCst);
             if now <= size {
+                let mut peers = self.peers.write().unwrap_or_else(|e| e.into_inner());
+                if let Some(p) = peers.get_mut(position) {
+                    *p = Some(Arc::new(peer));
+                }
                 return Ok(());
             }
+            // A growth began meanwhile, without this column: grown to its
+            // size before it serves.
             size = now;
-            if let Err(e) = grow_one(&peer, t.component, size, self.timeout).await {
-                self.set_out(position);
-                return Err(column_error(position, e));
-            }
         }
     }
 

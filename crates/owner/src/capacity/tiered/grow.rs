@@ -65,7 +65,8 @@ impl Loop {
             if g.step != Step::Committing || v.size < g.to {
                 return;
             }
-            self.grown();
+            let to = g.to;
+            self.grown(to);
         }
         let Some(to) = v.grow_to.filter(|&to| to > self.size) else {
             return;
@@ -205,34 +206,47 @@ impl Loop {
                     other => break other,
                 }
             };
-            let _ = tx.send(Ev::GrowCommitted(r));
+            let _ = tx.send(Ev::GrowCommitted(to, r));
         });
         true
     }
 
-    /// The directory answered the commit. Answers whether the loop goes
-    /// on.
-    pub(super) fn grow_committed(&mut self, r: Result<(), ControlError>) -> bool {
+    /// The directory answered the commit of the growth to `to`. An answer
+    /// that comes after a view showed that growth committed (the loop
+    /// may be carrying out the next one by then) is of no growth in
+    /// progress: it changes nothing. Answers whether the loop goes on.
+    pub(super) fn grow_committed(&mut self, to: u64, r: Result<(), ControlError>) -> bool {
+        let ours = self
+            .growth
+            .as_ref()
+            .is_some_and(|g| g.step == Step::Committing && g.to == to);
         match r {
             Ok(()) => {
-                self.grown();
-                // A next growth recorded in a view that came before this
-                // answer begins now.
-                if let Some(view) = self.heal.view.clone() {
-                    self.grow_view(&view);
-                }
+                self.grown(to);
                 true
             }
-            Err(e) => {
+            Err(e) if ours => {
                 tracing::warn!(error = %e, "the growth was not committed: the owner stops");
                 false
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, to, "a late answer to a growth's commit");
+                true
             }
         }
     }
 
-    /// The growth is committed: the loop serves the new end, and stripes
-    /// may take the columns' new slots.
-    fn grown(&mut self) {
+    /// The growth to `to`, being committed, is: the loop serves the new
+    /// end, and stripes may take the columns' new slots. Nothing for any
+    /// other growth.
+    fn grown(&mut self, to: u64) {
+        let ours = self
+            .growth
+            .as_ref()
+            .is_some_and(|g| g.step == Step::Committing && g.to == to);
+        if !ours {
+            return;
+        }
         let Some(g) = self.growth.take() else { return };
         let slots = crate::stripes::MapBounds::of(self.set.columns(), g.to).slots;
         self.tier().grown(g.to, slots);

@@ -114,7 +114,7 @@ pub(super) struct Healing {
     pub(super) volume_bytes: u64,
     repair_delay: Duration,
     /// The directory's last view of the volume.
-    pub(super) view: Option<View>,
+    view: Option<View>,
     /// Since when each column out of service has been out.
     out_since: BTreeMap<usize, Instant>,
     pub(super) phase: Phase,

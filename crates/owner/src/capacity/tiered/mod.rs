@@ -142,8 +142,8 @@ enum Ev {
     GrowResized(Vec<usize>),
     /// A growth's old map log was trimmed (or not).
     GrowTrimmed(Result<(), OwnerError>),
-    /// The directory answered a growth's commit.
-    GrowCommitted(Result<(), crate::ControlError>),
+    /// The directory answered the commit of the growth to `.0` bytes.
+    GrowCommitted(u64, Result<(), crate::ControlError>),
     Tick,
     Stop,
 }
@@ -768,7 +768,7 @@ impl Loop {
                     true
                 }
                 Ev::GrowTrimmed(r) => self.grow_trimmed(r),
-                Ev::GrowCommitted(r) => self.grow_committed(r),
+                Ev::GrowCommitted(to, r) => self.grow_committed(to, r),
                 Ev::RebuildAsked(r) => {
                     self.rebuild_asked(r);
                     true
