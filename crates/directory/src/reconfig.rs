@@ -80,7 +80,12 @@ pub(crate) struct Begin<'a> {
 
 impl ClusterState {
     /// The volume `id` if `generation` is its current one.
-    fn owned(&self, id: VolumeId, generation: Generation) -> Result<&Volume, StateError> {
+    /// Volume `id`, if `generation` is its owner's.
+    pub(crate) fn owned(
+        &self,
+        id: VolumeId,
+        generation: Generation,
+    ) -> Result<&Volume, StateError> {
         let v = self
             .volumes
             .get(&id)

@@ -546,16 +546,11 @@ impl ClusterState {
         size: u64,
         map_log_at: Option<u64>,
     ) -> Result<Response, StateError> {
+        self.owned(id, generation)?;
         let v = self
             .volumes
             .get_mut(&id)
             .ok_or(StateError::NoSuchVolumeId(id))?;
-        if v.generation != generation {
-            return Err(StateError::GenerationConflict {
-                current: v.generation,
-                owner: v.owner,
-            });
-        }
         if v.size == size && v.map_log_at == map_log_at {
             // Proposed again after a lost answer (a next growth may have
             // been recorded since).

@@ -1503,32 +1503,19 @@ impl LogStore {
     /// larger as it is: the size is compared and changed under one lock,
     /// so two growths at once never shrink it.
     pub fn grow_component(&self, id: u64, size: u64) -> Result<()> {
-        if size > MAX_SIZE {
-            return Err(StoreError::OutOfRange {
-                id,
-                offset: 0,
-                len: size,
-                size: MAX_SIZE,
-            });
-        }
-        self.fail_check()?;
-        {
-            let mut st = self.lock_state();
-            let c = st.comps.get(&id).ok_or(StoreError::NoSuchComponent(id))?;
-            let (old, volume, generation) = (c.size, c.volume, c.generation);
-            if size <= old {
-                return Ok(());
-            }
-            self.ensure_space(&mut st, 1, 3, Need::Freeing)?;
-            self.log_put(&mut st, id, volume, size, generation)?;
-        }
-        self.sync()
+        self.resize(id, size, false)
     }
 
     /// Changes the logical size. Shrinking frees the blocks past the new
     /// end and zeroes the tail of the last one, so growing again reads
     /// zeros.
     pub fn resize_component(&self, id: u64, size: u64) -> Result<()> {
+        self.resize(id, size, true)
+    }
+
+    /// [`Store::resize_component`], or with `shrink` false
+    /// [`Store::grow_component`].
+    fn resize(&self, id: u64, size: u64, shrink: bool) -> Result<()> {
         if size > MAX_SIZE {
             return Err(StoreError::OutOfRange {
                 id,
@@ -1542,6 +1529,9 @@ impl LogStore {
             let mut st = self.lock_state();
             let c = st.comps.get(&id).ok_or(StoreError::NoSuchComponent(id))?;
             let (old, volume, generation) = (c.size, c.volume, c.generation);
+            if !shrink && size <= old {
+                return Ok(());
+            }
             self.ensure_space(&mut st, 1, 3, Need::Freeing)?;
             if size < old {
                 let keep = size.div_ceil(BLOCK_U64);
