@@ -28,7 +28,6 @@ use super::{in_sync_copies, Ev, Loop};
 use crate::stripes::{LogPlace, BLOCK_BYTES};
 use crate::{ControlError, Op, OwnerError, View};
 use bytes::Bytes;
-use std::time::Duration;
 
 /// Where the loop is with the growth.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -196,18 +195,10 @@ impl Loop {
         g.step = Step::Committing;
         let (to, place) = (g.to, g.place);
         let at = (place.at != to).then_some(place.at);
-        let (control, tx, leg) = (self.heal.control.clone(), self.tx.clone(), self.leg.clone());
-        tokio::spawn(async move {
-            let r = loop {
-                match control.commit_growth(leg.generation(), to, at).await {
-                    Err(ControlError::Unavailable(_)) if !tx.is_closed() => {
-                        tokio::time::sleep(Duration::from_millis(super::heal::END_RETRY_MS)).await;
-                    }
-                    other => break other,
-                }
-            };
-            let _ = tx.send(Ev::GrowCommitted(to, r));
-        });
+        self.propose(
+            move |c, g| c.commit_growth(g, to, at),
+            move |r| Ev::GrowCommitted(to, r),
+        );
         true
     }
 

@@ -30,7 +30,7 @@ const REBUILD_RETRY_S: u64 = 10;
 const BEGUN_WAIT_S: u64 = 5;
 /// Interval of retries of a commit or abort while the directory cannot
 /// decide, in milliseconds.
-pub(super) const END_RETRY_MS: u64 = 500;
+const END_RETRY_MS: u64 = 500;
 
 type Answer<T> = Pin<Box<dyn Future<Output = Result<T, ControlError>> + Send>>;
 
@@ -109,7 +109,7 @@ pub(super) struct Change {
 
 /// The loop's state of column healing.
 pub(super) struct Healing {
-    pub(super) control: Arc<dyn ColumnControl>,
+    control: Arc<dyn ColumnControl>,
     /// The volume's size, for a column rebuilt in place of a lost one.
     pub(super) volume_bytes: u64,
     repair_delay: Duration,
@@ -316,10 +316,22 @@ impl Loop {
         end: ChangeEnd,
         answered: impl FnOnce(Result<(), ControlError>) -> Ev + Send + 'static,
     ) {
+        self.propose(move |c, g| c.end_reconfig(g, end.clone()), answered);
+    }
+
+    /// Asks the directory what `ask` asks under the owner's current
+    /// generation, again every [`END_RETRY_MS`] while it cannot decide
+    /// and the loop runs, and hands the answer to the loop as `answered`
+    /// makes it.
+    pub(super) fn propose(
+        &self,
+        ask: impl Fn(&dyn ColumnControl, Generation) -> Answer<()> + Send + 'static,
+        answered: impl FnOnce(Result<(), ControlError>) -> Ev + Send + 'static,
+    ) {
         let (control, tx, leg) = (self.heal.control.clone(), self.tx.clone(), self.leg.clone());
         tokio::spawn(async move {
             let r = loop {
-                match control.end_reconfig(leg.generation(), end.clone()).await {
+                match ask(control.as_ref(), leg.generation()).await {
                     Err(ControlError::Unavailable(_)) if !tx.is_closed() => {
                         tokio::time::sleep(Duration::from_millis(END_RETRY_MS)).await;
                     }
